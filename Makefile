@@ -1,0 +1,36 @@
+# Conduit: `make run` runs the demo pipeline; `make test` installs everything and runs the tests.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/demo.yaml
+# On a GPU machine pip's default torch 2.13.0 is the CUDA build; on CPU machines point
+# TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid downloading CUDA libraries.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+
+export RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true \
+       HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+
+.PHONY: install run test test-fast clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip setuptools wheel
+	$(PY) -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
+	touch $@
+
+run: install
+	$(PY) -m jobs.run $(CONFIG) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q --timeout=1500 $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,44 @@
+"""Run a Conduit pipeline here (embedded Ray and MLflow by default) or inside a Ray job.
+
+    python -m jobs.run configs/smoke.yaml [section.field=value ...] [--dry-run] [--only STAGE] [--force STAGE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.config import ConfigError, load_config
+from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
+from pipeline.tracking import ui_command
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jobs.run", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50")
+    p.add_argument("--dry-run", action="store_true", help="print the plan with hashes and what is cached")
+    p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
+    p.add_argument("--force", action="append", default=[], choices=ORDER,
+                   help="rerun this stage and everything after it (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
+    except (ConfigError, StageFailed) as e:
+        return main_exit_code(e)
+    if not args.dry_run:
+        print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")
+        if "register" in result.artifacts:
+            reg = result.artifacts["register"].manifest["counts"]
+            print(f"Registered model: {reg['model_uri']} (version {reg['version']})")
+        print(f"Open the MLflow UI:  {ui_command(result.tracking_uri)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

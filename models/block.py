@@ -1,0 +1,73 @@
+"""One Transformer block: attention and feed-forward sublayers with residuals, pre- or post-norm.
+
+pre  (GPT-2 / Llama, Xiong et al. 2020): x = x + drop(attn(norm1(x)));  x = x + drop(ffn(norm2(x)))
+post (Vaswani et al. 2017):              x = norm1(x + drop(attn(x)));  x = norm2(x + drop(ffn(x)))
+
+Norm names follow their placement in the pre-norm layout (`attn_norm` before attention, `ffn_norm`
+before the FFN), which maps onto HF Llama's input_layernorm / post_attention_layernorm.
+
+Shape legend: B batch, T time, S key time, D d_model, H heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import Attention, KVCache
+from models.config import ModelConfig
+from models.ffn import FeedForward
+from models.moe import MoEFeedForward
+from models.norms import build_norm
+
+
+class TransformerBlock(nn.Module):
+    """Attention + (dense or MoE) feed-forward.
+
+    Args:
+        cfg: model config.
+        layer_idx: 0-based index; decides whether the FFN is MoE (`cfg.is_moe_layer`).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.pre_norm = cfg.norm_position == "pre"
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.ffn_norm = build_norm(cfg)
+        self.ffn: nn.Module = (
+            MoEFeedForward(cfg) if self.is_moe else FeedForward(cfg.d_model, cfg.resolved_d_ff, cfg.ffn, cfg.bias)
+        )
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        attn_mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        return_attention: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict | None]:
+        """Apply the block.
+
+        Returns:
+            (x_BTD, attention weights (B, H, T, S) or None, MoE aux loss or None, MoE stats or None).
+        """
+        attn_in = self.attn_norm(x_BTD) if self.pre_norm else x_BTD
+        a_BTD, weights = self.attn(attn_in, rope_cos_sin, attn_mask, kv_cache, self.layer_idx, return_attention)
+        x_BTD = x_BTD + self.resid_dropout(a_BTD)
+        if not self.pre_norm:
+            x_BTD = self.attn_norm(x_BTD)
+
+        ffn_in = self.ffn_norm(x_BTD) if self.pre_norm else x_BTD
+        aux, stats = None, None
+        if self.is_moe:
+            f_BTD, aux, stats = self.ffn(ffn_in)
+        else:
+            f_BTD = self.ffn(ffn_in)
+        x_BTD = x_BTD + self.resid_dropout(f_BTD)
+        if not self.pre_norm:
+            x_BTD = self.ffn_norm(x_BTD)
+        return x_BTD, weights, aux, stats

@@ -1,0 +1,236 @@
+"""The one typed model configuration.
+
+`ModelConfig` is a frozen dataclass: every architectural option of the Transformer is a field here, and
+`__post_init__` rejects bad values early with an error that names the field and the allowed values.
+Derived sizes (`head_dim`, `resolved_d_ff`, ...) are properties so that they can never disagree with the
+fields they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
+FFN_KINDS = ("swiglu", "gelu", "relu")
+NORM_KINDS = ("rmsnorm", "layernorm")
+NORM_POSITIONS = ("pre", "post")
+
+
+def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
+    """SwiGLU hidden size: int(8/3 * d) rounded up to a multiple of `multiple_of`.
+
+    The 8/3 factor keeps SwiGLU's three matrices at the parameter count of a 4*d two-matrix FFN
+    (Shazeer 2020, "GLU Variants Improve Transformer"); rounding up keeps matmuls hardware friendly.
+    """
+    hidden = int(8 * d_model / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only Transformer language model.
+
+    Field groups: sizes (vocab_size .. max_seq_len), positions (pos_encoding, rope_*), block layout
+    (ffn, norm, norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
+    initialisation (init_std) and mixture of experts (num_experts, moe_*). See the field comments.
+
+    Raises:
+        ValueError: from `__post_init__` when a field has a bad type or value; the message names the
+            field and what is allowed.
+    """
+
+    vocab_size: int = 512
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    num_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; otherwise GQA; must divide n_heads
+    d_ff: int | None = None  # None: 4*d for relu/gelu, int(8/3*d) rounded up to ffn_multiple_of for swiglu
+    ffn_multiple_of: int = 64
+    max_seq_len: int = 256
+
+    pos_encoding: str = "rope"
+    rope_base: float = 10000.0
+    rope_scaling: float = 1.0  # linear position interpolation: RoPE sees position / rope_scaling
+
+    ffn: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_position: str = "pre"
+    norm_eps: float = 1e-5
+    bias: bool = False  # biases on attention/FFN linears and on LayerNorm (never on router or lm_head)
+    tie_embeddings: bool = False
+    dropout: float = 0.0  # embedding and residual-branch dropout
+    attn_dropout: float = 0.0  # dropout on attention probabilities
+    init_std: float = 0.02
+
+    num_experts: int = 0  # 0 = dense model
+    moe_top_k: int = 2
+    moe_every: int = 1  # layer i is MoE iff num_experts > 0 and (i + 1) % moe_every == 0
+    moe_capacity_factor: float | None = None  # None = dropless
+    moe_renormalize: bool = True  # renormalise the selected top-k router probabilities to sum to 1
+    moe_shared_experts: int = 0  # dense experts that every token passes through
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.001
+    moe_d_ff: int | None = None  # expert hidden size; None = same rule as d_ff
+
+    # ------------------------------------------------------------------ validation
+
+    def __post_init__(self) -> None:
+        ints = {
+            "vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_multiple_of": 1,
+            "max_seq_len": 1, "num_experts": 0, "moe_top_k": 1, "moe_every": 1, "moe_shared_experts": 0,
+        }
+        for name, minimum in ints.items():
+            _check_int(name, getattr(self, name), minimum)
+        for name in ("num_kv_heads", "d_ff", "moe_d_ff"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        for name in ("bias", "tie_embeddings", "moe_renormalize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
+        _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
+        _check_choice("ffn", self.ffn, FFN_KINDS)
+        _check_choice("norm", self.norm, NORM_KINDS)
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        for name in ("rope_base", "rope_scaling", "norm_eps", "init_std", "moe_aux_loss_coef", "moe_z_loss_coef"):
+            _check_float(name, getattr(self, name))
+        for name in ("rope_base", "rope_scaling", "norm_eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("init_std", "moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("dropout", "attn_dropout"):
+            _check_float(name, getattr(self, name))
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
+                f"allowed n_heads: divisors of {self.d_model}"
+            )
+        kv = self.resolved_num_kv_heads
+        if self.n_heads % kv != 0:
+            raise ValueError(
+                f"num_kv_heads ({kv}) must divide n_heads ({self.n_heads}); allowed: None or "
+                f"{[h for h in range(1, self.n_heads + 1) if self.n_heads % h == 0]}"
+            )
+        if self.pos_encoding == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"pos_encoding 'rope' needs an even head_dim, got d_model/n_heads = {self.head_dim}")
+        if self.pos_encoding == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"pos_encoding 'sinusoidal' needs an even d_model, got {self.d_model}")
+        if self.num_experts > 0 and self.moe_top_k > self.num_experts:
+            raise ValueError(
+                f"moe_top_k ({self.moe_top_k}) must be in 1..num_experts ({self.num_experts})"
+            )
+        if self.moe_capacity_factor is not None:
+            _check_float("moe_capacity_factor", self.moe_capacity_factor)
+            if self.moe_capacity_factor <= 0:
+                raise ValueError(
+                    f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor!r}"
+                )
+
+    # ------------------------------------------------------------------ derived sizes
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width d_model // n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        """Number of key/value heads (n_heads when num_kv_heads is None)."""
+        return self.n_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def resolved_d_ff(self) -> int:
+        """Hidden width of the dense feed-forward layers."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.ffn == "swiglu":
+            return _swiglu_hidden(self.d_model, self.ffn_multiple_of)
+        return 4 * self.d_model
+
+    @property
+    def resolved_moe_d_ff(self) -> int:
+        """Hidden width of each expert (and each shared expert)."""
+        if self.moe_d_ff is not None:
+            return self.moe_d_ff
+        if self.ffn == "swiglu":
+            return _swiglu_hidden(self.d_model, self.ffn_multiple_of)
+        return 4 * self.d_model
+
+    @property
+    def is_moe(self) -> bool:
+        """True when at least one layer is a mixture-of-experts layer."""
+        return self.num_experts > 0 and self.n_layers >= self.moe_every
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` (0-based) uses MoE: num_experts > 0 and (i + 1) % moe_every == 0."""
+        return self.num_experts > 0 and (layer_idx + 1) % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build a config from a dict of field values (missing fields take their defaults).
+
+        Args:
+            d: mapping from field name to value.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: on an unknown key (naming it and the closest valid key), or a bad value.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"ModelConfig.from_dict expects a dict, got {type(d).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {valid}"
+                raise ValueError(f"unknown ModelConfig key {key!r}{hint}")
+        return cls(**d)
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again).
+
+        Raises:
+            ValueError: on an unknown field name or a bad value.
+        """
+        merged = self.to_dict()
+        merged.update(kw)
+        return type(self).from_dict(merged)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    # bool is a subclass of int; a True where a size belongs is a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

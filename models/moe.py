@@ -1,0 +1,202 @@
+"""Mixture-of-experts feed-forward layer: top-k softmax router, experts, shared experts.
+
+Routing (`MoEFeedForward.route`) and expert computation (`MoEFeedForward.experts_forward`) are separate:
+
+1. `route(x_ND) -> RoutingDecision`: router logits (linear D -> E, no bias, computed in fp32), softmax
+   probabilities, top-k experts per token, their combine weights (renormalised to sum to 1 over the k
+   picks when `moe_renormalize`), and a `kept_NK` mask from the capacity rule. It also holds what the
+   losses need, so routing can be inspected or tested on its own.
+2. `experts_forward(x_ND, routing) -> y_ND` delegates to `self.dispatcher(x_ND, routing, self.experts)`.
+
+Extension point for expert parallelism: `dispatcher` is a plain attribute holding any callable with
+that signature, returning for each token the weighted sum of its kept experts' outputs (zeros for a
+token whose slots were all dropped). The default `LocalDispatcher` runs every expert in this process. A
+distributed module (pipeline.training) can, from outside and without editing models/, set
+`layer.dispatcher = AllToAllDispatcher(...)` (permute tokens by expert, all-to-all to the ranks that own
+them, run the local experts, all-to-all back, combine) and replace `layer.experts` with the rank's
+local shard. The router, losses and statistics stay here and need no change.
+
+Expert storage: `experts` is an `nn.ModuleList` of `FeedForward` modules, so expert e's weights are
+`experts.{e}.w1.weight` (gate, F x D), `experts.{e}.w3.weight` (up, F x D), `experts.{e}.w2.weight`
+(down, D x F): exactly the per-expert tensors of a Hugging Face Mixtral checkpoint
+(`block_sparse_moe.experts.{e}.w1/w2/w3`), and individually addressable for sharding or export.
+
+Capacity (when `moe_capacity_factor` is not None):
+    capacity = ceil(capacity_factor * N * k / E) token slots per expert, N = tokens in this call.
+Slots are served first come, first served in the row-major order of the flattened (batch, time)
+tokens: token n = b * T + t is ahead of every token with a larger n, whatever its k-rank (a token never
+picks the same expert twice, so there is no tie inside a token). For each expert, the slots beyond its
+first `capacity` are dropped: they contribute nothing, the remaining weights of that token are NOT
+renormalised, and the residual connection carries the token past the layer. `moe_capacity_factor=None`
+is dropless: every slot is kept. Pad tokens are routed like real ones (the layer has no padding mask).
+
+Losses (returned as one differentiable scalar, coefficients from the config):
+- load balance (Switch Transformer, generalised to k slots): E * sum_i f_i * P_i, with f_i the fraction
+  of the N*k token-slot assignments (before capacity drops) that chose expert i, and P_i the mean router
+  probability of expert i over tokens. Equals 1.0 for a perfectly uniform router.
+- router z-loss (ST-MoE): mean over tokens of logsumexp(router_logits)^2.
+
+Shape legend: B batch, T time, N = B*T tokens, D d_model, E experts, K top_k, F expert hidden width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.ffn import FeedForward
+
+
+@dataclass
+class RoutingDecision:
+    """Where each token goes.
+
+    Attributes:
+        expert_indices_NK: chosen experts, best first.
+        expert_weights_NK: combine weights for the chosen experts (fp32).
+        kept_NK: False for slots dropped by the capacity rule (all True when dropless).
+        router_logits_NE: fp32 router logits.
+        router_probs_NE: fp32 softmax of the logits.
+        capacity: slots per expert, or None when dropless.
+    """
+
+    expert_indices_NK: torch.Tensor
+    expert_weights_NK: torch.Tensor
+    kept_NK: torch.Tensor
+    router_logits_NE: torch.Tensor
+    router_probs_NE: torch.Tensor
+    capacity: int | None
+
+
+class Dispatcher(Protocol):
+    """What `MoEFeedForward.dispatcher` must be: (x_ND, routing, experts) -> y_ND."""
+
+    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision, experts: nn.ModuleList) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """Runs all experts in this process: sort kept slots by expert, run each expert once, scatter back.
+
+    Every expert runs, even on zero tokens, so that all expert parameters are part of the autograd graph
+    in every step (data-parallel gradient reduction then needs no unused-parameter search).
+    """
+
+    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision, experts: nn.ModuleList) -> torch.Tensor:
+        N, K = routing.expert_indices_NK.shape
+        E = len(experts)
+        # Dropped slots go to a virtual expert E so that one stable sort groups the kept slots by expert.
+        expert_of_slot_S = torch.where(routing.kept_NK, routing.expert_indices_NK, E).reshape(-1)
+        token_of_slot_S = torch.arange(N, device=x_ND.device).repeat_interleave(K)
+        order_S = torch.argsort(expert_of_slot_S, stable=True)
+        counts = torch.bincount(expert_of_slot_S, minlength=E + 1)[:E].tolist()
+        n_kept = sum(counts)
+        token_sorted = token_of_slot_S[order_S[:n_kept]]
+        weight_sorted = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
+        chunks = x_ND[token_sorted].split(counts)
+        y_sorted = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)], dim=0)
+        y_sorted = y_sorted * weight_sorted.unsqueeze(1).to(y_sorted.dtype)
+        return torch.zeros_like(x_ND).index_add_(0, token_sorted, y_sorted)
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed experts plus optional shared experts (see the module docstring).
+
+    Args:
+        cfg: model config (num_experts, moe_top_k, moe_capacity_factor, moe_renormalize,
+            moe_shared_experts, moe_*_coef, ffn, bias, resolved_moe_d_ff).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.num_experts < 1:
+            raise ValueError(f"MoEFeedForward needs num_experts >= 1, got {cfg.num_experts}")
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.moe_top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.renormalize = cfg.moe_renormalize
+        self.aux_loss_coef = cfg.moe_aux_loss_coef
+        self.z_loss_coef = cfg.moe_z_loss_coef
+        hidden = cfg.resolved_moe_d_ff
+        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.num_experts)
+        )
+        self.shared_experts = nn.ModuleList(
+            FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.moe_shared_experts)
+        )
+        self.dispatcher: Dispatcher = LocalDispatcher()
+
+    def route(self, x_ND: torch.Tensor) -> RoutingDecision:
+        """Pick the top-k experts of every token and apply the capacity rule.
+
+        Args:
+            x_ND: flattened tokens.
+
+        Returns:
+            The routing decision.
+        """
+        N = x_ND.shape[0]
+        E, K = self.num_experts, self.top_k
+        logits_NE = F.linear(x_ND.float(), self.router.weight.float())
+        probs_NE = torch.softmax(logits_NE, dim=-1)
+        top_p_NK, top_i_NK = torch.topk(probs_NE, K, dim=-1)
+        weights_NK = top_p_NK / top_p_NK.sum(dim=-1, keepdim=True) if self.renormalize else top_p_NK
+        if self.capacity_factor is None:
+            capacity = None
+            kept_NK = torch.ones_like(top_i_NK, dtype=torch.bool)
+        else:
+            capacity = math.ceil(self.capacity_factor * N * K / E)
+            # Row-major flattening of (N, K) puts token n's slots before token n+1's: first come, first served.
+            onehot_SE = F.one_hot(top_i_NK.reshape(-1), E)
+            rank_in_expert_S = (onehot_SE.cumsum(dim=0) - 1).gather(1, top_i_NK.reshape(-1, 1)).squeeze(1)
+            kept_NK = (rank_in_expert_S < capacity).view(N, K)
+        return RoutingDecision(top_i_NK, weights_NK, kept_NK, logits_NE, probs_NE, capacity)
+
+    def experts_forward(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
+        """Weighted sum of the kept experts' outputs per token, through the pluggable `dispatcher`."""
+        return self.dispatcher(x_ND, routing, self.experts)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Route, run experts (and shared experts), and compute the auxiliary losses.
+
+        Args:
+            x_BTD: normalised input.
+
+        Returns:
+            (y_BTD, aux_loss, stats): aux_loss is the differentiable scalar
+            aux_loss_coef * load_balance_loss + z_loss_coef * z_loss; stats holds detached
+            `tokens_per_expert` (E,) kept-slot counts, `load_balance_loss`, `z_loss`,
+            `dropped_fraction` and `router_entropy` (mean over tokens, nats).
+        """
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        routing = self.route(x_ND)
+        y_ND = self.experts_forward(x_ND, routing)
+        for shared in self.shared_experts:
+            y_ND = y_ND + shared(x_ND)
+
+        E = self.num_experts
+        assigned_E = torch.bincount(routing.expert_indices_NK.reshape(-1), minlength=E)
+        f_E = assigned_E.float() / routing.expert_indices_NK.numel()
+        P_E = routing.router_probs_NE.mean(dim=0)
+        load_balance = E * (f_E * P_E).sum()
+        z_loss = torch.logsumexp(routing.router_logits_NE, dim=-1).pow(2).mean()
+        aux_loss = self.aux_loss_coef * load_balance + self.z_loss_coef * z_loss
+
+        with torch.no_grad():
+            kept_idx = routing.expert_indices_NK[routing.kept_NK]
+            log_probs_NE = torch.log_softmax(routing.router_logits_NE, dim=-1)
+            stats = {
+                "tokens_per_expert": torch.bincount(kept_idx, minlength=E),
+                "load_balance_loss": load_balance.detach(),
+                "z_loss": z_loss.detach(),
+                "dropped_fraction": 1.0 - routing.kept_NK.float().mean(),
+                "router_entropy": -(routing.router_probs_NE * log_probs_NE).sum(dim=-1).mean(),
+            }
+        return y_ND.view(B, T, D), aux_loss, stats

@@ -1,0 +1,85 @@
+"""Named model presets and `build_model`.
+
+debug_* run a training step in well under a second on one CPU core; cpu_* are for laptop-scale runs;
+gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
+a Mixtral-style 8-expert top-2 model).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+
+from models.config import ModelConfig
+from models.transformer import Transformer
+
+_debug_dense = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+_cpu_small = ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256)
+
+PRESETS: dict[str, ModelConfig] = {
+    "debug_dense": _debug_dense,
+    "debug_moe": _debug_dense.replace(num_experts=4, moe_top_k=2),
+    "cpu_small": _cpu_small,
+    "cpu_medium": ModelConfig(vocab_size=512, d_model=256, n_layers=6, n_heads=8, max_seq_len=256),
+    "cpu_moe": _cpu_small.replace(num_experts=8, moe_top_k=2),
+    "gpt_125m": ModelConfig(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, max_seq_len=2048),
+    "llama_1b": ModelConfig(
+        vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, num_kv_heads=8, max_seq_len=2048
+    ),
+    "moe_8x_top2": ModelConfig(
+        vocab_size=32000, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048, num_experts=8, moe_top_k=2
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset config called `name`.
+
+    Raises:
+        ValueError: on an unknown name (with the closest preset name and the full list).
+    """
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown model preset {name!r}{hint} (allowed: {sorted(PRESETS)})")
+    return PRESETS[name]
+
+
+def build_model(
+    cfg_or_preset_name: ModelConfig | str,
+    device: torch.device | str | None = None,
+    **overrides,
+) -> Transformer:
+    """Build and initialise a model.
+
+    The module is created on the meta device, materialised on `device` with `to_empty` and then set
+    by `init_weights()`, so weights are initialised once, directly where they live.
+
+    Args:
+        cfg_or_preset_name: a ModelConfig or a key of PRESETS.
+        device: where the parameters live (default CPU); "meta" gives an uninitialised shape-only model.
+        **overrides: ModelConfig fields to change, e.g. vocab_size=8000.
+
+    Returns:
+        The initialised Transformer (in training mode, fp32).
+
+    Raises:
+        ValueError: on an unknown preset, unknown override key or bad value.
+    """
+    if isinstance(cfg_or_preset_name, str):
+        cfg = get_preset(cfg_or_preset_name)
+    elif isinstance(cfg_or_preset_name, ModelConfig):
+        cfg = cfg_or_preset_name
+    else:
+        raise ValueError(f"build_model expects a ModelConfig or preset name, got {type(cfg_or_preset_name).__name__}")
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    device = torch.device("cpu" if device is None else device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights()
+    return model

@@ -1,0 +1,1 @@
+"""Conduit's orchestration and stages: raw text -> tokenizer -> tokens -> model -> metrics -> registry."""

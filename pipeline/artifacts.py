@@ -1,0 +1,139 @@
+"""Content-addressed stage artifacts.
+
+An artifact lives at ``<artifact_root>/<stage>/<hash>/``. The hash covers the stage name, the stage's
+code version, the config fields that change its output and the hashes of its inputs, so equal hashes
+mean equal content and a finished artifact can be reused by any later run. ``manifest.json`` is
+written last, atomically (temp file + rename): no manifest means the stage did not finish, and the
+folder is cleared and the stage redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import REPO_ROOT
+
+MANIFEST = "manifest.json"
+
+
+def content_hash(stage: str, version: int, config: Any, input_hashes: dict[str, str]) -> str:
+    """The artifact hash: sha256 over a canonical JSON of everything that determines the output.
+
+    Args:
+        stage: stage name.
+        version: the stage's code version; bumped when its output format or logic changes.
+        config: the JSON-able config view that changes the output (no logging-only fields).
+        input_hashes: upstream stage name -> that artifact's hash.
+
+    Returns:
+        A 16-hex-digit hash (64 bits: collisions are not a concern at pipeline scale).
+    """
+    payload = json.dumps(
+        {"stage": stage, "version": version, "config": config, "inputs": input_hashes},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A finished stage output: its folder and its manifest."""
+
+    stage: str
+    hash: str
+    path: Path
+    manifest: dict
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Artifact":
+        path = Path(path)
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        return cls(stage=manifest["stage"], hash=manifest["hash"], path=path, manifest=manifest)
+
+
+def artifact_dir(root: str | Path, stage: str, hash_: str) -> Path:
+    if "://" in str(root):
+        # Remote roots (s3://, gs://) go through pyarrow.fs; the multi-node issue adds them.
+        raise ValueError(f"run.artifact_root={root!r}: only local or shared-filesystem paths are supported so far")
+    return Path(root) / stage / hash_
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def prepare_dir(path: Path) -> None:
+    """Make an empty folder for a stage to fill; clears what an unfinished attempt left behind."""
+    if path.exists():
+        if is_complete(path):
+            raise FileExistsError(f"{path} already holds a finished artifact")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` so that readers see either nothing or the whole file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(
+    path: Path,
+    *,
+    stage: str,
+    hash_: str,
+    stage_config: Any,
+    run_config: dict,
+    inputs: dict[str, str],
+    counts: dict[str, Any],
+    started_at: float,
+    extra: dict[str, Any] | None = None,
+) -> Artifact:
+    """Seal an artifact: write its manifest last, atomically, and return it."""
+    manifest = {
+        "stage": stage,
+        "hash": hash_,
+        "inputs": inputs,
+        "stage_config": stage_config,
+        "run_config": run_config,
+        "code_version": code_version(),
+        "counts": counts,
+        "started_at": started_at,
+        "finished_at": time.time(),
+        "seconds": round(time.time() - started_at, 3),
+        **(extra or {}),
+    }
+    write_json_atomic(path / MANIFEST, manifest)
+    return Artifact(stage=stage, hash=hash_, path=path, manifest=manifest)
+
+
+_CODE_VERSION: str | None = None
+
+
+def code_version() -> str:
+    """The git commit of the checkout (with ``+dirty`` when it has changes), or ``unknown``."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty=+dirty", "--abbrev=12"],
+                capture_output=True, text=True, timeout=10, check=False,
+            )
+            _CODE_VERSION = out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+        except (OSError, subprocess.TimeoutExpired):
+            _CODE_VERSION = "unknown"  # no git binary or no checkout (e.g. a Ray working_dir copy)
+    return _CODE_VERSION

@@ -1,0 +1,395 @@
+"""The one typed config tree of a Conduit run.
+
+Precedence: dataclass defaults < model preset < YAML file < ``a.b=c`` command-line overrides.
+Unknown keys are errors that name the key and suggest the nearest valid one; bad values are errors
+that name the field and what is allowed. The resolved tree is saved with every artifact and logged to
+MLflow as flattened params.
+
+Fields whose metadata says ``hash=False`` change how a stage reports, not what it produces; they stay
+out of the artifact hashes (see ``pipeline.artifacts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from models import PRESETS, ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+
+
+class ConfigError(ValueError):
+    """A config file, field or value is wrong; the message names which and what is allowed."""
+
+
+def _unhashed(default: Any, **kw: Any) -> Any:
+    """A field that never changes an artifact's content (logging cadence, progress bars, a location
+    whose files are fingerprinted anyway)."""
+    return field(default=default, metadata={"hash": False}, **kw)
+
+
+@dataclass
+class RunSection:
+    name: str = "conduit"
+    workdir: str = "outputs"  # relative paths resolve against the current directory
+    artifact_root: str | None = None  # None: <workdir>/artifacts; or any pyarrow.fs URI
+    seed: int = 1234
+
+
+@dataclass
+class DataSection:
+    # None: $CONDUIT_DATA_ROOT, else ../shared/data beside the repo. Unhashed: the shard stage
+    # fingerprints the files it resolves to.
+    data_root: str | None = _unhashed(None)
+    train_paths: list[str] = field(default_factory=lambda: ["tinyshakespeare/input.txt"])
+    text_field: str = "text"  # .jsonl field / .parquet column holding the text
+    separator: str | None = "\n\n"  # split .txt files into documents on this; None: one file, one doc
+    min_doc_chars: int = 1
+    validation_fraction: float = 0.05
+    num_shards: int = 2
+    max_documents: int | None = None  # cap after the split-independent ordering; None: all
+    encoding_errors: Literal["error", "replace"] = "error"
+
+
+@dataclass
+class TokenizerSection:
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = 512
+    character_coverage: float = 1.0
+    byte_fallback: bool = True
+    normalization: Literal["identity", "nfkc", "nmt_nfkc"] = "identity"
+    max_training_bytes: int = 20_000_000  # the deterministic sample the tokenizer trains on
+    num_threads: int = _unhashed(2)
+
+
+@dataclass
+class TokenizeSection:
+    seq_len: int = 128
+    add_bos: bool = False
+
+
+@dataclass
+class TrainSection:
+    steps: int = 20
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size_per_rank: int = 4
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    log_every: int = _unhashed(1)
+    progress_bar: bool = _unhashed(True)
+
+
+@dataclass
+class ParallelSection:
+    num_workers: int = 2
+    ep_size: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
+    threads_per_worker: int | None = None  # None: the node's cores split over its workers
+
+
+@dataclass
+class EvalSection:
+    max_batches: int = 50
+    batch_size: int = 8
+    prompts: list[str] = field(default_factory=lambda: ["Once upon a time", "The king said"])
+    max_new_tokens: int = 40
+    temperature: float = 0.0
+
+
+@dataclass
+class RegisterSection:
+    model_name: str = "conduit-lm"
+    alias: str = "challenger"
+
+
+@dataclass
+class TrackingSection:
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db
+    experiment: str = "conduit"
+
+
+@dataclass
+class ClusterSection:
+    address: str | None = None  # None: $RAY_ADDRESS, else start a local Ray in-process
+    num_cpus: int | None = None  # logical CPUs of the embedded local Ray; None: this machine's
+    dashboard_host: str = "127.0.0.1"
+    include_dashboard: bool = False
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    tokenize: TokenizeSection = field(default_factory=TokenizeSection)
+    model: dict = field(default_factory=lambda: {"preset": "debug_dense"})
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    register: RegisterSection = field(default_factory=RegisterSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+    # ---- derived values -------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        """The model the train stage builds: preset, then YAML fields; vocab from the tokenizer."""
+        return _resolve_model(self.model, self.tokenizer.vocab_size)
+
+    def workdir(self) -> Path:
+        return Path(self.run.workdir).expanduser().resolve()
+
+    def artifact_root(self) -> str:
+        if self.run.artifact_root:
+            root = self.run.artifact_root
+            return root if "://" in root else str(Path(root).expanduser().resolve())
+        return str(self.workdir() / "artifacts")
+
+    def data_root(self) -> Path:
+        root = self.data.data_root or os.environ.get("CONDUIT_DATA_ROOT") or str(DEFAULT_DATA_ROOT)
+        return Path(root).expanduser().resolve()
+
+    def tracking_uri(self) -> str:
+        return (
+            self.tracking.uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{self.workdir() / 'mlflow.db'}"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config, apply ``a.b=c`` overrides, validate everything.
+
+    Args:
+        path: YAML file; None starts from the defaults.
+        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``true``, ``[a, b]``).
+
+    Returns:
+        The validated RunConfig.
+
+    Raises:
+        ConfigError: naming the file, key or field and what is allowed.
+    """
+    raw: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return config_from_dict(raw, source=source)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+    """Build and validate a RunConfig from a nested dict (the inverse of ``RunConfig.to_dict``)."""
+    cfg = _build(RunConfig, raw, prefix="", source=source)
+    validate(cfg, source)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r}: the key must be section.field (for example train.steps=10)")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {p} is not a section")
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+
+
+def _unknown(key: str, valid: list[str], where: str, source: str) -> ConfigError:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return ConfigError(f"{source}: unknown key {where}{key!r}{hint} (valid: {', '.join(sorted(valid))})")
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise _unknown(str(key), names, prefix, source)
+        hint = hints[key]
+        if key == "model" and cls is RunConfig:
+            kwargs[key] = _model_section(value, source)
+        elif dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _coerce(value, hint, f"{prefix}{key}", source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str, source: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name, source)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {name}={value!r} is not allowed; choose one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {name} must be a list, got {value!r}")
+        return [_coerce(v, args[0], f"{name}[{i}]", source) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{source}: {name} has an unsupported type {hint}")  # a bug in this file
+
+
+def _model_section(value: Any, source: str) -> dict:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: model must be a mapping with a preset and ModelConfig fields")
+    value = dict(value)
+    value.setdefault("preset", "debug_dense")
+    valid = ["preset"] + [f.name for f in dataclasses.fields(ModelConfig)]
+    for key in value:
+        if key not in valid:
+            raise _unknown(str(key), valid, "model.", source)
+    if value["preset"] not in PRESETS:
+        raise ConfigError(
+            f"{source}: model.preset={value['preset']!r} is not a preset; choose one of {sorted(PRESETS)}"
+        )
+    return value
+
+
+def _resolve_model(section: dict, vocab_size: int) -> ModelConfig:
+    fields = {k: v for k, v in section.items() if k != "preset"}
+    if "vocab_size" in fields and fields["vocab_size"] != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={fields['vocab_size']} differs from tokenizer.vocab_size={vocab_size}; "
+            "leave model.vocab_size out, it follows the tokenizer"
+        )
+    fields["vocab_size"] = vocab_size
+    try:
+        return PRESETS[section["preset"]].replace(**fields)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from e
+
+
+def validate(cfg: RunConfig, source: str = "<config>") -> None:
+    """Cross-field checks that no single field can make. Raises ConfigError."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: {msg}")
+
+    d, t, tr, p = cfg.data, cfg.tokenizer, cfg.train, cfg.parallel
+    need(bool(d.train_paths), "data.train_paths must name at least one file, directory or glob")
+    need(0.0 < d.validation_fraction < 1.0, f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
+    need(d.num_shards >= 1, f"data.num_shards={d.num_shards} must be >= 1")
+    need(d.min_doc_chars >= 0, f"data.min_doc_chars={d.min_doc_chars} must be >= 0")
+    need(d.separator is None or d.separator != "", "data.separator must be null or a non-empty string")
+    need(t.vocab_size >= 64, f"tokenizer.vocab_size={t.vocab_size} must be >= 64")
+    need(0.0 < t.character_coverage <= 1.0, f"tokenizer.character_coverage={t.character_coverage} must be in (0, 1]")
+    need(cfg.tokenize.seq_len >= 8, f"tokenize.seq_len={cfg.tokenize.seq_len} must be >= 8")
+    need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
+    need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
+    need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(tr.micro_batch_size_per_rank >= 1, "train.micro_batch_size_per_rank must be >= 1")
+    need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be >= 1")
+    per_step = p.num_workers * tr.micro_batch_size_per_rank
+    need(
+        tr.global_batch_size % per_step == 0,
+        f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
+        f"parallel.num_workers={p.num_workers} x train.micro_batch_size_per_rank={tr.micro_batch_size_per_rank} "
+        f"= {per_step}",
+    )
+    mc = cfg.model_config()
+    need(
+        cfg.tokenize.seq_len <= mc.max_seq_len,
+        f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
+    )
+    need(
+        p.ep_size >= 1 and p.num_workers % p.ep_size == 0,
+        f"parallel.ep_size={p.ep_size} must divide parallel.num_workers={p.num_workers}",
+    )
+    if p.ep_size > 1:
+        need(mc.num_experts > 0, f"parallel.ep_size={p.ep_size} needs an MoE model (model.num_experts > 0)")
+        need(
+            mc.num_experts % p.ep_size == 0,
+            f"parallel.ep_size={p.ep_size} must divide model.num_experts={mc.num_experts}",
+        )
+
+
+def hash_view(obj: Any) -> Any:
+    """The part of a config section that changes outputs: drops fields marked ``hash=False``."""
+    if dataclasses.is_dataclass(obj):
+        return {
+            f.name: hash_view(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.metadata.get("hash", True)
+        }
+    return obj
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for MLflow params)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,90 @@
+"""Text in, text out: a trained model plus its tokenizer, as evaluate and the served model use them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.export import load_safetensors
+from models.generate import generate
+from pipeline.text import EOS_ID, load_sentencepiece
+
+
+class PromptError(ValueError):
+    """A request the model cannot answer (missing field, wrong type, too long); a client error."""
+
+
+def prompts_from_input(model_input: Any) -> list[str]:
+    """Accept what MLflow hands to ``predict``: a DataFrame with a ``prompt`` column, a list or a str.
+
+    Raises:
+        PromptError: naming the missing column or the value of the wrong type.
+    """
+    if hasattr(model_input, "columns"):  # a pandas DataFrame
+        if "prompt" not in model_input.columns:
+            raise PromptError(f"the input needs a 'prompt' column; got columns {list(model_input.columns)}")
+        values = model_input["prompt"].tolist()
+    elif isinstance(model_input, dict):
+        if "prompt" not in model_input:
+            raise PromptError(f"the input needs a 'prompt' field; got {sorted(model_input)}")
+        values = model_input["prompt"]
+        values = values if isinstance(values, list) else [values]
+    elif isinstance(model_input, str):
+        values = [model_input]
+    elif isinstance(model_input, list):
+        values = model_input
+    else:
+        raise PromptError(f"prompts must be strings; got {type(model_input).__name__}")
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise PromptError(f"prompt {i} must be a string; got {type(v).__name__} {v!r}")
+    return values
+
+
+class TextGenerator:
+    """A model and its tokenizer. Each prompt is decoded as the start of a new document: it follows
+    an EOS, as every document after the first does in the packed training stream."""
+
+    def __init__(self, model: torch.nn.Module, sp: Any):
+        self.model = model.eval()
+        self.sp = sp
+        self.max_seq_len = model.cfg.max_seq_len
+
+    @classmethod
+    def from_files(cls, weights: str | Path, tokenizer: str | Path) -> "TextGenerator":
+        return cls(load_safetensors(str(weights)), load_sentencepiece(str(tokenizer)))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.8,
+                 top_p: float = 1.0, seed: int = 0) -> list[str]:
+        """Continue each prompt; returns only the generated continuation.
+
+        Raises:
+            PromptError: a prompt that leaves no room in the model's context, or bad sampling params.
+        """
+        if max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        if temperature < 0:
+            raise PromptError(f"temperature must be >= 0; got {temperature}")
+        if not 0 < top_p <= 1:
+            raise PromptError(f"top_p must be in (0, 1]; got {top_p}")
+        out = []
+        gen = torch.Generator().manual_seed(seed)
+        for i, prompt in enumerate(prompts):
+            ids = [EOS_ID] + self.sp.encode(prompt)
+            if len(ids) >= self.max_seq_len:
+                raise PromptError(
+                    f"prompt {i} is {len(ids) - 1} tokens; the model's context is {self.max_seq_len} tokens "
+                    "and needs room for at least one new token"
+                )
+            budget = min(max_new_tokens, self.max_seq_len - len(ids))
+            ids_BT = torch.tensor([ids], dtype=torch.long)
+            new_BT = generate(
+                self.model, ids_BT, max_new_tokens=budget, temperature=temperature,
+                top_p=None if top_p >= 1.0 else top_p, eos_id=EOS_ID, generator=gen,
+            )
+            new_ids = [t for t in new_BT[0, len(ids):].tolist() if t != EOS_ID]
+            out.append(self.sp.decode(new_ids))
+        return out

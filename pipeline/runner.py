@@ -1,0 +1,228 @@
+"""The stage DAG runner: the one module that knows Ray tasks.
+
+It resolves the config, computes every stage's artifact hash up front (hashes depend on config and
+input hashes only, so a dry run needs no data), then walks the stages in dependency order. A stage
+whose manifest exists is skipped ("tokenize: cached (3f9a1c...)"); the others run as Ray tasks,
+each under a nested MLflow run of the pipeline's parent run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipeline import tracking
+from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
+from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
+from pipeline.stages import ORDER, STAGES, execute_stage
+
+# Logical CPUs each stage's task holds. Training holds none itself: its Ray Train workers do.
+STAGE_CPUS = {"shard": 1, "tokenizer": 1, "tokenize": 1, "train": 0, "evaluate": 1, "register": 0}
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; the message names the stage and carries the original error."""
+
+
+@dataclass
+class PlanItem:
+    stage: str
+    hash: str
+    path: Path
+    cached: bool
+    run: bool  # False: skipped because cached, or outside --only
+
+
+@dataclass
+class PipelineResult:
+    run_id: str | None
+    tracking_uri: str
+    plan: list[PlanItem]
+    artifacts: dict[str, Artifact] = field(default_factory=dict)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Make every location absolute, so that each process (and node) reads the same places."""
+    d = cfg.to_dict()
+    d["run"]["workdir"] = str(cfg.workdir())
+    d["run"]["artifact_root"] = cfg.artifact_root()
+    d["data"]["data_root"] = str(cfg.data_root())
+    d["tracking"]["uri"] = cfg.tracking_uri()
+    return config_from_dict(d, source="<resolved>")
+
+
+def downstream(stages: set[str]) -> set[str]:
+    """``stages`` and every stage that depends on them, transitively."""
+    out = set(stages)
+    for name in ORDER:
+        if any(i in out for i in STAGES[name].INPUTS):
+            out.add(name)
+    return out
+
+
+def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = ()) -> list[PlanItem]:
+    """Hash every stage and decide what runs.
+
+    Args:
+        only: run just this stage (its inputs must be cached).
+        force: rerun these stages and everything downstream of them, cached or not.
+
+    Raises:
+        ConfigError: an unknown stage name, or ``only`` whose inputs are not finished.
+    """
+    for name in [*force, *([only] if only else [])]:
+        if name not in STAGES:
+            raise ConfigError(f"unknown stage {name!r}; stages are {ORDER}")
+    forced = downstream(set(force))
+    hashes: dict[str, str] = {}
+    plan = []
+    for name in ORDER:
+        stage = STAGES[name]
+        h = content_hash(name, stage.VERSION, stage.hash_config(cfg), {i: hashes[i] for i in stage.INPUTS})
+        hashes[name] = h
+        path = artifact_dir(cfg.artifact_root(), name, h)
+        cached = is_complete(path)
+        selected = only is None or name == only
+        plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached)))
+    if only:
+        by_name = {p.stage: p for p in plan}
+        missing = [i for i in STAGES[only].INPUTS if not by_name[i].cached]
+        if missing:
+            raise ConfigError(f"--only {only}: its inputs {missing} are not finished; run them first")
+    return plan
+
+
+def format_plan(plan: list[PlanItem]) -> str:
+    lines = [f"{'stage':<10} {'hash':<17} {'status':<8} path"]
+    for p in plan:
+        status = "run" if p.run else ("cached" if p.cached else "skip")
+        lines.append(f"{p.stage:<10} {p.hash:<17} {status:<8} {p.path}")
+    return "\n".join(lines)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment every stage task and training worker gets, here or on a cluster."""
+    env = {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        # DeepSpeed compiles its ops once per machine; a pinned folder keeps Ray workers from rebuilding.
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "conduit" / "torch_extensions")
+        ),
+        **tracking.env_for_workers(),
+    }
+    return env
+
+
+def connect_ray(cfg: RunConfig) -> bool:
+    """Connect to ``cluster.address`` / $RAY_ADDRESS, or start a local Ray in-process.
+
+    Returns:
+        True when this call started or connected Ray (and so should shut it down).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.update(worker_env())  # a local cluster's workers inherit the driver's environment
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
+            include_dashboard=cfg.cluster.include_dashboard,
+            dashboard_host=cfg.cluster.dashboard_host,
+            runtime_env={"env_vars": worker_env()},
+        )
+    return True
+
+
+def _stage_task(name: str, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
+    cfg = config_from_dict(cfg_dict, source="<resolved>")
+    inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
+    return str(execute_stage(name, cfg, hash_, Path(out_dir), inputs, tracker).path)
+
+
+def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, ...] = (),
+                 dry_run: bool = False, echo: Callable[[str], None] = print) -> PipelineResult:
+    """Run (or, with ``dry_run``, just plan) the pipeline for ``cfg``.
+
+    Raises:
+        ConfigError: bad stage names or missing inputs for ``only``.
+        StageFailed: a stage raised; earlier stages' artifacts stay, so a rerun resumes there.
+    """
+    import ray
+
+    cfg = resolve(cfg)
+    plan = make_plan(cfg, only=only, force=force)
+    uri = cfg.tracking_uri()
+    if dry_run:
+        echo(format_plan(plan))
+        return PipelineResult(run_id=None, tracking_uri=uri, plan=plan)
+
+    cfg.workdir().mkdir(parents=True, exist_ok=True)
+    local_store = uri.startswith("sqlite:")
+    exp_id = tracking.ensure_experiment(
+        uri, cfg.tracking.experiment,
+        artifact_location=str(cfg.workdir() / "mlartifacts") if local_store else None,
+    )
+    job_id = os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID")
+    parent = tracking.start_run(uri, exp_id, cfg.run.name, tags={"conduit.ray_job_id": job_id or "local"})
+    tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
+    started_ray = connect_ray(cfg)
+    result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
+    task = ray.remote(_stage_task)
+    try:
+        for item in plan:
+            stage = STAGES[item.stage]
+            if not item.run:
+                if item.cached:
+                    result.artifacts[item.stage] = Artifact.load(item.path)
+                    echo(f"{item.stage}: cached ({item.hash})")
+                continue
+            inputs = {i: result.artifacts[i] for i in stage.INPUTS}
+            child = tracking.start_run(uri, exp_id, item.stage, parent_id=parent, tags={
+                "conduit.stage": item.stage, "conduit.hash": item.hash,
+                **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
+            })
+            tracker = tracking.StageTracker(uri, child)
+            if item.path.exists():
+                shutil.rmtree(item.path)  # forced, or left unsealed by an earlier attempt
+            echo(f"{item.stage}: running ({item.hash})")
+            ref = task.options(num_cpus=STAGE_CPUS[item.stage], name=f"conduit.{item.stage}").remote(
+                item.stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
+            )
+            try:
+                path = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                tracking.end_run(uri, child, "FAILED")
+                raise StageFailed(f"stage {item.stage} failed: {e.cause!r}") from e.cause
+            art = Artifact.load(path)
+            result.artifacts[item.stage] = art
+            tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
+            tracking.end_run(uri, child)
+            echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash})")
+        tracking.StageTracker(uri, parent).set_tags(
+            {f"conduit.artifact.{k}": a.hash for k, a in result.artifacts.items()}
+        )
+        tracking.end_run(uri, parent)
+    except BaseException:
+        tracking.end_run(uri, parent, "FAILED")
+        raise
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return result
+
+
+def main_exit_code(exc: BaseException) -> int:
+    """Exit status for a failed run, printed for people rather than as a traceback."""
+    print(f"error: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1

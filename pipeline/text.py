@@ -1,0 +1,68 @@
+"""Sentencepiece training and loading, with Conduit's fixed special ids.
+
+Special ids (the same in every Conduit tokenizer, so packed token files and models agree):
+    0 <pad>, 1 <unk>, 2 <s> (BOS), 3 </s> (EOS), 4 "\\n" (a newline is one token).
+
+The default tokenizer is lossless: identity normalisation, no whitespace folding and byte fallback,
+so ``decode(encode(x)) == x`` for any string. ``nfkc`` / ``nmt_nfkc`` are explicit, lossy options.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator
+
+import sentencepiece as spm
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+NUM_SPECIAL = 5  # the four above plus the newline piece
+
+
+def training_lines(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Lines of ``docs`` in order until ``max_bytes`` of UTF-8 have been yielded.
+
+    Sentencepiece trains on "sentences"; a line is ours, so merges never span a newline, and the
+    newline itself is a user-defined symbol.
+    """
+    seen = 0
+    for doc in docs:
+        for line in doc.split("\n"):
+            if not line:
+                continue
+            seen += len(line.encode("utf-8"))
+            if seen > max_bytes:
+                return
+            yield line
+
+
+def train_sentencepiece(lines: Iterable[str], *, vocab_size: int, model_type: str,
+                        character_coverage: float, byte_fallback: bool, normalization: str,
+                        num_threads: int) -> bytes:
+    """Train a sentencepiece model from an iterator of lines and return the serialized model."""
+    buf = io.BytesIO()
+    lossless = normalization == "identity"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        model_type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        byte_fallback=byte_fallback,
+        normalization_rule_name=normalization,
+        remove_extra_whitespaces=not lossless,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        user_defined_symbols=["\n"],
+        hard_vocab_limit=False,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    return buf.getvalue()
+
+
+def load_sentencepiece(path: str) -> spm.SentencePieceProcessor:
+    sp = spm.SentencePieceProcessor(model_file=path)
+    if sp.eos_id() != EOS_ID or sp.pad_id() != PAD_ID or sp.piece_to_id("\n") != 4:
+        raise ValueError(f"{path}: not a Conduit tokenizer (special ids differ from pad=0 unk=1 bos=2 eos=3 \\n=4)")
+    return sp

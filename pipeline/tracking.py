@@ -1,0 +1,209 @@
+"""Everything Conduit says to MLflow goes through this module (the only one that imports mlflow).
+
+Lineage: one parent run per pipeline run, one nested run per stage, artifact hashes as tags. Stage
+bodies and training workers run in other processes, so they get a ``StageTracker``: a small,
+picklable handle (tracking URI + run id) that talks to MLflow through a client, with no global state.
+The model registry is written here on behalf of the register stage and ``jobs/promote.py`` only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+_MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
+
+
+def client(uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
+    """Return the id of experiment ``name``, creating it (with local artifacts where given) if needed."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return c.create_experiment(name, artifact_location=artifact_location)
+
+
+def start_run(uri: str, experiment_id: str, name: str, parent_id: str | None = None,
+              tags: dict[str, str] | None = None) -> str:
+    """Create a run (nested under ``parent_id`` when given) and return its id."""
+    all_tags = {"mlflow.runName": name, **(tags or {})}
+    if parent_id:
+        all_tags["mlflow.parentRunId"] = parent_id
+    run = client(uri).create_run(experiment_id, tags=all_tags, run_name=name)
+    return run.info.run_id
+
+
+def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    client(uri).set_terminated(run_id, status=status)
+
+
+@dataclass(frozen=True)
+class StageTracker:
+    """A picklable handle on one MLflow run, usable from any process (Ray tasks, Train workers)."""
+
+    uri: str
+    run_id: str
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
+        c = client(self.uri)
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            c.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        client(self.uri).log_batch(self.run_id, metrics=items)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        client(self.uri).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        client(self.uri).log_artifact(self.run_id, str(local_path), artifact_path)
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        client(self.uri).log_dict(self.run_id, data, artifact_file)
+
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        client(self.uri).log_table(self.run_id, data=data, artifact_file=artifact_file)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        client(self.uri).log_figure(self.run_id, figure, artifact_file)
+
+    def log_input_dataset(self, name: str, source: str, digest: str, context: str) -> None:
+        """Record a dataset the stage read or wrote (the run's Datasets panel in the UI)."""
+        from mlflow.data.filesystem_dataset_source import FileSystemDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        entity = MetaDataset(source=FileSystemDatasetSource(source), name=name, digest=digest)._to_mlflow_entity()
+        client(self.uri).log_inputs(
+            self.run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
+        )
+
+
+# ---- the served model -----------------------------------------------------------------------------
+class ConduitLM(mlflow.pyfunc.PythonModel):
+    """The pyfunc wrapper that MLflow loads and serves: prompts in, generated text out.
+
+    The work is done by ``pipeline.generation.TextGenerator`` (torch + sentencepiece); this class
+    only adapts MLflow's calling convention.
+    """
+
+    def load_context(self, context):  # noqa: D102  (MLflow's hook)
+        from pipeline.generation import TextGenerator
+
+        self._generator = TextGenerator.from_files(
+            context.artifacts["weights"], context.artifacts["tokenizer"]
+        )
+
+    def predict(self, context, model_input, params=None):  # noqa: D102  (MLflow's hook)
+        import pandas as pd
+
+        from pipeline.generation import prompts_from_input
+
+        prompts = prompts_from_input(model_input)
+        p = params or {}
+        texts = self._generator.generate(
+            prompts,
+            max_new_tokens=int(p.get("max_new_tokens", 64)),
+            temperature=float(p.get("temperature", 0.8)),
+            top_p=float(p.get("top_p", 1.0)),
+        )
+        return pd.DataFrame({"text": texts})
+
+
+def _signature():
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema([ColSpec("string", "text")]),
+        params=ParamSchema([
+            ParamSpec("max_new_tokens", "long", 64),
+            ParamSpec("temperature", "double", 0.8),
+            ParamSpec("top_p", "double", 1.0),
+        ]),
+    )
+
+
+def _pinned_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    return [f"{p}=={version(p)}" for p in ("torch", "sentencepiece", "safetensors", "numpy", "pandas")]
+
+
+def log_and_register_model(
+    tracker: StageTracker,
+    *,
+    weights: Path,
+    tokenizer: Path,
+    model_name: str,
+    alias: str,
+    tags: dict[str, Any],
+    description: str,
+    code_paths: list[str],
+) -> int:
+    """Log the pyfunc model into the tracker's run, register it, point ``alias`` at it.
+
+    Returns:
+        The new registered model version number.
+    """
+    import pandas as pd
+
+    mlflow.set_tracking_uri(tracker.uri)
+    mlflow.set_registry_uri(tracker.uri)
+    with mlflow.start_run(run_id=tracker.run_id):
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=ConduitLM(),
+            artifacts={"weights": str(weights), "tokenizer": str(tokenizer)},
+            code_paths=code_paths,
+            signature=_signature(),
+            input_example=(pd.DataFrame({"prompt": ["Once upon a time"]}), {"max_new_tokens": 16}),
+            pip_requirements=_pinned_requirements(),
+            registered_model_name=model_name,
+        )
+    version = int(info.registered_model_version)
+    c = client(tracker.uri)
+    for k, v in tags.items():
+        c.set_model_version_tag(model_name, str(version), k, str(v))
+    c.update_model_version(model_name, str(version), description=description)
+    c.set_registered_model_alias(model_name, alias, str(version))
+    return version
+
+
+def load_registered_model(uri: str, model_ref: str):
+    """Load ``models:/NAME@alias`` (or ``models:/NAME/3``) as a pyfunc model."""
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return mlflow.pyfunc.load_model(model_ref)
+
+
+def ui_command(uri: str) -> str:
+    """The shell command that opens the MLflow UI on this tracking store."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri} in a browser"
+    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+
+
+def env_for_workers() -> dict[str, str]:
+    """MLflow-related environment that stage processes need (telemetry off)."""
+    return {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+
+
+__all__ = [
+    "ConduitLM", "StageTracker", "client", "end_run", "ensure_experiment", "env_for_workers",
+    "load_registered_model", "log_and_register_model", "start_run", "ui_command",
+]

@@ -1,0 +1,33 @@
+"""Device, distributed backend and precision: from config, or detected. Never hard-coded."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(requested: str, gpus_in_cluster: float | None = None) -> str:
+    """"auto" -> "cuda" when GPUs exist, else "cpu"; an explicit "cuda" without any is an error.
+
+    Args:
+        requested: "auto", "cpu" or "cuda" (``parallel.device``).
+        gpus_in_cluster: GPUs the Ray cluster reports; None asks this process's torch instead.
+    """
+    have = torch.cuda.is_available() if gpus_in_cluster is None else gpus_in_cluster > 0
+    if requested == "auto":
+        return "cuda" if have else "cpu"
+    if requested == "cuda" and not have:
+        raise RuntimeError("parallel.device=cuda but no CUDA device is visible")
+    return requested
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def resolve_precision(requested: str, device: str) -> str:
+    """"auto" -> bf16 on GPU, fp32 on CPU (CPU bf16 is an explicit choice)."""
+    if requested == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    if requested == "fp16" and device == "cpu":
+        raise ValueError("train.precision=fp16 needs a GPU; use fp32 or bf16 on CPU")
+    return requested

@@ -1,0 +1,34 @@
+"""The DeepSpeed config, generated from the typed config (never hand-written)."""
+
+from __future__ import annotations
+
+from pipeline.training.parallel import ParallelDims
+
+
+def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad_clip: float) -> dict:
+    """DeepSpeed's config dict for one run.
+
+    The optimizer and LR schedule are client objects passed to ``deepspeed.initialize`` (torch's
+    AdamW needs no JIT-compiled op), so they do not appear here.
+
+    Args:
+        dims: batch arithmetic; DeepSpeed checks train = micro x accum x world itself.
+        zero_stage: 0-3.
+        precision: "fp32", "bf16" or "fp16" (already resolved from "auto").
+        grad_clip: max global grad norm; 0 disables clipping.
+    """
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp16")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
+    return {
+        "train_batch_size": dims.global_batch_size,
+        "train_micro_batch_size_per_gpu": dims.micro_batch_size_per_rank,
+        "gradient_accumulation_steps": dims.grad_accum_steps,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 12},
+        "steps_per_print": 2**31 - 1,  # Conduit logs its own metrics
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,32 @@
+"""Shared test fixtures: one local Ray cluster per session, the shared data root."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DEFAULT_DATA_ROOT
+from pipeline.runner import worker_env
+
+os.environ.update(worker_env())
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    root = Path(os.environ.get("CONDUIT_DATA_ROOT", DEFAULT_DATA_ROOT))
+    assert (root / "tinyshakespeare" / "input.txt").is_file(), f"the shared corpora are missing under {root}"
+    return root
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session. Four logical CPUs on two cores: two training workers
+    plus stage tasks must fit at once (STACK.md: streaming on 2 logical CPUs deadlocks)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    yield ray
+    ray.shutdown()

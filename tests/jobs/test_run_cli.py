@@ -1,0 +1,37 @@
+"""jobs.run as a user calls it: errors before any work, and the dry-run plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "jobs.run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_unknown_key_fails_with_its_name_and_a_suggestion(tmp_path):
+    out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "train.stpes=3")
+    assert out.returncode == 2
+    assert "unknown key train.'stpes'; did you mean 'steps'?" in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # nothing was started or written
+
+
+def test_dry_run_on_a_fresh_workdir_plans_every_stage(tmp_path):
+    out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split() for ln in out.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["shard", "tokenizer", "tokenize", "train", "evaluate", "register"]
+    assert all(r[2] == "run" and len(r[1]) == 16 for r in rows)
+    assert all(r[3].startswith(str(tmp_path / "artifacts" / r[0])) for r in rows)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_only_with_unfinished_inputs_is_refused(tmp_path):
+    out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "--only", "train")
+    assert out.returncode == 2
+    assert "--only train: its inputs ['tokenize'] are not finished" in out.stderr

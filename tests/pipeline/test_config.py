@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, RunConfig, hash_view, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"smoke.yaml", "demo.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    mc = cfg.model_config()
+    assert mc.vocab_size == cfg.tokenizer.vocab_size
+    assert cfg.tokenize.seq_len <= mc.max_seq_len
+
+
+def test_defaults_yaml_and_overrides_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  steps: 7\n  lr: 0.01\nmodel:\n  preset: debug_dense\n  n_layers: 3\n")
+    cfg = load_config(f, ["train.steps=9", "data.train_paths=[a.txt, b.txt]", "model.d_model=96"])
+    assert cfg.train.steps == 9  # override beats YAML
+    assert cfg.train.lr == 0.01  # YAML beats default
+    assert cfg.train.zero_stage == 1  # default
+    assert cfg.data.train_paths == ["a.txt", "b.txt"]
+    mc = cfg.model_config()
+    assert (mc.n_layers, mc.d_model) == (3, 96)  # YAML and override beat the preset
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  stpes: 7\n")
+    with pytest.raises(ConfigError, match=r"unknown key train\.'stpes'; did you mean 'steps'\?") as e:
+        load_config(f)
+    assert str(f) in str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'; did you mean 'train'"):
+        load_config(None, ["trian.steps=3"])
+    with pytest.raises(ConfigError, match=r"unknown key model\.'n_layer'; did you mean 'n_layers'"):
+        load_config(None, ["model.n_layer=3"])
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("train.zero_stage=5", r"train\.zero_stage=5 is not allowed; choose one of \[0, 1, 2, 3\]"),
+    ("train.steps=abc", r"train\.steps must be an integer, got 'abc'"),
+    ("train.steps=0", r"train\.steps=0 must be >= 1"),
+    ("tokenizer.model_type=wordpiece", r"tokenizer\.model_type='wordpiece' is not allowed; choose one of \['bpe', 'unigram'\]"),
+    ("model.preset=huge", r"model\.preset='huge' is not a preset; choose one of"),
+    ("train.global_batch_size=10", r"train\.global_batch_size=10 must be a multiple of parallel\.num_workers=2 x"),
+    ("parallel.ep_size=2", r"parallel\.ep_size=2 needs an MoE model"),
+    ("tokenize.seq_len=4096", r"tokenize\.seq_len=4096 exceeds the model's max_seq_len"),
+    ("model.pos_encoding=spiral", r"pos_encoding"),
+    ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
+])
+def test_bad_values_name_the_field(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="must look like section.field=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_round_trip_through_dict():
+    from pipeline.config import config_from_dict
+
+    cfg = load_config(None, ["train.steps=30", "model.n_layers=1"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_hash_view_drops_logging_fields():
+    a = load_config(None, ["train.log_every=1"])
+    b = load_config(None, ["train.log_every=50", "train.progress_bar=false"])
+    assert hash_view(a.train) == hash_view(b.train)
+    assert "log_every" not in hash_view(a.train)
+    assert hash_view(a.train) != hash_view(load_config(None, ["train.steps=21"]).train)
