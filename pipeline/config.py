@@ -51,12 +51,20 @@ class DataSection:
     # None: $CONDUIT_DATA_ROOT, else ../shared/data beside the repo. Unhashed: the shard stage
     # fingerprints the files it resolves to.
     data_root: str | None = _unhashed(None)
+    # Files, folders, globs (``*``, ``?``, ``**``) relative to the data root, absolute paths, or
+    # pyarrow filesystem URIs (file://, s3://, gs://, hdfs://). A folder saved by
+    # ``datasets.save_to_disk`` is one input.
     train_paths: list[str] = field(default_factory=lambda: ["tinyshakespeare/input.txt"])
-    text_field: str = "text"  # .jsonl field / .parquet column holding the text
+    text_field: str = "text"  # .jsonl field / .parquet column / datasets column holding the text
     separator: str | None = "\n\n"  # split .txt files into documents on this; None: one file, one doc
-    min_doc_chars: int = 1
+    normalize: Literal["none", "nfc", "nfkc"] = "none"  # Unicode normalisation of every document
+    strip_control_chars: bool = False  # drop C0/C1 control characters except tab, newline, CR
+    min_doc_chars: int = 1  # shorter documents (after stripping whitespace) are removed and counted
+    max_doc_chars: int | None = None  # longer documents are removed and counted; None: no limit
     validation_fraction: float = 0.05
-    num_shards: int = 2
+    test_fraction: float = 0.0  # > 0 adds a test split (test-00000.parquet)
+    num_shards: int = 2  # train shards, when target_shard_bytes is None
+    target_shard_bytes: int | None = None  # set: every split gets ceil(bytes / target) shards
     max_documents: int | None = None  # cap after the split-independent ordering; None: all
     encoding_errors: Literal["error", "replace"] = "error"
 
@@ -69,6 +77,7 @@ class TokenizerSection:
     byte_fallback: bool = True
     normalization: Literal["identity", "nfkc", "nmt_nfkc"] = "identity"
     max_training_bytes: int = 20_000_000  # the deterministic sample the tokenizer trains on
+    user_defined_symbols: list[str] = field(default_factory=list)  # ids 5, 6, ... in this order
     num_threads: int = _unhashed(2)
 
 
@@ -76,6 +85,9 @@ class TokenizerSection:
 class TokenizeSection:
     seq_len: int = 128
     add_bos: bool = False
+    num_actors: int = _unhashed(1)  # Ray Data sentencepiece actors (1 logical CPU each)
+    threads_per_actor: int = _unhashed(1)  # sentencepiece encode threads inside each actor
+    batch_size: int = _unhashed(256)  # documents per map_batches call
 
 
 @dataclass
@@ -90,11 +102,17 @@ class TrainSection:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     zero_stage: Literal[0, 1, 2, 3] = 1
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
+    # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
+    checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = _unhashed(2)
+    max_failures: int = _unhashed(0)  # worker-group restarts from the latest checkpoint
+    checkpoint_storage: str | None = _unhashed(None)  # Ray Train storage; None: <train artifact>/ray
 
 
 @dataclass
@@ -112,12 +130,29 @@ class EvalSection:
     prompts: list[str] = field(default_factory=lambda: ["Once upon a time", "The king said"])
     max_new_tokens: int = 40
     temperature: float = 0.0
+    # Benchmarks under the data root; null skips one. Budgets keep a smoke run to a few seconds.
+    heldout_paths: list[str] = field(default_factory=lambda: ["gutenberg/heldout/*.txt"])
+    wikitext_path: str | None = "wikitext-2/wiki.test.raw"
+    lambada_path: str | None = "lambada/lambada_openai_test.jsonl"
+    max_text_tokens: int = 8192  # per benchmark text set (split evenly over its files)
+    lambada_max_examples: int = 300
+    attention_sentence: str = "The old man looked at the sea and said nothing."
 
 
 @dataclass
 class RegisterSection:
     model_name: str = "conduit-lm"
     alias: str = "challenger"
+    hf_export: bool = True  # also log a Hugging Face (Llama / Mixtral) export where the architecture allows
+
+
+@dataclass
+class PromoteSection:
+    """Gates ``jobs.promote`` applies before moving the target alias (``champion``) to a version."""
+
+    metric: str = "heldout_bits_per_byte"  # lower is better
+    min_improvement: float = 0.0  # the candidate's metric must be at least this much below the champion's
+    not_lower: list[str] = field(default_factory=lambda: ["lambada_accuracy"])  # must not drop
 
 
 @dataclass
@@ -145,6 +180,7 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     eval: EvalSection = field(default_factory=EvalSection)
     register: RegisterSection = field(default_factory=RegisterSection)
+    promote: PromoteSection = field(default_factory=PromoteSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
 
@@ -339,14 +375,41 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(d.num_shards >= 1, f"data.num_shards={d.num_shards} must be >= 1")
     need(d.min_doc_chars >= 0, f"data.min_doc_chars={d.min_doc_chars} must be >= 0")
     need(d.separator is None or d.separator != "", "data.separator must be null or a non-empty string")
+    need(0.0 <= d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in [0, 1)")
+    need(
+        d.validation_fraction + d.test_fraction < 1.0,
+        f"data.validation_fraction={d.validation_fraction} + data.test_fraction={d.test_fraction} must be < 1",
+    )
+    need(
+        d.max_doc_chars is None or d.max_doc_chars >= max(d.min_doc_chars, 1),
+        f"data.max_doc_chars={d.max_doc_chars} must be >= data.min_doc_chars={d.min_doc_chars} (and >= 1)",
+    )
+    need(
+        d.target_shard_bytes is None or d.target_shard_bytes >= 1,
+        f"data.target_shard_bytes={d.target_shard_bytes} must be null or >= 1",
+    )
+    need(d.max_documents is None or d.max_documents >= 1, f"data.max_documents={d.max_documents} must be >= 1")
+    need(bool(d.text_field), "data.text_field must be a non-empty string")
+    uds = t.user_defined_symbols
+    need(
+        all(uds) and len(set(uds)) == len(uds) and "\n" not in uds,
+        f"tokenizer.user_defined_symbols={uds!r} must be distinct non-empty strings other than \"\\n\" "
+        "(the newline is always id 4)",
+    )
     need(t.vocab_size >= 64, f"tokenizer.vocab_size={t.vocab_size} must be >= 64")
     need(0.0 < t.character_coverage <= 1.0, f"tokenizer.character_coverage={t.character_coverage} must be in (0, 1]")
     need(cfg.tokenize.seq_len >= 8, f"tokenize.seq_len={cfg.tokenize.seq_len} must be >= 8")
+    for name in ("num_actors", "threads_per_actor", "batch_size"):
+        value = getattr(cfg.tokenize, name)
+        need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
     need(tr.micro_batch_size_per_rank >= 1, "train.micro_batch_size_per_rank must be >= 1")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
+    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
+    need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
     need(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be >= 1")
     per_step = p.num_workers * tr.micro_batch_size_per_rank
     need(

@@ -53,9 +53,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda"),
         run_config=ray.train.RunConfig(
             name="train",
-            storage_path=str(out_dir / "ray"),
-            failure_config=ray.train.FailureConfig(max_failures=0),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            storage_path=cfg.train.checkpoint_storage or str(out_dir / "ray"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
         ),
     )
     result = trainer.fit()

@@ -1,0 +1,140 @@
+"""The DeepSpeed engine of one rank: built from the typed config, stepped, saved and restored.
+
+These functions are the whole training step; ``loop.main`` adds Ray Train, logging and the loader
+around them, and the distributed tests call them directly in plain 2-process gloo worlds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models import ModelConfig, build_model
+from models.loss import lm_loss
+from models.schedules import lr_multiplier
+from pipeline.config import TrainSection
+from pipeline.training.ds_config import build_ds_config
+from pipeline.training.parallel import ParallelDims
+
+CHECKPOINT_TAG = "conduit"
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decoupled weight decay on matrices only (not norms, biases or embeddings)."""
+    no_decay: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            no_decay.update(id(p) for p in module.parameters(recurse=False))
+    decay, other = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (other if p.ndim < 2 or id(p) in no_decay else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def schedule_kwargs(train: TrainSection, d_model: int) -> dict:
+    if train.schedule == "inverse_sqrt":
+        return {"d_model": d_model, "warmup": max(1, train.warmup_steps)}
+    if train.schedule == "constant":
+        return {}
+    return {"warmup": train.warmup_steps, "total": train.steps, "min_ratio": train.min_lr_ratio}
+
+
+def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int):
+    """Torch AdamW (no JIT-compiled op needed) and the LR schedule as a LambdaLR.
+
+    Schedules in ``models.schedules`` count steps from 1; LambdaLR counts from 0.
+    """
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
+                                  betas=(train.beta1, train.beta2), eps=train.adam_eps)
+    kw = schedule_kwargs(train, d_model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(train.schedule, s + 1, **kw))
+    return optimizer, scheduler
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims, *, precision: str,
+                 device: torch.device, seed: int):
+    """Build the model (the same initial weights on every rank), optimizer, schedule and engine.
+
+    Returns:
+        (engine, scheduler).
+    """
+    import deepspeed
+
+    seed_everything(seed)
+    model = build_model(model_cfg, device=device)
+    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
+    config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine, scheduler
+
+
+def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns this rank's mean loss (detached).
+
+    DeepSpeed divides each micro-batch loss by the accumulation steps in ``backward`` and applies
+    the update (with clipping) at the last micro-batch's ``step``.
+    """
+    losses = []
+    for inputs_BT, targets_BT in micro_batches:
+        out = engine(inputs_BT.to(device))
+        loss = lm_loss(out.logits.float(), targets_BT.to(device)) + out.aux_loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def save_state(engine, ckpt_dir: str | Path, *, step: int, loader_state: dict) -> None:
+    """DeepSpeed's checkpoint plus what exact resume needs: step, loader position, every rank's RNG."""
+    engine.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, client_state={"step": step, "loader": loader_state})
+    rank = dist.get_rank()
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               Path(ckpt_dir) / f"rng_rank{rank:05d}.pt")
+
+
+def load_state(engine, ckpt_dir: str | Path) -> tuple[int, dict]:
+    """Restore what ``save_state`` wrote. Returns (step, loader_state)."""
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG)
+    if path is None:
+        raise FileNotFoundError(f"{ckpt_dir}: no DeepSpeed checkpoint with tag {CHECKPOINT_TAG!r}")
+    rng_file = Path(ckpt_dir) / f"rng_rank{dist.get_rank():05d}.pt"
+    rng = torch.load(rng_file, weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    return client_state["step"], client_state["loader"]
+
+
+def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
+    """The consolidated fp32 weights on rank 0 (None elsewhere); every rank must call it.
+
+    Under ZeRO-3 the parameters are partitioned, so all ranks join the gather.
+    """
+    import deepspeed
+
+    module = engine.module
+    if zero_stage == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().float().clone() for k, v in module.state_dict().items()} if dist.get_rank() == 0 else None
+    else:
+        state = {k: v.detach().float().clone() for k, v in module.state_dict().items()} if dist.get_rank() == 0 else None
+    dist.barrier()
+    return state
+
+
+def local_threads(local_world_size: int, configured: int | None) -> int:
+    """Intra-op threads per worker: the configured number, else this node's cores split evenly."""
+    return configured or max(1, (os.cpu_count() or 1) // local_world_size)

@@ -1,0 +1,134 @@
+"""Distributed training checks, run in one 2-process gloo world by test_distributed_training.py.
+
+    python -m tests.pipeline.training.dist_checks OUT_DIR      (with RANK, WORLD_SIZE, ... set)
+
+Rank 0 writes ``OUT_DIR/results.json``; the test asserts on it. Everything here goes through the
+same functions the Ray Train worker uses (``pipeline.training.engine`` and ``BlockLoader``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models import ModelConfig, build_model
+from models.loss import lm_loss
+from pipeline.config import TrainSection
+from pipeline.training.data import BlockLoader
+from pipeline.training.engine import (
+    build_engine, full_state_dict, load_state, make_optimizer, save_state, seed_everything, train_step,
+)
+from pipeline.training.parallel import ParallelDims
+
+SEQ, GLOBAL, MICRO, SEED = 8, 8, 2, 7
+CPU = torch.device("cpu")
+DENSE = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, num_kv_heads=2, max_seq_len=16)
+# The load-balancing loss E * sum_i f_i P_i is a product of batch statistics, so its value over
+# a whole batch differs from the mean of its values over micro-batches: any split of the global
+# batch (over ranks or accumulation steps) changes it. The z-loss is a per-token mean and stays.
+MOE = dataclasses.replace(DENSE, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
+# adam_eps 1e-4, not 1e-8: with a tiny eps Adam's first step is lr * sign(g), which turns the
+# rounding differences of near-zero gradients (summed in another order over ranks) into lr-sized
+# jumps; the check would then measure rounding, not whether the distributed step is the same step.
+TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
+                     warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
+
+
+def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int) -> dict:
+    """Single process, plain torch: the whole global batch in one forward, torch's clipping."""
+    seed_everything(SEED)
+    model = build_model(model_cfg)
+    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
+    loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, GLOBAL, SEQ), 0, seed=SEED)
+    for _ in range(steps):
+        ((x, y),) = loader.next_step()
+        out = model(x)
+        (lm_loss(out.logits, y) + out.aux_loss).backward()
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def distributed_weights(model_cfg, train, tokens, steps, world, rank):
+    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
+    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
+    loader = BlockLoader(tokens, dims, rank, seed=SEED)
+    losses = [train_step(engine, loader.next_step(), CPU).item() for _ in range(steps)]
+    state = full_state_dict(engine, train.zero_stage)
+    del engine
+    gc.collect()
+    return state, losses
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def resume_check(tokens: Path, out_dir: Path, world: int, rank: int) -> dict:
+    """2N steps in one go == N steps, save, a fresh engine restores, N more steps (bit for bit)."""
+    train = dataclasses.replace(TRAIN, zero_stage=1)
+    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
+    straight, straight_losses = distributed_weights(DENSE, train, tokens, 4, world, rank)
+
+    engine, _ = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED)
+    loader = BlockLoader(tokens, dims, rank, seed=SEED)
+    first = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
+    save_state(engine, out_dir / "ckpt", step=2, loader_state=loader.state_dict())
+    del engine
+    gc.collect()
+
+    # A fresh engine from different initial weights: everything must come from the checkpoint.
+    engine, _ = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED + 1)
+    step, loader_state = load_state(engine, out_dir / "ckpt")
+    loader = BlockLoader(tokens, dims, rank, seed=0)
+    loader.load_state_dict(loader_state)
+    second = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
+    resumed = full_state_dict(engine, train.zero_stage)
+    out = {"step_restored": step, "losses_equal": straight_losses == first + second}
+    if rank == 0:
+        out["weights_identical"] = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    return out
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    tokens = out / "train.tokens.npy"
+    if rank == 0:
+        rng = np.random.default_rng(0)
+        np.save(tokens, rng.integers(0, DENSE.vocab_size, size=(64, SEQ + 1), dtype=np.uint16))
+    dist.barrier()
+
+    results: dict = {"world_size": world}
+    for name, model_cfg, stages in (("dense", DENSE, (0, 1, 2, 3)), ("moe", MOE, (1, 2))):
+        for zero in stages:
+            train = dataclasses.replace(TRAIN, zero_stage=zero)
+            state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank)
+            if rank == 0:
+                ref = reference_weights(model_cfg, train, tokens, 2)
+                init = reference_weights(model_cfg, train, tokens, 0)
+                results[f"{name}_zero{zero}"] = {
+                    "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
+                }
+    results["resume"] = resume_check(tokens, out, world, rank)
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
