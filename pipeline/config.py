@@ -121,6 +121,7 @@ class ParallelSection:
     ep_size: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
     threads_per_worker: int | None = None  # None: the node's cores split over its workers
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # workers over nodes
 
 
 @dataclass
@@ -167,6 +168,9 @@ class ClusterSection:
     num_cpus: int | None = None  # logical CPUs of the embedded local Ray; None: this machine's
     dashboard_host: str = "127.0.0.1"
     include_dashboard: bool = False
+    # A Ray cluster of several nodes needs an artifact_root every node sees. A URI (s3://...) is
+    # shared by nature; a path is shared only if it is a shared-filesystem mount, which you assert here.
+    shared_storage: bool = False
 
 
 @dataclass

@@ -20,8 +20,9 @@ from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.stages import ORDER, STAGES, execute_stage
 
-# Logical CPUs each stage's task holds. Training holds none itself: its Ray Train workers do.
-STAGE_CPUS = {"shard": 1, "tokenizer": 1, "tokenize": 1, "train": 0, "evaluate": 1, "register": 0}
+# Logical CPUs each stage's task holds. Training holds none itself: its Ray Train workers do; nor do
+# shard and tokenize, whose work runs in their own Ray tasks / Ray Data actors (1 CPU each).
+STAGE_CPUS = {"shard": 0, "tokenizer": 1, "tokenize": 0, "train": 0, "evaluate": 1, "register": 0}
 
 
 class StageFailed(RuntimeError):
@@ -144,6 +145,26 @@ def connect_ray(cfg: RunConfig) -> bool:
     return True
 
 
+def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
+    """Refuse a multi-node cluster whose stages would write where other nodes cannot read.
+
+    Raises:
+        ConfigError: more than one node, a local ``artifact_root`` or checkpoint path, and no
+            ``cluster.shared_storage`` assertion.
+    """
+    if num_nodes <= 1 or cfg.cluster.shared_storage:
+        return
+    local = [f"{name}={path}" for name, path in (
+        ("run.artifact_root", cfg.artifact_root()), ("train.checkpoint_storage", cfg.train.checkpoint_storage),
+    ) if path and "://" not in path]
+    if local:
+        raise ConfigError(
+            f"the Ray cluster has {num_nodes} nodes but {', '.join(local)} is a local path: stages and "
+            "training workers on other nodes would not see each other's files. Use shared storage "
+            "(an s3:// or gs:// URI, or a shared-filesystem mount) and set cluster.shared_storage=true"
+        )
+
+
 def _stage_task(name: str, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
@@ -167,19 +188,33 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
         echo(format_plan(plan))
         return PipelineResult(run_id=None, tracking_uri=uri, plan=plan)
 
+    started_ray = connect_ray(cfg)
+    try:
+        check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
+        return _run_stages(cfg, plan, uri, echo)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[str], None]) -> PipelineResult:
+    import ray
+
     cfg.workdir().mkdir(parents=True, exist_ok=True)
     local_store = uri.startswith("sqlite:")
     exp_id = tracking.ensure_experiment(
         uri, cfg.tracking.experiment,
         artifact_location=str(cfg.workdir() / "mlartifacts") if local_store else None,
     )
-    job_id = os.environ.get("RAY_JOB_ID") or os.environ.get("RAY_JOB_SUBMISSION_ID")
-    parent = tracking.start_run(uri, exp_id, cfg.run.name, tags={"conduit.ray_job_id": job_id or "local"})
-    tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
-    started_ray = connect_ray(cfg)
+    # Inside `ray job submit` the parent run is named after the job, so the two find each other.
+    job_id = os.environ.get("RAY_JOB_SUBMISSION_ID")
+    parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, tags={
+        "conduit.ray_job_id": job_id or "local", "conduit.config_name": cfg.run.name,
+    })
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
     task = ray.remote(_stage_task)
     try:
+        tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
             stage = STAGES[item.stage]
             if not item.run:
@@ -216,9 +251,6 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
     except BaseException:
         tracking.end_run(uri, parent, "FAILED")
         raise
-    finally:
-        if started_ray:
-            ray.shutdown()
     return result
 
 

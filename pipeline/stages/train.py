@@ -50,7 +50,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             "precision": precision,
         },
         torch_config=TorchConfig(backend=backend_for(device)),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
+                                               placement_strategy=cfg.parallel.placement_strategy),
         run_config=ray.train.RunConfig(
             name="train",
             storage_path=cfg.train.checkpoint_storage or str(out_dir / "ray"),

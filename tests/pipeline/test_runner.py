@@ -1,0 +1,38 @@
+"""Runner logic that needs no cluster: planning, --force/--only selection, the shared-storage guard."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.runner import check_shared_storage, downstream, make_plan, resolve
+
+
+def test_downstream_is_transitive():
+    assert downstream({"tokenizer"}) == {"tokenizer", "tokenize", "train", "evaluate", "register"}
+    assert downstream({"evaluate"}) == {"evaluate", "register"}
+    assert downstream(set()) == set()
+
+
+def test_plan_on_an_empty_root_runs_everything_and_names_bad_stages(tmp_path):
+    cfg = resolve(load_config(None, [f"run.workdir={tmp_path}"]))
+    assert [p.run for p in make_plan(cfg)] == [True] * 6
+    with pytest.raises(ConfigError, match=r"unknown stage 'trian'"):
+        make_plan(cfg, force=("trian",))
+
+
+@pytest.mark.parametrize("nodes,overrides,ok", [
+    (1, [], True),
+    (2, [], False),
+    (2, ["cluster.shared_storage=true"], True),
+    (3, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=s3://bucket/ckpt"], True),
+    (2, ["run.artifact_root=s3://bucket/conduit"], True),
+    (2, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=/local/ckpt"], False),
+])
+def test_multi_node_needs_shared_storage(tmp_path, nodes, overrides, ok):
+    cfg = load_config(None, [f"run.workdir={tmp_path}", *overrides])
+    if ok:
+        check_shared_storage(cfg, nodes)
+    else:
+        with pytest.raises(ConfigError, match=rf"the Ray cluster has {nodes} nodes but .* is a local path"):
+            check_shared_storage(cfg, nodes)
