@@ -81,19 +81,26 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
     return engine, scheduler
 
 
-def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns this rank's mean loss (detached).
+def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+               moe_stats=None) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns this rank's mean LM loss (detached).
 
     DeepSpeed divides each micro-batch loss by the accumulation steps in ``backward`` and applies
-    the update (with clipping) at the last micro-batch's ``step``.
+    the update (with clipping) at the last micro-batch's ``step``. The MoE auxiliary loss is
+    trained on but not part of the returned loss, so dense and MoE losses compare.
+
+    Args:
+        moe_stats: a ``metrics.MoEStats`` that collects routing statistics, or None.
     """
     losses = []
     for inputs_BT, targets_BT in micro_batches:
         out = engine(inputs_BT.to(device))
-        loss = lm_loss(out.logits.float(), targets_BT.to(device)) + out.aux_loss
-        engine.backward(loss)
+        lm = lm_loss(out.logits.float(), targets_BT.to(device))
+        engine.backward(lm + out.aux_loss)
         engine.step()
-        losses.append(loss.detach())
+        losses.append(lm.detach())
+        if moe_stats is not None:
+            moe_stats.add(out.moe_stats)
     return torch.stack(losses).mean()
 
 

@@ -28,6 +28,7 @@ from models.export import save_safetensors
 from pipeline.config import config_from_dict
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
+from pipeline.training.metrics import MoEStats, peak_flops_per_worker
 from pipeline.training.parallel import ParallelDims
 
 
@@ -59,12 +60,19 @@ def main(config: dict) -> None:
 
     tracker = config["tracker"] if rank == 0 else None
     flops_tok = flops_per_token(model_cfg, cfg.tokenize.seq_len)["total"]
+    peak, peak_source = peak_flops_per_worker(device, config["precision"])
+    cluster_peak = torch.tensor(peak, dtype=torch.float64, device=device)
+    dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
+    if rank == 0:
+        tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
+                          "mfu.flops_per_token": flops_tok, "mfu.formula": "6N + 12*L*H*Q*T (PaLM app. B)"})
+    moe_stats = MoEStats() if model_cfg.is_moe else None
     history: list[dict] = []
     bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
                disable=rank != 0 or not t.progress_bar, mininterval=1.0)
     window_t0, window_tokens = time.perf_counter(), 0
     for step in range(start_step, t.steps):
-        loss = train_step(engine, loader.next_step(), device)
+        loss = train_step(engine, loader.next_step(), device, moe_stats)
         window_tokens += dims.global_batch_tokens
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
@@ -76,7 +84,12 @@ def main(config: dict) -> None:
                 "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                 "tokens_per_s": window_tokens / elapsed,
                 "model_tflops_per_s": window_tokens / elapsed * flops_tok / 1e12,
+                "mfu": window_tokens / elapsed * flops_tok / cluster_peak.item(),
             }
+            if moe_stats is not None:
+                moe_stats.all_reduce()
+                metrics.update(moe_stats.metrics())
+                moe_stats = MoEStats()
             window_t0, window_tokens = time.perf_counter(), 0
             if rank == 0:
                 history.append({"step": done, **metrics})

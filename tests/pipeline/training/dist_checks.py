@@ -25,6 +25,7 @@ from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
     build_engine, full_state_dict, load_state, make_optimizer, save_state, seed_everything, train_step,
 )
+from pipeline.training.metrics import MoEStats
 from pipeline.training.parallel import ParallelDims
 
 SEQ, GLOBAL, MICRO, SEED = 8, 8, 2, 7
@@ -59,15 +60,31 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def distributed_weights(model_cfg, train, tokens, steps, world, rank):
+def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None):
     dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
     engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
-    losses = [train_step(engine, loader.next_step(), CPU).item() for _ in range(steps)]
+    losses = [train_step(engine, loader.next_step(), CPU, moe_stats).item() for _ in range(steps)]
     state = full_state_dict(engine, train.zero_stage)
     del engine
     gc.collect()
     return state, losses
+
+
+def expert_counts_check(tokens: Path, world: int, rank: int) -> dict | None:
+    """Routing counts summed over ranks == the single process's counts on the whole global batch."""
+    stats = MoEStats()
+    distributed_weights(MOE, dataclasses.replace(TRAIN, zero_stage=1), tokens, 1, world, rank, stats)
+    stats.all_reduce()
+    if rank != 0:
+        return None
+    seed_everything(SEED)
+    model = build_model(MOE)
+    ((x, _),) = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, GLOBAL, SEQ), 0, seed=SEED).next_step()
+    ref = [s["tokens_per_expert"].tolist() for s in model(x).moe_stats]
+    got = [s["tokens_per_expert"].long().tolist() for s in stats.layers]
+    return {"reference": ref, "distributed": got, "micro_batches": stats.micro_batches,
+            "load_shares_sum": sum(v for k, v in stats.metrics().items() if k.startswith("expert_load/l0/"))}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -124,6 +141,7 @@ def main(out_dir: str) -> None:
                     "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
                 }
     results["resume"] = resume_check(tokens, out, world, rank)
+    results["expert_counts"] = expert_counts_check(tokens, world, rank)
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

@@ -30,3 +30,10 @@ def test_resume_is_bit_exact(results):
     assert r["step_restored"] == 2
     assert r["losses_equal"] is True
     assert r["weights_identical"] is True
+
+
+def test_expert_load_is_summed_over_ranks(results):
+    r = results["expert_counts"]
+    assert r["distributed"] == r["reference"]  # exact integer counts, every layer and expert
+    assert r["micro_batches"] == 4  # 2 ranks x 2 accumulation steps
+    assert abs(r["load_shares_sum"] - 1.0) < 1e-12
