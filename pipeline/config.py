@@ -437,6 +437,12 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
             mc.num_experts % p.ep_size == 0,
             f"parallel.ep_size={p.ep_size} must divide model.num_experts={mc.num_experts}",
         )
+        need(tr.zero_stage in (0, 1, 2),
+             f"train.zero_stage={tr.zero_stage} with parallel.ep_size={p.ep_size}: expert parallelism works "
+             "with ZeRO 0, 1 and 2 (DeepSpeed's ZeRO-3 refuses MoE layers outside AutoEP)")
+        need(mc.moe_shared_experts == 0,
+             f"model.moe_shared_experts={mc.moe_shared_experts} with parallel.ep_size={p.ep_size}: shared experts "
+             "are not supported with expert parallelism yet")
 
 
 def hash_view(obj: Any) -> Any:

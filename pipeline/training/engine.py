@@ -19,6 +19,9 @@ from models.loss import lm_loss
 from models.schedules import lr_multiplier
 from pipeline.config import TrainSection
 from pipeline.training.ds_config import build_ds_config
+from pipeline.training.expert_parallel import (
+    apply_expert_parallel, canonical_state_dict, check_groups, moe_layers, moe_param_groups,
+)
 from pipeline.training.parallel import ParallelDims
 
 CHECKPOINT_TAG = "conduit"
@@ -35,7 +38,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (other if p.ndim < 2 or id(p) in no_decay else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": other, "weight_decay": 0.0}]
 
 
 def schedule_kwargs(train: TrainSection, d_model: int) -> dict:
@@ -46,12 +50,16 @@ def schedule_kwargs(train: TrainSection, d_model: int) -> dict:
     return {"warmup": train.warmup_steps, "total": train.steps, "min_ratio": train.min_lr_ratio}
 
 
-def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int):
+def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int, expert_parallel: bool = False):
     """Torch AdamW (no JIT-compiled op needed) and the LR schedule as a LambdaLR.
 
-    Schedules in ``models.schedules`` count steps from 1; LambdaLR counts from 0.
+    Schedules in ``models.schedules`` count steps from 1; LambdaLR counts from 0. With expert
+    parallelism the expert parameters get groups of their own (see ``expert_parallel``).
     """
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
+    groups = param_groups(model, train.weight_decay)
+    if expert_parallel:
+        groups = moe_param_groups(groups)
+    optimizer = torch.optim.AdamW(groups, lr=train.lr,
                                   betas=(train.beta1, train.beta2), eps=train.adam_eps)
     kw = schedule_kwargs(train, d_model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(train.schedule, s + 1, **kw))
@@ -75,9 +83,19 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
 
     seed_everything(seed)
     model = build_model(model_cfg, device=device)
-    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
+    ep = dims.ep_size > 1
+    if ep:
+        if train.zero_stage == 3:
+            raise ValueError(
+                "train.zero_stage=3 with parallel.ep_size > 1 is not supported: DeepSpeed's ZeRO-3 refuses "
+                "MoE layers outside AutoEP; use zero_stage 1 or 2 for expert parallelism"
+            )
+        apply_expert_parallel(model, dims.ep_size, dist.get_rank())
+    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
     config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if ep:
+        check_groups(engine.module, dist.get_rank())
     return engine, scheduler
 
 
@@ -128,16 +146,22 @@ def load_state(engine, ckpt_dir: str | Path) -> tuple[int, dict]:
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
     """The consolidated fp32 weights on rank 0 (None elsewhere); every rank must call it.
 
-    Under ZeRO-3 the parameters are partitioned, so all ranks join the gather.
+    Under ZeRO-3 the parameters are partitioned and under expert parallelism the experts are, so
+    all ranks join the gather. The result has the single-process layout of ``models``.
     """
     import deepspeed
 
+    def rank0_copy(state: dict) -> dict | None:
+        return {k: v.detach().float().clone() for k, v in state.items()} if dist.get_rank() == 0 else None
+
     module = engine.module
-    if zero_stage == 3:
+    if any(hasattr(layer, "ep_shard") for _, layer in moe_layers(module)):
+        state = rank0_copy(canonical_state_dict(module))  # experts gathered over their EP groups
+    elif zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = {k: v.detach().float().clone() for k, v in module.state_dict().items()} if dist.get_rank() == 0 else None
+            state = rank0_copy(module.state_dict())
     else:
-        state = {k: v.detach().float().clone() for k, v in module.state_dict().items()} if dist.get_rank() == 0 else None
+        state = rank0_copy(module.state_dict())
     dist.barrier()
     return state
 

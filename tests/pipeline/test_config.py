@@ -55,12 +55,14 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("train.global_batch_size=10", r"train\.global_batch_size=10 must be a multiple of parallel\.num_workers=2 x"),
     ("parallel.ep_size=2", r"parallel\.ep_size=2 needs an MoE model"),
     ("tokenize.seq_len=4096", r"tokenize\.seq_len=4096 exceeds the model's max_seq_len"),
+    ("model.preset=debug_moe parallel.ep_size=2 train.zero_stage=3", r"train\.zero_stage=3 with parallel\.ep_size=2"),
+    ("model.preset=debug_moe parallel.ep_size=2 model.num_experts=3", r"parallel\.ep_size=2 must divide model\.num_experts=3"),
     ("model.pos_encoding=spiral", r"pos_encoding"),
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
 ])
 def test_bad_values_name_the_field(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 def test_bad_yaml_and_missing_file(tmp_path):

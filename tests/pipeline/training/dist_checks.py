@@ -25,6 +25,7 @@ from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
     build_engine, full_state_dict, load_state, make_optimizer, save_state, seed_everything, train_step,
 )
+from pipeline.training.expert_parallel import moe_layers
 from pipeline.training.metrics import MoEStats
 from pipeline.training.parallel import ParallelDims
 
@@ -38,20 +39,24 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0
 # adam_eps 1e-4, not 1e-8: with a tiny eps Adam's first step is lr * sign(g), which turns the
 # rounding differences of near-zero gradients (summed in another order over ranks) into lr-sized
 # jumps; the check would then measure rounding, not whether the distributed step is the same step.
+MOE_AUX = dataclasses.replace(MOE, moe_aux_loss_coef=0.01)
+MOE_CAPACITY = dataclasses.replace(MOE_AUX, moe_capacity_factor=1.0)
 TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
                      warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
 
-def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int) -> dict:
-    """Single process, plain torch: the whole global batch in one forward, torch's clipping."""
+def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
+                      micro: int = GLOBAL) -> dict:
+    """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
+    one forward; smaller: the same global batch accumulated over micro-batches of that size."""
     seed_everything(SEED)
     model = build_model(model_cfg)
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
-    loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, GLOBAL, SEQ), 0, seed=SEED)
+    loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, micro, SEQ), 0, seed=SEED)
     for _ in range(steps):
-        ((x, y),) = loader.next_step()
-        out = model(x)
-        (lm_loss(out.logits, y) + out.aux_loss).backward()
+        for x, y in loader.next_step():
+            out = model(x)
+            ((lm_loss(out.logits, y) + out.aux_loss) * micro / GLOBAL).backward()
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
@@ -60,11 +65,16 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None):
-    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
+def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1):
+    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
     engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = [train_step(engine, loader.next_step(), CPU, moe_stats).item() for _ in range(steps)]
+    if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
+        for _, layer in moe_layers(engine.module):
+            assert len(layer.experts) == 0
+            assert len(layer.ep_shard.deepspeed_moe.experts.deepspeed_experts) == model_cfg.num_experts // ep_size
+        assert engine.has_moe_layers
     state = full_state_dict(engine, train.zero_stage)
     del engine
     gc.collect()
@@ -92,22 +102,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def resume_check(tokens: Path, out_dir: Path, world: int, rank: int) -> dict:
+def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENSE, zero=1, ep_size=1) -> dict:
     """2N steps in one go == N steps, save, a fresh engine restores, N more steps (bit for bit)."""
-    train = dataclasses.replace(TRAIN, zero_stage=1)
-    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
-    straight, straight_losses = distributed_weights(DENSE, train, tokens, 4, world, rank)
+    train = dataclasses.replace(TRAIN, zero_stage=zero)
+    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
+    straight, straight_losses = distributed_weights(model_cfg, train, tokens, 4, world, rank, ep_size=ep_size)
 
-    engine, _ = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED)
+    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     first = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
-    save_state(engine, out_dir / "ckpt", step=2, loader_state=loader.state_dict())
+    save_state(engine, ckpt, step=2, loader_state=loader.state_dict())
     del engine
     gc.collect()
 
     # A fresh engine from different initial weights: everything must come from the checkpoint.
-    engine, _ = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED + 1)
-    step, loader_state = load_state(engine, out_dir / "ckpt")
+    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED + 1)
+    step, loader_state = load_state(engine, ckpt)
     loader = BlockLoader(tokens, dims, rank, seed=0)
     loader.load_state_dict(loader_state)
     second = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
@@ -140,7 +150,28 @@ def main(out_dir: str) -> None:
                 results[f"{name}_zero{zero}"] = {
                     "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
                 }
-    results["resume"] = resume_check(tokens, out, world, rank)
+    # Expert parallelism: experts split over the 2 ranks, tokens exchanged by all-to-all. The
+    # reference accumulates the same micro-batches, so capacity (computed per forward) and the
+    # load-balancing loss see the same tokens as each rank does.
+    ep_cases = (("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1))
+    for name, model_cfg, zero in ep_cases:
+        train = dataclasses.replace(TRAIN, zero_stage=zero)
+        stats = MoEStats()
+        state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank, stats, ep_size=world)
+        stats.all_reduce()
+        if rank == 0:
+            ref = reference_weights(model_cfg, train, tokens, 2, micro=MICRO)
+            init = reference_weights(model_cfg, train, tokens, 0)
+            results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
+                             "dropped_fraction": stats.metrics()["moe_dropped_fraction"]}
+    results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
+    results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
+    try:
+        build_engine(MOE, dataclasses.replace(TRAIN, zero_stage=3), ParallelDims(world, world, GLOBAL, MICRO, SEQ),
+                     precision="fp32", device=CPU, seed=SEED)
+        results["ep_zero3_refused"] = None
+    except ValueError as e:
+        results["ep_zero3_refused"] = str(e)
     results["expert_counts"] = expert_counts_check(tokens, world, rank)
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -25,8 +25,24 @@ def test_two_ranks_match_one_process(results, case):
     assert r["max_abs_diff"] < 1e-5, r
 
 
-def test_resume_is_bit_exact(results):
-    r = results["resume"]
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1"])
+def test_expert_parallel_matches_one_process(results, case):
+    r = results[case]
+    assert r["moved"] > 1e-3
+    assert r["max_abs_diff"] < 1e-5, r
+    if "capacity" in case:
+        assert r["dropped_fraction"] > 0.05  # tokens were dropped, and the same ones as in one process
+    else:
+        assert r["dropped_fraction"] == 0.0
+
+
+def test_expert_parallel_with_zero3_is_refused_clearly(results):
+    assert "train.zero_stage=3 with parallel.ep_size > 1 is not supported" in results["ep_zero3_refused"]
+
+
+@pytest.mark.parametrize("case", ["resume", "resume_ep2"])
+def test_resume_is_bit_exact(results, case):
+    r = results[case]
     assert r["step_restored"] == 2
     assert r["losses_equal"] is True
     assert r["weights_identical"] is True
