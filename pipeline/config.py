@@ -105,6 +105,9 @@ class TrainSection:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     zero_stage: Literal[0, 1, 2, 3] = 1
+    offload_optimizer: bool = False  # ZeRO 1-3: optimizer states and the step on the CPU
+    offload_params: bool = False  # ZeRO-3: parameters live on the CPU between uses
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
@@ -411,6 +414,10 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
     need(tr.micro_batch_size_per_rank >= 1, "train.micro_batch_size_per_rank must be >= 1")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(not tr.offload_optimizer or tr.zero_stage >= 1,
+         f"train.offload_optimizer needs train.zero_stage >= 1, got {tr.zero_stage}")
+    need(not tr.offload_params or tr.zero_stage == 3,
+         f"train.offload_params needs train.zero_stage=3, got {tr.zero_stage}")
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")

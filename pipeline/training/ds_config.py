@@ -5,7 +5,8 @@ from __future__ import annotations
 from pipeline.training.parallel import ParallelDims
 
 
-def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad_clip: float) -> dict:
+def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad_clip: float,
+                    offload_optimizer: bool = False, offload_params: bool = False) -> dict:
     """DeepSpeed's config dict for one run.
 
     The optimizer and LR schedule are client objects passed to ``deepspeed.initialize`` (torch's
@@ -16,19 +17,34 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
         zero_stage: 0-3.
         precision: "fp32", "bf16" or "fp16" (already resolved from "auto").
         grad_clip: max global grad norm; 0 disables clipping.
+        offload_optimizer: keep optimizer states on the CPU (ZeRO 1-3).
+        offload_params: keep parameters on the CPU between uses (ZeRO-3).
     """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp16")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
-    return {
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    if offload_params and zero_stage != 3:
+        raise ValueError("offload_params needs zero_stage=3")
+    zero: dict = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
         "train_batch_size": dims.global_batch_size,
         "train_micro_batch_size_per_gpu": dims.micro_batch_size_per_rank,
         "gradient_accumulation_steps": dims.grad_accum_steps,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 12},
         "steps_per_print": 2**31 - 1,  # Conduit logs its own metrics
         "wall_clock_breakdown": False,
     }
+    if offload_optimizer:
+        # Our optimizer is torch's AdamW (no JIT build); DeepSpeed would otherwise insist on its own.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config

@@ -66,6 +66,25 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int, ex
     return optimizer, scheduler
 
 
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each Transformer block's activations during backward instead of storing them.
+
+    Wraps every block's forward in non-reentrant ``torch.utils.checkpoint`` (it takes the blocks'
+    non-tensor arguments and returns their MoE statistics); without grad it runs plainly.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers:
+        plain = block.forward
+
+        def forward(*args, _plain=plain, **kwargs):
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -92,7 +111,10 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
             )
         apply_expert_parallel(model, dims.ep_size, dist.get_rank())
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
-    config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip,
+                             offload_optimizer=train.offload_optimizer, offload_params=train.offload_params)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if ep:
         check_groups(engine.module, dist.get_rank())

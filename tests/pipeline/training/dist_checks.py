@@ -140,16 +140,24 @@ def main(out_dir: str) -> None:
     dist.barrier()
 
     results: dict = {"world_size": world}
-    for name, model_cfg, stages in (("dense", DENSE, (0, 1, 2, 3)), ("moe", MOE, (1, 2))):
-        for zero in stages:
-            train = dataclasses.replace(TRAIN, zero_stage=zero)
-            state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank)
-            if rank == 0:
-                ref = reference_weights(model_cfg, train, tokens, 2)
-                init = reference_weights(model_cfg, train, tokens, 0)
-                results[f"{name}_zero{zero}"] = {
-                    "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
-                }
+    variants = {
+        "dense_zero0": (DENSE, {"zero_stage": 0}), "dense_zero1": (DENSE, {"zero_stage": 1}),
+        "dense_zero2": (DENSE, {"zero_stage": 2}), "dense_zero3": (DENSE, {"zero_stage": 3}),
+        "dense_zero2_offload": (DENSE, {"zero_stage": 2, "offload_optimizer": True}),
+        "dense_zero3_offload_all": (DENSE, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}),
+        "dense_zero1_activation_ckpt": (DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
+        "moe_zero1": (MOE, {"zero_stage": 1}), "moe_zero2": (MOE, {"zero_stage": 2}),
+    }
+    for case, (model_cfg, fields) in variants.items():
+        train = dataclasses.replace(TRAIN, **fields)
+        state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank)
+        if rank == 0:
+            ref = reference_weights(model_cfg, train, tokens, 2)
+            init = reference_weights(model_cfg, train, tokens, 0)
+            results[case] = {
+                "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
+            }
+
     # Expert parallelism: experts split over the 2 ranks, tokens exchanged by all-to-all. The
     # reference accumulates the same micro-batches, so capacity (computed per forward) and the
     # load-balancing loss see the same tokens as each rank does.

@@ -45,6 +45,14 @@ def test_ds_config_golden():
     }
     bf16 = build_ds_config(dims=dims, zero_stage=3, precision="bf16", grad_clip=0.0)
     assert bf16["bf16"] == {"enabled": True} and bf16["zero_optimization"] == {"stage": 3}
+    offload = build_ds_config(dims=dims, zero_stage=3, precision="fp32", grad_clip=1.0,
+                              offload_optimizer=True, offload_params=True)
+    assert offload["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+    }
+    assert offload["zero_force_ds_cpu_optimizer"] is False
+    with pytest.raises(ValueError, match="offload_params needs zero_stage=3"):
+        build_ds_config(dims=dims, zero_stage=2, precision="fp32", grad_clip=1.0, offload_params=True)
     with pytest.raises(ValueError, match="precision='fp8'"):
         build_ds_config(dims=dims, zero_stage=1, precision="fp8", grad_clip=1.0)
 

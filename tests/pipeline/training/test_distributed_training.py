@@ -18,7 +18,10 @@ def results(tmp_path_factory):
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("case", ["dense_zero0", "dense_zero1", "dense_zero2", "dense_zero3", "moe_zero1", "moe_zero2"])
+@pytest.mark.parametrize("case", [
+    "dense_zero0", "dense_zero1", "dense_zero2", "dense_zero3", "dense_zero2_offload", "dense_zero3_offload_all",
+    "dense_zero1_activation_ckpt", "moe_zero1", "moe_zero2",
+])
 def test_two_ranks_match_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3  # the steps really changed the weights, so equality means something
