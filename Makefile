@@ -12,7 +12,13 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-
 export RAY_USAGE_STATS_ENABLED=0 MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true \
        HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: install run test test-fast clean
+# infra/local/up writes this; while it exists `make run` drives that Ray cluster and MLflow server
+# (the driver runs here, attached to the cluster's GCS) and `make submit` sends a Ray job there.
+INFRA_ENV ?= outputs/infra/env
+USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
+	echo "using $(INFRA_ENV): Ray $$RAY_ADDRESS, MLflow $$MLFLOW_TRACKING_URI"; fi
+
+.PHONY: install run submit up down test test-fast clean
 
 install: $(VENV)/.installed
 
@@ -24,7 +30,17 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
+	@$(USE_INFRA); if [ -n "$$CONDUIT_RAY_GCS_ADDRESS" ]; then export RAY_ADDRESS=$$CONDUIT_RAY_GCS_ADDRESS; fi; \
 	$(PY) -m jobs.run $(CONFIG) $(ARGS)
+
+submit: install
+	@$(USE_INFRA); $(PY) -m jobs.submit $(CONFIG) $(ARGS) --follow
+
+up: install
+	infra/local/up $(UP_ARGS)
+
+down:
+	infra/local/down
 
 test: install
 	$(PY) -m pytest -q --timeout=1500 $(PYTEST_ARGS)

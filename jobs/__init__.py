@@ -1,1 +1,1 @@
-"""The doors a user walks through: run, (later) submit, promote, serve. Thin: parse, then call pipeline."""
+"""The doors a user walks through: run, submit/status/logs/stop, promote, serve. Thin: parse, then call pipeline."""

@@ -8,6 +8,7 @@ each under a nested MLflow run of the pipeline's parent run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -165,6 +166,20 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
         )
 
 
+def ray_job_submission_id() -> str | None:
+    """The Ray job submission id when this driver runs as a Ray job, else None.
+
+    Ray puts it in the job config it hands the driver (``RAY_JOB_CONFIG_JSON_ENV_VAR``, under
+    ``metadata.job_submission_id``); ``jobs.submit`` also sets ``RAY_JOB_SUBMISSION_ID``.
+    """
+    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        return os.environ["RAY_JOB_SUBMISSION_ID"]
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    return json.loads(raw).get("metadata", {}).get("job_submission_id")
+
+
 def _stage_task(name: str, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
@@ -207,7 +222,7 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         artifact_location=str(cfg.workdir() / "mlartifacts") if local_store else None,
     )
     # Inside `ray job submit` the parent run is named after the job, so the two find each other.
-    job_id = os.environ.get("RAY_JOB_SUBMISSION_ID")
+    job_id = ray_job_submission_id()
     parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, tags={
         "conduit.ray_job_id": job_id or "local", "conduit.config_name": cfg.run.name,
     })

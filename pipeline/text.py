@@ -1,7 +1,8 @@
 """Sentencepiece training and loading, with Conduit's fixed special ids.
 
 Special ids (the same in every Conduit tokenizer, so packed token files and models agree):
-    0 <pad>, 1 <unk>, 2 <s> (BOS), 3 </s> (EOS), 4 "\\n" (a newline is one token).
+    0 <pad>, 1 <unk>, 2 <s> (BOS), 3 </s> (EOS), 4 "\\n" (a newline is one token),
+    then ``tokenizer.user_defined_symbols`` in order from id 5 (each always one token).
 
 The default tokenizer is lossless: identity normalisation, no whitespace folding and byte fallback,
 so ``decode(encode(x)) == x`` for any string. ``nfkc`` / ``nmt_nfkc`` are explicit, lossy options.
@@ -10,7 +11,7 @@ so ``decode(encode(x)) == x`` for any string. ``nfkc`` / ``nmt_nfkc`` are explic
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
@@ -37,8 +38,19 @@ def training_lines(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
 
 def train_sentencepiece(lines: Iterable[str], *, vocab_size: int, model_type: str,
                         character_coverage: float, byte_fallback: bool, normalization: str,
-                        num_threads: int) -> bytes:
-    """Train a sentencepiece model from an iterator of lines and return the serialized model."""
+                        num_threads: int, user_defined_symbols: Sequence[str] = ()) -> bytes:
+    """Train a sentencepiece model from an iterator of lines and return the serialized model.
+
+    Args:
+        lines: training sentences (see ``training_lines``).
+        vocab_size, model_type, character_coverage, byte_fallback: as in ``TokenizerSection``.
+        normalization: ``identity`` (lossless: no whitespace folding either) or a lossy rule.
+        num_threads: trainer threads.
+        user_defined_symbols: pieces that are always one token, ids 5, 6, ... in this order.
+
+    Returns:
+        The serialized model (the bytes of a ``.model`` file).
+    """
     buf = io.BytesIO()
     lossless = normalization == "identity"
     spm.SentencePieceTrainer.train(
@@ -53,7 +65,7 @@ def train_sentencepiece(lines: Iterable[str], *, vocab_size: int, model_type: st
         allow_whitespace_only_pieces=True,
         split_digits=True,
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        user_defined_symbols=["\n"],
+        user_defined_symbols=["\n", *user_defined_symbols],
         hard_vocab_limit=False,
         num_threads=num_threads,
         minloglevel=2,

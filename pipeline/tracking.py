@@ -8,16 +8,47 @@ The model registry is written here on behalf of the register stage and ``jobs/pr
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.tracking import MlflowClient
 
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
+
+
+@contextmanager
+def _fluent_uri(uri: str):
+    """Point MLflow's fluent API (log_model, load_model) at ``uri`` for one call only.
+
+    ``mlflow.set_tracking_uri`` and ``set_registry_uri`` change process-wide state and export
+    $MLFLOW_TRACKING_URI / $MLFLOW_REGISTRY_URI to the environment, where every later config in
+    this process would pick them up. Both are put back as they were.
+    """
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    saved_env = {k: os.environ.get(k) for k in names}
+    saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        tracking_utils._tracking_uri, registry_utils._registry_uri = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def client(uri: str) -> MlflowClient:
@@ -97,7 +128,9 @@ class ConduitLM(mlflow.pyfunc.PythonModel):
     """The pyfunc wrapper that MLflow loads and serves: prompts in, generated text out.
 
     The work is done by ``pipeline.generation.TextGenerator`` (torch + sentencepiece); this class
-    only adapts MLflow's calling convention.
+    only adapts MLflow's calling convention. A ``PromptError`` (the client's fault) becomes an
+    ``MlflowException`` with INVALID_PARAMETER_VALUE, which the scoring server answers with a 400 that
+    carries our message; any other exception is a server-side bug and propagates as is.
     """
 
     def load_context(self, context):  # noqa: D102  (MLflow's hook)
@@ -110,16 +143,19 @@ class ConduitLM(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):  # noqa: D102  (MLflow's hook)
         import pandas as pd
 
-        from pipeline.generation import prompts_from_input
+        from pipeline.generation import PromptError, prompts_from_input
 
-        prompts = prompts_from_input(model_input)
         p = params or {}
-        texts = self._generator.generate(
-            prompts,
-            max_new_tokens=int(p.get("max_new_tokens", 64)),
-            temperature=float(p.get("temperature", 0.8)),
-            top_p=float(p.get("top_p", 1.0)),
-        )
+        try:
+            prompts = prompts_from_input(model_input)
+            texts = self._generator.generate(
+                prompts,
+                max_new_tokens=int(p.get("max_new_tokens", 64)),
+                temperature=float(p.get("temperature", 0.8)),
+                top_p=float(p.get("top_p", 1.0)),
+            )
+        except PromptError as e:
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
         return pd.DataFrame({"text": texts})
 
 
@@ -154,21 +190,25 @@ def log_and_register_model(
     tags: dict[str, Any],
     description: str,
     code_paths: list[str],
+    extra_artifacts: dict[str, Path] | None = None,
 ) -> int:
     """Log the pyfunc model into the tracker's run, register it, point ``alias`` at it.
+
+    Args:
+        extra_artifacts: more files or folders to ship inside the model (name -> local path), e.g.
+            ``metrics.json`` and the Hugging Face export; they land under ``artifacts/`` in the model.
 
     Returns:
         The new registered model version number.
     """
     import pandas as pd
 
-    mlflow.set_tracking_uri(tracker.uri)
-    mlflow.set_registry_uri(tracker.uri)
-    with mlflow.start_run(run_id=tracker.run_id):
+    with _fluent_uri(tracker.uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=ConduitLM(),
-            artifacts={"weights": str(weights), "tokenizer": str(tokenizer)},
+            artifacts={"weights": str(weights), "tokenizer": str(tokenizer),
+                       **{k: str(v) for k, v in (extra_artifacts or {}).items()}},
             code_paths=code_paths,
             signature=_signature(),
             input_example=(pd.DataFrame({"prompt": ["Once upon a time"]}), {"max_new_tokens": 16}),
@@ -184,11 +224,81 @@ def log_and_register_model(
     return version
 
 
+# ---- the registry, for jobs/promote.py and jobs/serve.py ------------------------------------------
+@dataclass(frozen=True)
+class VersionInfo:
+    """One registered model version as Conduit reads it."""
+
+    name: str
+    version: int
+    run_id: str
+    tags: dict[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+
+
+def _version_info(mv) -> VersionInfo:
+    return VersionInfo(mv.name, int(mv.version), mv.run_id, dict(mv.tags), tuple(mv.aliases))
+
+
+def model_aliases(uri: str, name: str) -> dict[str, int]:
+    """Alias -> version of registered model ``name``.
+
+    Raises:
+        LookupError: when no model of that name is registered at ``uri``.
+    """
+    try:
+        rm = client(uri).get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise LookupError(f"no registered model {name!r} in the registry at {uri}") from e
+        raise
+    return {alias: int(v) for alias, v in rm.aliases.items()}
+
+
+def get_version(uri: str, name: str, version: int) -> VersionInfo:
+    """Version ``version`` of model ``name``.
+
+    Raises:
+        LookupError: when the model or the version does not exist.
+    """
+    try:
+        return _version_info(client(uri).get_model_version(name, str(version)))
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise LookupError(f"model {name!r} has no version {version} in the registry at {uri}") from e
+        raise
+
+
+def version_by_alias(uri: str, name: str, alias: str) -> VersionInfo | None:
+    """The version ``alias`` points at, or None when the alias is not set.
+
+    Raises:
+        LookupError: when no model of that name is registered.
+    """
+    version = model_aliases(uri, name).get(alias)
+    return None if version is None else get_version(uri, name, version)
+
+
+def set_version_tags(uri: str, name: str, version: int, tags: dict[str, Any]) -> None:
+    c = client(uri)
+    for k, v in tags.items():
+        c.set_model_version_tag(name, str(version), k, str(v))
+
+
+def set_alias(uri: str, name: str, alias: str, version: int) -> None:
+    client(uri).set_registered_model_alias(name, alias, str(version))
+
+
+def download_model(uri: str, model_ref: str, dst: str | Path) -> Path:
+    """Download a registered model's files (``models:/NAME/3`` or ``models:/NAME@alias``) into ``dst``."""
+    with _fluent_uri(uri):
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_ref, dst_path=str(dst)))
+
+
 def load_registered_model(uri: str, model_ref: str):
     """Load ``models:/NAME@alias`` (or ``models:/NAME/3``) as a pyfunc model."""
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return mlflow.pyfunc.load_model(model_ref)
+    with _fluent_uri(uri):
+        return mlflow.pyfunc.load_model(model_ref)
 
 
 def ui_command(uri: str) -> str:
@@ -204,6 +314,7 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "ConduitLM", "StageTracker", "client", "end_run", "ensure_experiment", "env_for_workers",
-    "load_registered_model", "log_and_register_model", "start_run", "ui_command",
+    "ConduitLM", "StageTracker", "VersionInfo", "client", "download_model", "end_run", "ensure_experiment",
+    "env_for_workers", "get_version", "load_registered_model", "log_and_register_model", "model_aliases",
+    "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
 ]

@@ -1,8 +1,14 @@
-"""evaluate: a trained model -> validation loss, perplexity, bits per byte, samples (``metrics.json``).
+"""evaluate: a trained model -> held-out and benchmark metrics, samples and pictures (``metrics.json``).
 
 Bits per byte makes models with different tokenizers comparable: the mean next-token loss (nats)
 times tokens per UTF-8 byte of the split, over ln 2. A unigram model fitted on the training tokens
 (add-one smoothing) is the floor any trained model must clear, and is reported beside it.
+
+Beyond the validation split (``pipeline.evaluation``): bits per byte and perplexity on held-out
+Gutenberg books and WikiText-2 ``wiki.test.raw``, LAMBADA last-word accuracy and perplexity (with
+GPT-2 117M's published numbers beside ours), word-order sensitivity, an attention heatmap grid and,
+for MoE models, expert load and router entropy. ``metrics.json`` holds ``metrics`` (flat numbers, which
+register copies into version tags and promote gates on), ``samples`` and ``references``.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from models.export import load_safetensors
 from models.loss import lm_loss
 from pipeline.artifacts import write_json_atomic
 from pipeline.config import RunConfig, hash_view
+from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
 from pipeline.generation import TextGenerator
 from pipeline.stages.tokenizer import MODEL_FILE
 from pipeline.stages.train import WEIGHTS_FILE
 from pipeline.text import load_sentencepiece
 
 NAME = "evaluate"
-VERSION = 1
+VERSION = 2
 INPUTS = ("tokenizer", "tokenize", "train")
 METRICS_FILE = "metrics.json"
 
@@ -54,6 +61,45 @@ def unigram_loss(train_blocks: np.ndarray, eval_targets: np.ndarray, vocab_size:
     return float(-logp[np.asarray(eval_targets).reshape(-1)].mean())
 
 
+def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp) -> dict[str, float]:
+    """Held-out Gutenberg, WikiText-2 and LAMBADA metrics, each skipped when its config path is null.
+
+    Raises:
+        ValueError: naming the ``eval.*`` field with a bad value; FileNotFoundError for missing data.
+    """
+    e, root, context = cfg.eval, cfg.data_root(), cfg.tokenize.seq_len
+    if e.max_text_tokens < 1:
+        raise ValueError(f"eval.max_text_tokens={e.max_text_tokens} must be >= 1")
+    out: dict[str, float] = {}
+    text_sets = {"heldout": (e.heldout_paths, "eval.heldout_paths"),
+                 "wikitext2": ([e.wikitext_path] if e.wikitext_path else [], "eval.wikitext_path")}
+    for prefix, (patterns, field_name) in text_sets.items():
+        if not patterns:
+            continue
+        files = text_metrics.resolve_files(root, patterns, field_name)
+        encoded = text_metrics.encode_files(sp, files, e.max_text_tokens)
+        m = text_metrics.text_metrics(model, encoded, context, e.batch_size)
+        out.update({f"{prefix}_{k}": float(v) for k, v in m.items()})
+    if e.lambada_path:
+        path = root / e.lambada_path
+        if not path.is_file():
+            raise FileNotFoundError(f"eval.lambada_path: {path} is not a file")
+        examples = lambada.load_examples(path, sp, e.lambada_max_examples)
+        out.update({f"lambada_{k}": float(v) for k, v in lambada.lambada_metrics(model, examples, context, e.batch_size).items()})
+    return out
+
+
+def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, blocks: np.ndarray, tracker) -> dict[str, float]:
+    """Log the attention heatmap grid and, for MoE models, the expert-load heatmap; returns routing metrics."""
+    weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
+    tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
+    if model.cfg.num_experts == 0:
+        return {}
+    stats = routing.routing_stats(model, blocks, cfg.eval.batch_size)
+    tracker.log_figure(plots.expert_load_figure(stats["load_share"], stats["router_entropy"]), "plots/expert_load.png")
+    return routing.routing_metrics(stats)
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tok_dir = inputs["tokenize"].path
     index = json.loads((tok_dir / "index.json").read_text())
@@ -62,8 +108,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE))
     blocks = np.load(tok_dir / "validation.tokens.npy", mmap_mode="r")
     loss, n_tokens = validation_loss(model, blocks, cfg.eval.batch_size, cfg.eval.max_batches)
-    evaluated = blocks[: math.ceil(n_tokens / (blocks.shape[1] - 1)), 1:]
-    uni = unigram_loss(np.load(tok_dir / "train.tokens.npy", mmap_mode="r"), evaluated, model.cfg.vocab_size)
+    evaluated = blocks[: math.ceil(n_tokens / (blocks.shape[1] - 1))]
+    uni = unigram_loss(np.load(tok_dir / "train.tokens.npy", mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
     metrics = {
         "val_loss": loss,
         "val_perplexity": math.exp(loss),
@@ -73,11 +119,20 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "unigram_bits_per_byte": uni * tokens_per_byte / math.log(2),
     }
     sp = load_sentencepiece(str(inputs["tokenizer"].path / MODEL_FILE))
+    metrics.update(word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed))
+    metrics.update(benchmark_metrics(cfg, model, sp))
+    metrics.update(log_pictures(cfg, model, sp, evaluated, tracker))
     samples = TextGenerator(model, sp).generate(
         cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature
     )
-    write_json_atomic(out_dir / METRICS_FILE, {"metrics": metrics, "samples": dict(zip(cfg.eval.prompts, samples))})
+    table = references.reference_table(metrics)
+    write_json_atomic(out_dir / METRICS_FILE, {
+        "metrics": metrics,
+        "samples": dict(zip(cfg.eval.prompts, samples)),
+        "references": {"gpt2_117m": table, "text": references.format_table(table)},
+    })
     tracker.log_metrics(metrics)
     tracker.log_table({"prompt": cfg.eval.prompts, "continuation": samples}, "samples.json")
+    tracker.log_table(table, "references.json")
     tracker.log_artifact(out_dir / METRICS_FILE)
     return metrics

@@ -1,25 +1,32 @@
 """register: trained weights + tokenizer + metrics -> an MLflow registered model version.
 
 The version is an MLflow pyfunc model (``pipeline.tracking.ConduitLM``) that answers prompts with
-generated text; it gets the configured alias (``challenger`` by default) and tags that lead back to
-the data, config and metrics it came from.
+generated text; it gets the configured alias (``challenger`` by default), tags that lead back to the
+data, config, code and metrics it came from (``metric.<name>`` tags are what ``jobs.promote`` gates
+on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
+and ``register.hf_export`` is on, a Hugging Face export (``hf/``: config.json, model.safetensors and
+the sentencepiece ``tokenizer.model``) that ``transformers`` loads as Llama / Mixtral.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+from models.export import hf_unsupported_options, load_safetensors, read_config, save_hf
 from pipeline import tracking
-from pipeline.artifacts import code_version
+from pipeline.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
 from pipeline.stages.evaluate import METRICS_FILE
 from pipeline.stages.tokenizer import MODEL_FILE
 from pipeline.stages.train import WEIGHTS_FILE
+from pipeline.text import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 NAME = "register"
-VERSION = 1
+VERSION = 2
 INPUTS = ("tokenizer", "train", "evaluate")
+HF_DIR = "hf"
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -27,30 +34,80 @@ def hash_config(cfg: RunConfig) -> dict:
     return {"register": hash_view(cfg.register), "tracking_uri": cfg.tracking_uri()}
 
 
-def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
-    metrics = json.loads((inputs["evaluate"].path / METRICS_FILE).read_text())["metrics"]
-    tags = {
+def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
+    """Write the Hugging Face export of ``weights`` into ``out_dir``.
+
+    Returns:
+        None when exported, else why not (the options HF Llama / Mixtral cannot express).
+    """
+    problems = hf_unsupported_options(read_config(weights))
+    if problems:
+        return "; ".join(problems)
+    model = load_safetensors(weights)
+    save_hf(model, model.cfg, out_dir,
+            extra_config={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
+    shutil.copyfile(tokenizer, out_dir / "tokenizer.model")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "model_max_length": model.cfg.max_seq_len,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "add_bos_token": False, "add_eos_token": False, "legacy": True,
+        "conduit_note": f"ids: pad={PAD_ID} unk={UNK_ID} bos={BOS_ID} eos={EOS_ID}; documents start after an EOS",
+    }, indent=2))
+    return None
+
+
+def version_tags(cfg: RunConfig, inputs: dict, metrics: dict[str, float], hf_note: str | None) -> dict[str, str]:
+    """Lineage and metric tags of the new version (metrics at full precision: promote compares them)."""
+    return {
         "conduit.train_hash": inputs["train"].hash,
         "conduit.tokenizer_hash": inputs["tokenizer"].hash,
+        "conduit.evaluate_hash": inputs["evaluate"].hash,
         "conduit.data_hash": inputs["train"].manifest["inputs"].get("tokenize", ""),
+        "conduit.config_hash": content_hash("run_config", 1, hash_view(cfg), {}),
         "conduit.code_version": code_version(),
-        **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()},
+        "conduit.hf_export": f"artifacts/{HF_DIR}" if hf_note is None else f"not exported: {hf_note}",
+        **{f"metric.{k}": repr(float(v)) for k, v in metrics.items()},
     }
-    description = (
-        f"Conduit {cfg.model_config().num_experts and 'MoE' or 'dense'} LM "
-        f"(preset {cfg.model['preset']}, d_model {cfg.model_config().d_model}, "
-        f"{cfg.model_config().n_layers} layers), trained {cfg.train.steps} steps on "
-        f"{', '.join(cfg.data.train_paths)}; validation bits/byte {metrics['val_bits_per_byte']:.3f}."
+
+
+def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
+    mc = cfg.model_config()
+    parts = [f"validation bits/byte {metrics['val_bits_per_byte']:.3f} "
+             f"(unigram baseline {metrics['unigram_bits_per_byte']:.3f})"]
+    for key, label in (("heldout_bits_per_byte", "held-out Gutenberg bits/byte"),
+                       ("wikitext2_bits_per_byte", "WikiText-2 bits/byte"),
+                       ("lambada_accuracy", "LAMBADA accuracy")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.3f}")
+    return (
+        f"Conduit {'MoE' if mc.num_experts else 'dense'} LM (preset {cfg.model['preset']}, d_model "
+        f"{mc.d_model}, {mc.n_layers} layers), trained {cfg.train.steps} steps on "
+        f"{', '.join(cfg.data.train_paths)}; " + "; ".join(parts) + "."
     )
+
+
+def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    metrics_file = inputs["evaluate"].path / METRICS_FILE
+    metrics = json.loads(metrics_file.read_text())["metrics"]
+    weights = inputs["train"].path / WEIGHTS_FILE
+    tokenizer = inputs["tokenizer"].path / MODEL_FILE
+    extra = {"metrics": metrics_file}
+    hf_note = "register.hf_export is false"
+    if cfg.register.hf_export:
+        hf_note = export_hf(weights, tokenizer, out_dir / HF_DIR)
+        if hf_note is None:
+            extra[HF_DIR] = out_dir / HF_DIR
     version = tracking.log_and_register_model(
         tracker,
-        weights=inputs["train"].path / WEIGHTS_FILE,
-        tokenizer=inputs["tokenizer"].path / MODEL_FILE,
+        weights=weights,
+        tokenizer=tokenizer,
         model_name=cfg.register.model_name,
         alias=cfg.register.alias,
-        tags=tags,
-        description=description,
+        tags=version_tags(cfg, inputs, metrics, hf_note),
+        description=describe(cfg, metrics),
         code_paths=[str(REPO_ROOT / "models"), str(REPO_ROOT / "pipeline")],
+        extra_artifacts=extra,
     )
     return {"model_name": cfg.register.model_name, "version": version, "alias": cfg.register.alias,
-            "model_uri": f"models:/{cfg.register.model_name}@{cfg.register.alias}"}
+            "model_uri": f"models:/{cfg.register.model_name}@{cfg.register.alias}",
+            "hf_export": hf_note is None}

@@ -1,194 +1,194 @@
-"""shard: raw text files -> parquet shards of documents, split train/validation by content hash.
+"""shard: raw text inputs -> parquet shards of documents, split train/validation/test by content hash.
 
-Reads .txt (whole file, or split on ``data.separator``), .jsonl (``data.text_field``) and .parquet
-(column ``data.text_field``). A document goes to validation when the first 8 bytes of its sha256,
-read as a fraction of 2^64, fall below ``data.validation_fraction``: the split depends on the text
-alone, never on file order, shard count or machine. Exact duplicates are kept once. Every document
-read is counted, and every one left out is counted under the rule that removed it.
+Inputs are resolved by ``pipeline.data.sources`` (paths, globs, pyarrow filesystem URIs, folders
+saved by ``datasets``) and read by ``pipeline.data.readers``: .txt (whole file, or split on
+``data.separator``), .jsonl (field ``data.text_field``), .parquet and datasets (column
+``data.text_field``). Each input is read, normalised (``data.normalize``,
+``data.strip_control_chars``) and length-filtered in its own Ray task when Ray is running (the
+pipeline), or in this process (unit tests). Then, in input order: exact duplicates (same sha256
+after cleaning) are kept once; a document goes to validation when the first 8 bytes of its sha256,
+read as a fraction u of 2^64, fall below ``data.validation_fraction``, to test when u is below
+``validation_fraction + test_fraction``, else to train. The split depends on the text alone, never
+on file order, shard count or machine; adding a test split leaves validation unchanged.
 
-Output: ``train-NNNNN.parquet`` (``data.num_shards`` files) and ``validation-00000.parquet``, columns
-``text`` (string), ``doc_id`` (sha256 hex of the text) and ``source`` (input file).
+Sharding: the train split is cut into ``data.num_shards`` contiguous shards of about equal bytes
+(validation and test: one shard each), or, when ``data.target_shard_bytes`` is set, every split into
+``ceil(bytes / target)`` shards. A split never gets more shards than documents; shards keep input
+order. Every document read is counted, and every one left out is counted under the rule that
+removed it (``counts.removed``); an input file's bytes and sha256 are in ``counts.inputs``.
+
+Output: ``train-NNNNN.parquet``, ``validation-00000.parquet`` (``test-00000.parquet`` when
+``data.test_fraction > 0``), columns ``text`` (string), ``doc_id`` (sha256 hex of the text) and
+``source`` (input URI).
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
-import os
+import math
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
-from pipeline.config import ConfigError, RunConfig, hash_view
+from pipeline.config import RunConfig, hash_view
+from pipeline.data import DataError, ray_running
+from pipeline.data.clean import DOCUMENT_SCHEMA, REMOVAL_RULES, CleanOptions
+from pipeline.data.fs import InputFile
+from pipeline.data.readers import read_and_clean
+from pipeline.data.sources import resolve_inputs as _resolve
+
 
 NAME = "shard"
-VERSION = 1
+VERSION = 2
 INPUTS: tuple[str, ...] = ()
-SUFFIXES = (".txt", ".jsonl", ".parquet")
-SPLITS = ("train", "validation")
+SPLITS = ("train", "validation", "test")
 
 
-class DataError(ValueError):
-    """Input data that cannot be read as configured; names the file and the place."""
-
-
-def resolve_inputs(cfg: RunConfig) -> list[Path]:
-    """Expand ``data.train_paths`` (files, folders, globs; relative to the data root) to files.
+def resolve_inputs(cfg: RunConfig) -> list[InputFile]:
+    """The input files of ``data.train_paths`` (relative to the data root), in a stable order.
 
     Raises:
-        ConfigError: a pattern that matches no readable input file.
+        ConfigError: a pattern that matches nothing readable, or an unsupported file.
     """
-    root = cfg.data_root()
-    files: list[Path] = []
-    for pattern in cfg.data.train_paths:
-        full = pattern if os.path.isabs(pattern) else str(root / pattern)
-        matches = sorted(glob.glob(full, recursive=True))
-        found: list[Path] = []
-        for m in matches:
-            p = Path(m)
-            if p.is_dir():
-                found += sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in SUFFIXES)
-            elif p.is_file():
-                found.append(p)
-        if not found:
-            raise ConfigError(f"data.train_paths: {pattern!r} matches no .txt/.jsonl/.parquet file under {root}")
-        for p in found:
-            if p.suffix not in SUFFIXES:
-                raise ConfigError(f"data.train_paths: {p} has suffix {p.suffix!r}; supported: {list(SUFFIXES)}")
-        files += found
-    return list(dict.fromkeys(files))  # keep order, drop repeats
+    return _resolve(cfg.data.train_paths, cfg.data_root())
 
 
-def input_fingerprint(files: list[Path]) -> list[list]:
-    """Cheap identity of the inputs for the stage hash: path, size and mtime (content is hashed in run)."""
-    return [[str(p), p.stat().st_size, int(p.stat().st_mtime)] for p in files]
+def input_fingerprint(files: list[InputFile]) -> list[list]:
+    """Cheap identity of the inputs for the stage hash: URI, size and mtime (content is hashed in run)."""
+    return [[f.uri, f.kind, f.size, f.mtime_ns] for f in files]
 
 
 def hash_config(cfg: RunConfig) -> dict:
     return {"data": hash_view(cfg.data), "files": input_fingerprint(resolve_inputs(cfg))}
 
 
-def _decode(raw: bytes, path: Path, policy: str) -> tuple[str, int]:
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError as e:
-        if policy == "error":
-            raise DataError(
-                f"{path}: invalid UTF-8 at byte offset {e.start} (set data.encoding_errors=replace to "
-                "replace bad bytes with U+FFFD and count them)"
-            ) from e
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
+def split_of(doc_id: str, validation_fraction: float, test_fraction: float = 0.0) -> str:
+    """The split of a document, from its id alone."""
+    u = int(doc_id[:16], 16) / 2**64
+    if u < validation_fraction:
+        return "validation"
+    return "test" if u < validation_fraction + test_fraction else "train"
 
 
-def read_documents(path: Path, cfg: RunConfig) -> tuple[list[str], dict]:
-    """Read one input file into documents, with its counts.
+def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[pa.Table, dict]]:
+    """Read and clean every input, in input order: in parallel Ray tasks when Ray is running."""
+    d = cfg.data
+    opts = CleanOptions(d.normalize, d.strip_control_chars, d.min_doc_chars, d.max_doc_chars)
+    args = (d.text_field, d.separator, d.encoding_errors, opts)
+    if not ray_running():
+        for src in tqdm(files, desc="shard: read", unit="file", disable=None):
+            yield read_and_clean(src, *args)
+        return
+    import ray
 
-    Raises:
-        DataError: invalid UTF-8 (policy error), NUL bytes, malformed JSON or a missing field,
-            naming the file and the byte offset or line number.
+    task = ray.remote(num_cpus=1)(read_and_clean)
+    refs = [task.options(name=f"conduit.shard.read[{i}]").remote(src, *args) for i, src in enumerate(files)]
+    for ref in tqdm(refs, desc="shard: read", unit="file", disable=None):
+        try:
+            yield ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause  # the DataError itself, naming the file, not Ray's wrapper
+
+
+def shard_bounds(sizes: np.ndarray, n_shards: int) -> list[tuple[int, int]]:
+    """Cut rows with byte ``sizes`` into ``min(n_shards, len(sizes))`` contiguous, non-empty ranges of
+    about equal bytes (a range boundary falls at the first row starting at or after k/n of the bytes).
     """
-    raw = path.read_bytes()
-    stats = {"path": str(path), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(), "replaced_chars": 0}
-    if path.suffix == ".parquet":
-        table = pq.read_table(path)
-        if cfg.data.text_field not in table.column_names:
-            raise DataError(f"{path}: no column {cfg.data.text_field!r} (columns: {table.column_names})")
-        docs = [d for d in table.column(cfg.data.text_field).to_pylist() if d is not None]
-        stats["documents"] = len(docs)
-        return docs, stats
-    nul = raw.find(b"\x00")
-    if nul >= 0:
-        raise DataError(f"{path}: contains NUL bytes (first at byte offset {nul}); is it a binary file?")
-    text, stats["replaced_chars"] = _decode(raw, path, cfg.data.encoding_errors)
-    if path.suffix == ".jsonl":
-        docs = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
+    n = min(n_shards, len(sizes))
+    starts = np.cumsum(sizes) - sizes
+    total = float(sizes.sum())
+    bounds = [0]
+    for k in range(1, n):
+        b = int(np.searchsorted(starts, k * total / n, side="left"))
+        bounds.append(min(max(b, bounds[-1] + 1), len(sizes) - (n - k)))
+    bounds.append(len(sizes))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list) -> dict[str, list[pa.Table]]:
+    seen: set[str] = set()
+    by_split: dict[str, list[pa.Table]] = {s: [] for s in SPLITS}
+    for table, stats in parts:
+        per_input.append(stats)
+        for rule, n in stats["removed"].items():
+            removed[rule] += n
+        picks: dict[str, list[int]] = {s: [] for s in SPLITS}
+        for i, did in enumerate(table.column("doc_id").to_pylist()):
+            if did in seen:
+                removed["duplicate"] += 1
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg}") from e
-            if not isinstance(obj, dict) or cfg.data.text_field not in obj:
-                raise DataError(f"{path}:{lineno}: no field {cfg.data.text_field!r} in this JSON line")
-            if not isinstance(obj[cfg.data.text_field], str):
-                raise DataError(f"{path}:{lineno}: field {cfg.data.text_field!r} is not a string")
-            docs.append(obj[cfg.data.text_field])
-    elif cfg.data.separator is None:
-        docs = [text]
-    else:
-        docs = text.split(cfg.data.separator)
-    stats["documents"] = len(docs)
-    return docs, stats
-
-
-def split_of(doc_id: str, validation_fraction: float) -> str:
-    return "validation" if int(doc_id[:16], 16) / 2**64 < validation_fraction else "train"
+            seen.add(did)
+            picks[split_of(did, cfg.data.validation_fraction, cfg.data.test_fraction)].append(i)
+        for s in SPLITS:
+            if picks[s]:
+                by_split[s].append(table.take(picks[s]))
+    return by_split
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    d = cfg.data
     files = resolve_inputs(cfg)
-    seen: set[str] = set()
-    rows: dict[str, list[tuple[str, str, str]]] = {s: [] for s in SPLITS}
-    removed = {"empty_or_short": 0, "duplicate": 0, "over_max_documents": 0}
-    per_input = []
-    for path in files:
-        docs, stats = read_documents(path, cfg)
-        per_input.append(stats)
-        for doc in docs:
-            if len(doc.strip()) < max(cfg.data.min_doc_chars, 1):
-                removed["empty_or_short"] += 1
-                continue
-            doc_id = hashlib.sha256(doc.encode("utf-8")).hexdigest()
-            if doc_id in seen:
-                removed["duplicate"] += 1
-                continue
-            seen.add(doc_id)
-            rows[split_of(doc_id, cfg.data.validation_fraction)].append((doc, doc_id, str(path)))
-    if cfg.data.max_documents is not None:
-        for split in SPLITS:  # a cap keeps the validation share: each split keeps its fraction
-            keep = max(1, round(cfg.data.max_documents * len(rows[split]) / max(1, len(seen))))
-            removed["over_max_documents"] += max(0, len(rows[split]) - keep)
-            rows[split] = rows[split][:keep]
-    for split in SPLITS:
-        if not rows[split]:
+    removed = {**dict.fromkeys(REMOVAL_RULES, 0), "duplicate": 0, "over_max_documents": 0}
+    per_input: list[dict] = []
+    by_split = _dedup_and_split(_read_all(files, cfg), cfg, removed, per_input)
+    tables = {s: pa.concat_tables(by_split[s]) if by_split[s] else DOCUMENT_SCHEMA.empty_table() for s in SPLITS}
+    splits = [s for s in SPLITS if s != "test" or d.test_fraction > 0]
+    unique = sum(len(t) for t in tables.values())
+    if d.max_documents is not None:
+        for s in splits:  # a cap keeps the split shares: each split keeps its fraction
+            keep = max(1, round(d.max_documents * len(tables[s]) / max(1, unique)))
+            removed["over_max_documents"] += max(0, len(tables[s]) - keep)
+            tables[s] = tables[s].slice(0, keep)
+    for s in splits:
+        if len(tables[s]) == 0:
             raise DataError(
-                f"no {split} documents are left after filtering {len(files)} input file(s) "
-                f"(removed: {removed}); add data or change data.validation_fraction"
+                f"no {s} documents are left after reading and filtering {len(files)} input(s) "
+                f"(removed: {removed}); add data or change data.validation_fraction / data.test_fraction"
             )
 
-    counts = {"inputs": per_input, "removed": removed, "documents": {}, "bytes": {}, "shards": {}}
-    for split in SPLITS:
-        n_shards = cfg.data.num_shards if split == "train" else 1
-        docs = rows[split]
-        counts["documents"][split] = len(docs)
-        counts["bytes"][split] = sum(len(d[0].encode("utf-8")) for d in docs)
-        counts["shards"][split] = []
-        for k in range(n_shards):
-            part = docs[k::n_shards]  # round-robin keeps shards within one document of each other
-            name = f"{split}-{k:05d}.parquet"
-            table = pa.table({
-                "text": [d[0] for d in part], "doc_id": [d[1] for d in part], "source": [d[2] for d in part],
-            })
-            pq.write_table(table, out_dir / name)
-            counts["shards"][split].append({"file": name, "documents": len(part)})
-    total = sum(s["documents"] for s in per_input)
+    counts = {
+        "inputs": per_input, "removed": removed, "documents": {}, "bytes": {}, "shards": {},
+        "empty_inputs": sum(s["empty_file"] for s in per_input),
+        "replaced_chars": sum(s["replaced_chars"] for s in per_input),
+        "normalized_changed": sum(s["normalized_changed"] for s in per_input),
+        "control_chars_removed": sum(s["control_chars_removed"] for s in per_input),
+    }
+    for s in splits:
+        table = tables[s]
+        sizes = pc.binary_length(table.column("text")).to_numpy()
+        split_bytes = int(sizes.sum())
+        if d.target_shard_bytes is not None:
+            n_shards = math.ceil(split_bytes / d.target_shard_bytes)
+        else:
+            n_shards = d.num_shards if s == "train" else 1
+        counts["documents"][s], counts["bytes"][s], counts["shards"][s] = len(table), split_bytes, []
+        for k, (a, b) in enumerate(shard_bounds(sizes, n_shards)):
+            name = f"{s}-{k:05d}.parquet"
+            pq.write_table(table.slice(a, b - a), out_dir / name)
+            counts["shards"][s].append({"file": name, "documents": b - a, "bytes": int(sizes[a:b].sum())})
+    read = sum(s["documents"] for s in per_input)
     kept = sum(counts["documents"].values())
-    assert total == kept + sum(removed.values()), "every document is kept or counted as removed"
+    if read != kept + sum(removed.values()):
+        raise AssertionError(f"shard: {read} documents read but {kept} kept + {removed} removed")  # a bug here
+    counts["documents_read"] = read
     tracker.log_metrics({
-        "documents_read": total, "documents_train": counts["documents"]["train"],
-        "documents_validation": counts["documents"]["validation"], "bytes_train": counts["bytes"]["train"],
+        "documents_read": read, "bytes_read": sum(s["bytes"] for s in per_input),
+        **{f"documents_{s}": n for s, n in counts["documents"].items()},
+        **{f"bytes_{s}": n for s, n in counts["bytes"].items()},
         **{f"removed_{k}": v for k, v in removed.items()},
     })
     return counts
 
 
 def shard_files(artifact_path: Path, split: str) -> list[Path]:
+    """The shard files of ``split`` in order (empty for a split the artifact does not have)."""
     return sorted(Path(artifact_path).glob(f"{split}-*.parquet"))
 
 
 def read_texts(artifact_path: Path, split: str) -> list[str]:
+    """Every document of ``split`` in shard order."""
     return [t for f in shard_files(artifact_path, split) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]

@@ -1,12 +1,16 @@
 """tokenizer: the training shards -> a sentencepiece model (``tokenizer.model``).
 
-Trained from an iterator over the training documents in shard order, capped at
-``tokenizer.max_training_bytes``, so memory stays bounded on a large corpus and the sample is the
-same on every run. Special ids are fixed (see ``pipeline.text``).
+Trained from an iterator, so memory stays bounded on a large corpus, over a deterministic sample:
+a training document is in the sample when bytes 8-16 of its id (sha256), read as a fraction of
+2^64, fall below ``max_training_bytes / train_bytes`` (bits the train/validation split does not
+use), and the lines of the sampled documents are taken in shard order until
+``tokenizer.max_training_bytes``. The sample depends on the documents alone and spreads over the
+whole corpus instead of its first files. Special ids are fixed (see ``pipeline.text``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,31 +20,57 @@ from pipeline.stages import shard
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
 NAME = "tokenizer"
-VERSION = 1
+VERSION = 2
 INPUTS = ("shard",)
 MODEL_FILE = "tokenizer.model"
+READ_BATCH_ROWS = 4096
 
 
 def hash_config(cfg: RunConfig) -> dict:
     return {"tokenizer": hash_view(cfg.tokenizer)}
 
 
-def _train_docs(shard_dir: Path):
+def in_sample(doc_id: str, rate: float) -> bool:
+    """Whether a document is in the tokenizer's training sample (independent of the split bits)."""
+    return int(doc_id[16:32], 16) / 2**64 < rate
+
+
+def sample_docs(shard_dir: Path, rate: float, tally: dict) -> Iterator[str]:
+    """Training documents in shard order that are in the sample, read a batch at a time.
+
+    Args:
+        shard_dir: the shard artifact.
+        rate: the sampling rate in (0, 1].
+        tally: gets ``documents`` and ``bytes`` of the sampled documents added as they are yielded.
+    """
     for f in shard.shard_files(shard_dir, "train"):
-        yield from pq.read_table(f, columns=["text"]).column(0).to_pylist()
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_BATCH_ROWS, columns=["text", "doc_id"]):
+            for text, did in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                if in_sample(did, rate):
+                    tally["documents"] += 1
+                    tally["bytes"] += len(text.encode("utf-8"))
+                    yield text
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     t = cfg.tokenizer
+    train_bytes = inputs["shard"].manifest["counts"]["bytes"]["train"]
+    rate = min(1.0, t.max_training_bytes / max(1, train_bytes))
+    tally = {"documents": 0, "bytes": 0}
     model = train_sentencepiece(
-        training_lines(_train_docs(inputs["shard"].path), t.max_training_bytes),
+        training_lines(sample_docs(inputs["shard"].path, rate, tally), t.max_training_bytes),
         vocab_size=t.vocab_size, model_type=t.model_type, character_coverage=t.character_coverage,
         byte_fallback=t.byte_fallback, normalization=t.normalization, num_threads=t.num_threads,
+        user_defined_symbols=t.user_defined_symbols,
     )
     (out_dir / MODEL_FILE).write_bytes(model)
     sp = load_sentencepiece(str(out_dir / MODEL_FILE))
     # A sample of pieces, for a person to eyeball in the manifest.
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    counts = {"vocab_size": sp.get_piece_size(), "sample_pieces": pieces[-20:]}
-    tracker.log_metrics({"vocab_size": sp.get_piece_size()})
+    counts = {
+        "vocab_size": sp.get_piece_size(), "sample_pieces": pieces[-20:],
+        "sample_rate": rate, "sample_documents_seen": tally["documents"], "sample_bytes_seen": tally["bytes"],
+        "user_defined_symbols": {s: sp.piece_to_id(s) for s in t.user_defined_symbols},
+    }
+    tracker.log_metrics({"vocab_size": sp.get_piece_size(), "sample_bytes_seen": tally["bytes"]})
     return counts

@@ -14,7 +14,6 @@ Checkpoints (every ``train.checkpoint_every`` steps and at the end) are reported
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from models.accounting import flops_per_token
 from models.export import save_safetensors
+from pipeline.artifacts import write_json_atomic
 from pipeline.config import config_from_dict
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
@@ -104,7 +104,7 @@ def main(config: dict) -> None:
     if rank == 0:
         out_dir = Path(config["out_dir"])
         save_safetensors(state, model_cfg, out_dir / "model.safetensors")
-        (out_dir / "train_metrics.json").write_text(json.dumps(history, indent=1))
+        write_json_atomic(out_dir / "train_metrics.json", history)
 
 
 def _checkpoint(engine, step: int, loader_state: dict) -> None:

@@ -53,8 +53,10 @@ def test_shard_reads_txt_jsonl_parquet_and_counts_everything(tmp_path):
                   "data.validation_fraction=0.4", "data.num_shards=3")
     art = run_stages(cfg, ["shard"])["shard"]
     c = art.manifest["counts"]
-    assert [i["documents"] for i in c["inputs"]] == [5, 2, 2]  # a.txt: 4 separators -> 5 pieces ("" included)
-    assert c["removed"] == {"empty_or_short": 2, "duplicate": 2, "over_max_documents": 0}  # "", " x"; alpha, beta
+    assert [i["documents"] for i in c["inputs"]] == [5, 2, 3]  # a.txt: 4 separators -> 5 pieces ("" included)
+    # "" -> empty, " x" -> too_short, parquet None -> null; alpha, beta -> duplicate
+    assert c["removed"] == {"null": 1, "empty": 1, "too_short": 1, "too_long": 0, "duplicate": 2,
+                            "over_max_documents": 0}
     assert sum(c["documents"].values()) == 5  # alpha, beta, gamma, delta, epsilon
     texts = shard.read_texts(art.path, "train") + shard.read_texts(art.path, "validation")
     assert sorted(texts) == ["alpha doc", "beta doc", "delta", "epsilon", "gamma"]
@@ -161,3 +163,166 @@ def test_shard_tokenizer_tokenize_on_tinyshakespeare(tmp_path, data_root):
         eos = [i for i, x in enumerate(ids) if x == EOS_ID]
         assert sp.decode(ids[: eos[0]]) == texts[0]
         assert sp.decode(ids[eos[0] + 1 : eos[1]]) == texts[1]
+
+
+# ---- issue 4: inputs, cleaning, splits, shard sizes, tokenizer options, streaming packing ----------
+def all_texts(art):
+    return [t for s in shard.SPLITS for t in shard.read_texts(art.path, s)]
+
+
+def fillers(n, tag="filler"):
+    return [f"{tag} document number {i}" for i in range(n)]
+
+
+def test_inputs_by_uri_glob_folder_and_saved_datasets(tmp_path):
+    import datasets
+
+    from pipeline.data.sources import resolve_inputs
+
+    d = tmp_path / "data"
+    (d / "sub" / "deep").mkdir(parents=True)
+    (d / "a.txt").write_text("\n\n".join(fillers(30, "txt")))
+    (d / "sub" / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in fillers(10, "jsonl")))
+    (d / "sub" / "notes.md").write_text("not an input")
+    pq.write_table(pa.table({"text": fillers(5, "parquet")}), d / "sub" / "deep" / "c.parquet")
+    datasets.Dataset.from_dict({"text": [*fillers(4, "ds"), None]}).save_to_disk(str(d / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": fillers(3, "ddtrain")}),
+                          "extra": datasets.Dataset.from_dict({"text": fillers(2, "ddextra")})}).save_to_disk(str(d / "dd"))
+    patterns = [f"file://{d}/a.txt", "**/*.parquet", "sub", "ds", "dd", "a.txt"]
+    files = resolve_inputs(patterns, d)
+    assert [(f.uri.replace(str(d), "D"), f.kind) for f in files] == [
+        ("file://D/a.txt", "txt"), ("D/sub/deep/c.parquet", "parquet"), ("D/sub/b.jsonl", "jsonl"),
+        ("D/ds", "datasets"), ("D/dd", "datasets"), ("D/a.txt", "txt"),  # a path and a URI are two inputs
+    ]
+    with pytest.raises(ConfigError, match=r"notes\.md .*has suffix '\.md'"):
+        resolve_inputs(["sub/notes.md"], d)
+    cfg = cfg_for(tmp_path, d, "data.train_paths=[" + ", ".join(f"'{p}'" for p in patterns[:5]) + "]",
+                  "data.validation_fraction=0.2")
+    c = run_stages(cfg, ["shard"])["shard"].manifest["counts"]
+    assert [i["documents"] for i in c["inputs"]] == [30, 5, 10, 5, 5]  # dd: "extra" then "train"
+    assert c["removed"]["null"] == 1 and c["documents_read"] == 55
+    assert sum(c["documents"].values()) == 54
+    assert all(len(i["sha256"]) == 64 and i["bytes"] > 0 for i in c["inputs"])
+
+
+def test_normalisation_control_chars_length_filters_and_dedup_after_cleaning(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    docs = ["cafe\u0301 au lait", "caf\u00e9 au lait", "\ufb01ne print", "bell\x07 and \x1bescape\ttab",
+            "x" * 500, "ab", *fillers(60)]
+    (d / "x.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    cfg = cfg_for(tmp_path, d, "data.train_paths=[x.jsonl]", "data.normalize=nfkc", "data.strip_control_chars=true",
+                  "data.min_doc_chars=3", "data.max_doc_chars=400", "data.validation_fraction=0.1")
+    art = run_stages(cfg, ["shard"])["shard"]
+    c = art.manifest["counts"]
+    assert sorted(all_texts(art)) == sorted(["caf\u00e9 au lait", "fine print", "bell and escape\ttab", *fillers(60)])
+    assert c["removed"] == {"null": 0, "empty": 0, "too_short": 1, "too_long": 1, "duplicate": 1,
+                            "over_max_documents": 0}
+    assert c["normalized_changed"] == 2 and c["control_chars_removed"] == 2
+    # Without the options the text is kept byte for byte.
+    raw = run_stages(cfg_for(tmp_path / "raw", d, "data.train_paths=[x.jsonl]", "data.validation_fraction=0.1"),
+                     ["shard"])["shard"]
+    assert sorted(all_texts(raw)) == sorted(docs)
+
+
+def test_test_split_leaves_validation_alone_and_target_shard_bytes(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    docs = [f"document {i} " + "word " * (i % 37) for i in range(600)]
+    (d / "x.txt").write_text("\n\n".join(docs))
+    base = ["data.train_paths=[x.txt]", "data.validation_fraction=0.1"]
+    two = run_stages(cfg_for(tmp_path / "a", d, *base), ["shard"])["shard"]
+    three = run_stages(cfg_for(tmp_path / "b", d, *base, "data.test_fraction=0.1", "data.target_shard_bytes=4000"),
+                       ["shard"])["shard"]
+    assert shard.read_texts(three.path, "validation") == shard.read_texts(two.path, "validation")
+    assert shard.shard_files(two.path, "test") == []
+    assert 30 <= len(shard.read_texts(three.path, "test")) <= 90
+    assert sorted(all_texts(three)) == sorted(docs)
+    c = three.manifest["counts"]
+    longest = max(len(t.encode()) for t in docs)
+    for split in ("train", "validation", "test"):
+        shards = c["shards"][split]
+        assert len(shards) == -(-c["bytes"][split] // 4000) == len(shard.shard_files(three.path, split))
+        assert sum(s["bytes"] for s in shards) == c["bytes"][split]
+        sizes = [s["bytes"] for s in shards]
+        assert max(sizes) - min(sizes) <= 2 * longest
+    # Without a target: data.num_shards train shards (2), one validation shard.
+    assert [s["file"] for s in two.manifest["counts"]["shards"]["validation"]] == ["validation-00000.parquet"]
+    assert len(shard.shard_files(two.path, "train")) == 2
+
+
+def test_shard_bounds_are_contiguous_balanced_and_never_empty():
+    assert shard.shard_bounds(np.array([5, 5, 5, 5]), 2) == [(0, 2), (2, 4)]
+    assert shard.shard_bounds(np.array([100, 1, 1]), 3) == [(0, 1), (1, 2), (2, 3)]
+    assert shard.shard_bounds(np.array([1, 1]), 5) == [(0, 1), (1, 2)]
+    assert shard.shard_bounds(np.array([3, 1, 1, 1, 1, 1]), 2) == [(0, 2), (2, 6)]  # 4 + 4 bytes
+
+
+def test_empty_files_nulls_and_wrong_types_are_counted_or_named(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "empty.txt").write_bytes(b"")
+    (d / "empty.jsonl").write_bytes(b"")
+    (d / "x.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in fillers(40)) + '{"text": null}\n')
+    c = run_stages(cfg_for(tmp_path, d, "data.train_paths=['*.txt', '*.jsonl']", "data.validation_fraction=0.2"),
+                   ["shard"])["shard"].manifest["counts"]
+    assert c["empty_inputs"] == 2 and [i["documents"] for i in c["inputs"]] == [0, 0, 41]
+    assert c["removed"]["null"] == 1
+    (d / "num.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(shard.DataError, match=r"num\.jsonl:2: field 'text' is int, not a string"):
+        run_stages(cfg_for(tmp_path, d, "data.train_paths=[num.jsonl]"), ["shard"])
+    pq.write_table(pa.table({"text": [1, 2]}), d / "ints.parquet")
+    with pytest.raises(shard.DataError, match=r"ints\.parquet: column 'text' has type int64, not a string"):
+        run_stages(cfg_for(tmp_path, d, "data.train_paths=[ints.parquet]"), ["shard"])
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("data.test_fraction=0.96", r"validation_fraction=0\.05 \+ data\.test_fraction=0\.96 must be < 1"),
+    ("data.max_doc_chars=0", r"data\.max_doc_chars=0 must be >="),
+    ("data.target_shard_bytes=0", r"data\.target_shard_bytes=0 must be null or >= 1"),
+    ("data.normalize=nfd", r"data\.normalize='nfd' is not allowed"),
+    ("tokenize.num_actors=0", r"tokenize\.num_actors=0 must be >= 1"),
+    ("tokenizer.user_defined_symbols=[a, a]", r"tokenizer\.user_defined_symbols=\['a', 'a'\] must be distinct"),
+])
+def test_data_config_values_are_checked(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_tokenizer_user_symbols_and_deterministic_sample(tmp_path, data_root):
+    cfg = cfg_for(tmp_path, data_root, "data.train_paths=[tinyshakespeare/input.txt]",
+                  "tokenizer.max_training_bytes=300000", "tokenizer.user_defined_symbols=['<sep>', 'KING']")
+    arts = run_stages(cfg, ["shard", "tokenizer"])
+    c = arts["tokenizer"].manifest["counts"]
+    train_bytes = arts["shard"].manifest["counts"]["bytes"]["train"]
+    assert c["sample_rate"] == pytest.approx(300000 / train_bytes)
+    assert c["user_defined_symbols"] == {"<sep>": 5, "KING": 6}
+    sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
+    assert 5 in sp.encode("a<sep>b") and 6 in sp.encode("the KING")
+    from pipeline.stages.tokenizer import sample_docs
+
+    tally = {"documents": 0, "bytes": 0}
+    sampled = list(sample_docs(arts["shard"].path, c["sample_rate"], tally))
+    train = shard.read_texts(arts["shard"].path, "train")
+    assert 0.7 * 300000 < tally["bytes"] < 1.3 * 300000  # about the cap, drawn from the whole split
+    assert set(sampled) <= set(train) and sampled[-1] in train[len(train) // 2 :]
+
+
+def test_block_writer_streams_the_same_blocks_as_pack(tmp_path, monkeypatch):
+    from pipeline.data import packing
+
+    monkeypatch.setattr(packing, "COPY_CHUNK_TOKENS", 3)  # many copy chunks
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(5, 300, size=rng.integers(0, 20)).tolist() for _ in range(50)]
+    writer = packing.BlockWriter(tmp_path, "train", seq_len=7, dtype=np.uint16)
+    for a in range(0, 50, 13):  # batches of 13 documents
+        writer.append(*packing.segment(docs[a : a + 13], True, np.dtype(np.uint16)))
+    blocks, dropped = writer.finish()
+    tokens, doc_of, dropped_ref = tokenize.pack(docs, seq_len=7, add_bos=True)
+    assert np.array_equal(np.load(tmp_path / "train.tokens.npy"), tokens) and dropped == dropped_ref
+    assert np.array_equal(np.load(tmp_path / "train.docs.npy"), doc_of) and blocks == len(tokens)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.docs.npy", "train.tokens.npy"]
+    with pytest.raises(ValueError, match="the validation split has 3 tokens"):
+        w = packing.BlockWriter(tmp_path, "validation", seq_len=7, dtype=np.uint16)
+        w.append(*packing.segment([[9, 9]], False, np.dtype(np.uint16)))
+        w.finish()

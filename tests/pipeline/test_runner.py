@@ -36,3 +36,15 @@ def test_multi_node_needs_shared_storage(tmp_path, nodes, overrides, ok):
     else:
         with pytest.raises(ConfigError, match=rf"the Ray cluster has {nodes} nodes but .* is a local path"):
             check_shared_storage(cfg, nodes)
+
+
+def test_ray_job_id_comes_from_the_job_config(monkeypatch):
+    from pipeline.runner import ray_job_submission_id
+
+    monkeypatch.delenv("RAY_JOB_SUBMISSION_ID", raising=False)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert ray_job_submission_id() is None
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"metadata": {"job_submission_id": "raysubmit_abc"}}')
+    assert ray_job_submission_id() == "raysubmit_abc"
+    monkeypatch.setenv("RAY_JOB_SUBMISSION_ID", "raysubmit_xyz")
+    assert ray_job_submission_id() == "raysubmit_xyz"

@@ -1,0 +1,137 @@
+"""Tokenize-stage throughput against plain sentencepiece, and shard-stage throughput, in one run.
+
+The tokenize stage (Ray Data ``read_parquet`` -> ``map_batches`` over ``--actors`` sentencepiece
+actors with ``--threads-per-actor`` threads each -> packing and .npy writing) is timed against
+``SentencePieceProcessor.encode(texts, num_threads=actors * threads_per_actor)`` on the same
+documents with the same tokenizer, interleaved, ``--repeats`` times; the shard stage (parallel Ray
+read tasks, cleaning, dedup, split, parquet writing) is timed on the raw inputs. MB are UTF-8 text
+megabytes (10^6 bytes): tokenize counts the documents it encodes, shard the input bytes it reads.
+Prints a table and writes ``benchmarks/results/tokenize.json``.
+
+    .venv/bin/python benchmarks/tokenize.py [--paths 'gutenberg/train/*.txt'] [--repeats 3] [--actors 2]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the stdlib's ``tokenize``; drop its folder from the import path before
+# anything imports the real one (``inspect`` -> ``linecache`` -> ``tokenize``).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.runner import make_plan, resolve, worker_env  # noqa: E402
+from pipeline.stages import execute_stage, shard  # noqa: E402
+from pipeline.text import load_sentencepiece  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "tokenize.json"
+
+
+class NullTracker:
+    def log_metrics(self, m, step=None):
+        pass
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def timed_stage(name: str, cfg, arts: dict, out: Path) -> tuple[float, object]:
+    plan = {p.stage: p for p in make_plan(cfg)}
+    if out.exists():
+        shutil.rmtree(out)
+    started = time.perf_counter()
+    art = execute_stage(name, cfg, plan[name].hash, out, arts, NullTracker())
+    return time.perf_counter() - started, art
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--paths", default="gutenberg/train/*.txt", help="data.train_paths entry (relative to data root)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--threads-per-actor", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray (as in the tests)")
+    args = ap.parse_args()
+
+    import ray
+
+    os.environ.update(worker_env())
+    work = Path(tempfile.mkdtemp(prefix="conduit-bench-tokenize-"))
+    cfg = resolve(load_config(None, [
+        f"run.workdir={work}", f"data.train_paths=['{args.paths}']", "data.validation_fraction=0.01",
+        f"tokenizer.vocab_size={args.vocab}", "tokenizer.max_training_bytes=5000000", "tokenize.seq_len=128",
+        f"tokenize.num_actors={args.actors}", f"tokenize.threads_per_actor={args.threads_per_actor}",
+        f"tokenize.batch_size={args.batch_size}",
+    ]))
+    threads = args.actors * args.threads_per_actor
+    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, runtime_env={"env_vars": worker_env()},
+             log_to_driver=False)
+    try:
+        plan = {p.stage: p for p in make_plan(cfg)}
+        arts = {"shard": execute_stage("shard", cfg, plan["shard"].hash, plan["shard"].path, {}, NullTracker())}
+        arts["tokenizer"] = execute_stage("tokenizer", cfg, plan["tokenizer"].hash, plan["tokenizer"].path, arts,
+                                          NullTracker())
+        texts = [t for s in shard.SPLITS for t in shard.read_texts(arts["shard"].path, s)]
+        text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+        input_mb = sum(i["bytes"] for i in arts["shard"].manifest["counts"]["inputs"]) / 1e6
+        sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
+        plain, stage, shard_s = [], [], []
+        for r in range(args.repeats):  # interleaved, so drift on a shared machine hits both sides alike
+            started = time.perf_counter()
+            n_tokens = sum(map(len, sp.encode(texts, num_threads=threads)))
+            plain.append(time.perf_counter() - started)
+            seconds, art = timed_stage("tokenize", cfg, arts, work / "bench" / f"tokenize-{r}")
+            stage.append(seconds)
+            seconds, _ = timed_stage("shard", cfg, {}, work / "bench" / f"shard-{r}")
+            shard_s.append(seconds)
+            print(f"repeat {r + 1}/{args.repeats}: plain {plain[-1]:.2f}s  tokenize {stage[-1]:.2f}s  "
+                  f"shard {shard_s[-1]:.2f}s", flush=True)
+        index = json.loads((art.path / "index.json").read_text())
+    finally:
+        ray.shutdown()
+        shutil.rmtree(work)
+
+    mbps = {
+        "plain_sentencepiece": summary([text_mb / s for s in plain]),
+        "tokenize_stage": summary([text_mb / s for s in stage]),
+        "shard_stage": summary([input_mb / s for s in shard_s]),
+    }
+    ratios = [p / s for p, s in zip(plain, stage)]  # per repeat: plain seconds / stage seconds
+    result = {
+        "paths": args.paths, "text_mb": text_mb, "input_mb": input_mb, "tokens": n_tokens,
+        "packed_tokens": sum(s["tokens"] for s in index["splits"].values()),
+        "actors": args.actors, "threads_per_actor": args.threads_per_actor, "plain_threads": threads,
+        "batch_size": args.batch_size, "vocab_size": args.vocab, "repeats": args.repeats,
+        "ray_logical_cpus": args.ray_cpus, "cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "mb_per_s": mbps, "ratio_tokenize_to_plain": summary(ratios),
+        "seconds": {"plain_sentencepiece": plain, "tokenize_stage": stage, "shard_stage": shard_s},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{text_mb:.1f} MB of text ({n_tokens:,} tokens), {args.paths}; {args.actors} actor(s) x "
+          f"{args.threads_per_actor} thread(s) vs sentencepiece with {threads} thread(s); {os.cpu_count()} cores")
+    print(f"{'what':<22} {'MB/s median':>12} {'range':>16}")
+    for name, s in mbps.items():
+        print(f"{name:<22} {s['median']:>12.2f} {s['min']:>7.2f} - {s['max']:<7.2f}")
+    r = result["ratio_tokenize_to_plain"]
+    print(f"{'ratio stage/plain':<22} {r['median']:>12.2f} {r['min']:>7.2f} - {r['max']:<7.2f}  (goal >= 0.8)")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

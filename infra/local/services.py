@@ -1,0 +1,301 @@
+"""Stand up (and tear down) a local Ray head and MLflow server for Conduit jobs: ``up`` and ``down``.
+
+Run through the ``infra/local/up`` and ``infra/local/down`` wrappers, which pick the repo's venv.
+
+up   starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth, a temp
+     dir of its own) and ``mlflow server`` (sqlite backend, local artifact store, proxied artifacts),
+     optionally extra Ray worker nodes on this machine, waits until the Jobs API and ``/health``
+     answer, and writes ``<state-dir>/env``: the addresses, the Ray temp dir and the pids.
+down reads that file and stops exactly what ``up`` started: every process of this Ray cluster (found
+     by its own temp dir in the command line, plus their descendants such as job drivers) and the
+     MLflow server's process tree and process group. Then it removes the env file.
+
+Why not ``ray stop``: it stops every Ray process on the machine, other people's clusters included.
+Why a temp dir of our own: ``ray start`` records its address in ``<temp-dir>/ray_current_cluster``,
+and a plain ``ray.init()`` elsewhere on this machine (``/tmp/ray``) would otherwise attach to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the venv's bin: `ray`, `mlflow` and the jobs' `python`
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+             "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+class InfraError(RuntimeError):
+    """A service did not start or answer, or the state dir is already in use."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env() -> dict[str, str]:
+    """Environment of every service process: this venv first on PATH (a Ray job's ``python`` is
+    then the venv's), token auth on, telemetry and hub look-ups off."""
+    return {**os.environ, **QUIET_ENV, "RAY_AUTH_MODE": "token",
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def ray_temp_dir(state_dir: Path) -> Path:
+    """A short per-state-dir folder (Unix socket paths under it must stay below 108 bytes)."""
+    return Path("/tmp") / f"conduit-ray-{hashlib.sha1(str(state_dir).encode()).hexdigest()[:10]}"
+
+
+# ---- env file ------------------------------------------------------------------------------------
+def write_env(path: Path, values: dict[str, str]) -> None:
+    """``KEY=value`` lines, readable by bash ``source``, ``pipeline.cluster.read_env_file`` and make."""
+    body = "# written by infra/local/up; infra/local/down stops these and removes this file\n"
+    body += "".join(f"{k}={v}\n" for k, v in values.items())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(body, encoding="utf-8")
+    tmp.rename(path)
+
+
+def read_env(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+# ---- process trees -------------------------------------------------------------------------------
+def ray_processes(temp_dir: Path) -> list[psutil.Process]:
+    """Every process of the cluster that lives under ``temp_dir``, and all their descendants (never
+    this process or its ancestors, whose command lines may mention the folder too)."""
+    me = psutil.Process()
+    spared = {me.pid, *(a.pid for a in me.parents())}
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid not in spared and any(str(temp_dir) in arg for arg in (p.info["cmdline"] or [])):
+            found[p.pid] = p
+    for p in list(found.values()):
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            continue  # ended while we looked: nothing left to stop
+    return [p for p in found.values() if p.pid not in spared]
+
+
+def process_group(leader_pid: int, marker: str) -> list[psutil.Process]:
+    """The process ``leader_pid`` (only if its command line still contains ``marker``, so that a
+    reused pid is never touched), its descendants and every process left in its process group."""
+    try:
+        leader = psutil.Process(leader_pid)
+        if marker not in " ".join(leader.cmdline()):
+            return []
+        found = {leader.pid: leader, **{c.pid: c for c in leader.children(recursive=True)}}
+    except psutil.NoSuchProcess:
+        found = {}
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == leader_pid:
+                found[p.pid] = p
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue  # gone already
+    return list(found.values())
+
+
+def terminate(procs: list[psutil.Process], grace_s: float = 15.0) -> int:
+    """SIGTERM ``procs``, SIGKILL whatever is alive after ``grace_s``. Returns how many were signalled."""
+    alive = [p for p in procs if p.is_running()]
+    for p in alive:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue  # exited between the check and the signal
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(left, timeout=grace_s)
+    return len(alive)
+
+
+# ---- up ------------------------------------------------------------------------------------------
+def start_ray_node(temp_dir: Path, log: Path, num_cpus: int, head_port: int | None = None,
+                   resources: dict | None = None, dashboard_port: int | None = None) -> None:
+    """``ray start`` a head (``dashboard_port`` given) or a worker node joining ``head_port``.
+
+    Raises:
+        InfraError: ``ray start`` failed; the message carries its output.
+    """
+    cmd = [str(BIN / "ray"), "start", "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+           "--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats"]
+    if dashboard_port:
+        cmd += ["--head", "--port", str(head_port), "--dashboard-host", "127.0.0.1",
+                "--dashboard-port", str(dashboard_port), "--ray-client-server-port", str(free_port())]
+    else:
+        cmd += ["--address", f"127.0.0.1:{head_port}"]
+    if resources:
+        cmd += ["--resources", json.dumps(resources)]
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(), cwd=REPO_ROOT,
+                              start_new_session=True, timeout=180)
+    if done.returncode != 0:
+        raise InfraError(f"{' '.join(cmd)} exited with {done.returncode}:\n{log.read_text()[-3000:]}")
+
+
+def start_mlflow(state_dir: Path, port: int) -> subprocess.Popen:
+    """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it)."""
+    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
+           "--artifacts-destination", str(state_dir / "mlartifacts"), "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
+    with (state_dir / "mlflow.log").open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(), cwd=state_dir,
+                                start_new_session=True)
+
+
+def wait_mlflow(uri: str, proc: subprocess.Popen, log: Path, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InfraError(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{uri}/health", timeout=2).status_code == 200:
+                return
+        except (requests.ConnectionError, requests.Timeout):
+            pass  # not listening yet, or too busy starting to answer
+        time.sleep(0.5)
+    raise InfraError(f"mlflow server at {uri} did not answer /health in time:\n{log.read_text()[-3000:]}")
+
+
+def wait_jobs_api(address: str, deadline: float) -> None:
+    """Until the Ray Jobs API lists jobs (this also proves the token auth works)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray.job_submission import JobSubmissionClient
+
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            JobSubmissionClient(address).list_jobs()
+            return
+        except (ConnectionError, RuntimeError) as e:  # Ray raises these while the dashboard starts
+            last = e
+        time.sleep(0.5)
+    raise InfraError(f"the Ray Jobs API at {address} did not answer in time: {last}")
+
+
+def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, timeout_s: float) -> dict[str, str]:
+    """Start the services, wait for them, write ``<state_dir>/env``. Stops what it started on failure.
+
+    Returns:
+        The env file's variables.
+
+    Raises:
+        InfraError: the state dir is in use, or a service did not start in ``timeout_s``.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    env_path = state_dir / "env"
+    if env_path.exists():
+        raise InfraError(f"{env_path} exists: services from an earlier `up` may be running; "
+                         f"run infra/local/down --state-dir {state_dir} first")
+    temp_dir = ray_temp_dir(state_dir)
+    gcs, dash, ml = free_port(), free_port(), free_port()
+    values = {
+        "RAY_ADDRESS": f"http://127.0.0.1:{dash}",
+        "CONDUIT_RAY_GCS_ADDRESS": f"127.0.0.1:{gcs}",
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ml}",
+        "RAY_AUTH_MODE": "token",
+        "CONDUIT_RAY_TEMP_DIR": str(temp_dir),
+        "CONDUIT_STATE_DIR": str(state_dir),
+    }
+    # Written before anything starts, so that `down` can clean up after a failed `up` too.
+    write_env(env_path, values)
+    deadline = time.monotonic() + timeout_s
+    mlflow = start_mlflow(state_dir, ml)  # ~18 s to answer: overlaps with ray start (~9 s)
+    values["CONDUIT_MLFLOW_PID"] = str(mlflow.pid)
+    write_env(env_path, values)
+    try:
+        ray_log = state_dir / "ray-start.log"
+        start_ray_node(temp_dir, ray_log, num_cpus, head_port=gcs, dashboard_port=dash)
+        for i in range(worker_nodes):
+            start_ray_node(temp_dir, ray_log, worker_cpus, head_port=gcs,
+                           resources={f"conduit_worker_node_{i + 1}": 1})
+        values["CONDUIT_RAY_PIDS"] = ",".join(str(p.pid) for p in ray_processes(temp_dir))
+        write_env(env_path, values)
+        wait_jobs_api(values["RAY_ADDRESS"], deadline)
+        wait_mlflow(values["MLFLOW_TRACKING_URI"], mlflow, state_dir / "mlflow.log", deadline)
+    except BaseException:
+        down(state_dir)
+        raise
+    return values
+
+
+# ---- down ----------------------------------------------------------------------------------------
+def down(state_dir: Path) -> list[str]:
+    """Stop what ``up`` started for ``state_dir`` and remove its env file and Ray temp dir.
+
+    Returns:
+        One line per service saying what was stopped (empty when there was no env file).
+    """
+    env_path = state_dir / "env"
+    if not env_path.exists():
+        return []
+    values = read_env(env_path)
+    report = []
+    temp_dir = Path(values["CONDUIT_RAY_TEMP_DIR"])
+    n = terminate(ray_processes(temp_dir))
+    report.append(f"ray: stopped {n} processes under {temp_dir}")
+    if values.get("CONDUIT_MLFLOW_PID"):
+        pid = int(values["CONDUIT_MLFLOW_PID"])
+        n = terminate(process_group(pid, str(state_dir / "mlflow.db")))
+        report.append(f"mlflow: stopped {n} processes (server pid {pid})")
+    if temp_dir.exists():
+        shutil.rmtree(temp_dir)  # session logs and the now stale ray_current_cluster
+    env_path.unlink()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="infra/local/{up,down}", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["up", "down"])
+    p.add_argument("--state-dir", default=str(REPO_ROOT / "outputs" / "infra"),
+                   help="env file, mlflow.db, artifacts and logs (default: outputs/infra)")
+    p.add_argument("--num-cpus", type=int, default=max(4, os.cpu_count() or 1),
+                   help="logical CPUs of the head (default: max(4, cores): the smoke pipeline needs 4)")
+    p.add_argument("--worker-nodes", type=int, default=0, help="extra Ray nodes on this machine")
+    p.add_argument("--worker-cpus", type=int, default=2, help="logical CPUs of each extra node")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for both services")
+    args = p.parse_args(argv)
+    state_dir = Path(args.state_dir).expanduser().resolve()
+    if args.command == "down":
+        lines = down(state_dir)
+        print("\n".join(lines) if lines else f"nothing to stop: no {state_dir / 'env'}")
+        return 0
+    try:
+        values = up(state_dir, args.num_cpus, args.worker_nodes, args.worker_cpus, args.timeout)
+    except InfraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"Ray Jobs API  {values['RAY_ADDRESS']}  (dashboard; GCS {values['CONDUIT_RAY_GCS_ADDRESS']})")
+    print(f"MLflow        {values['MLFLOW_TRACKING_URI']}")
+    print(f"env file      {state_dir / 'env'}   (source it, or let `make run` / jobs.submit read it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

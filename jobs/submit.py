@@ -1,0 +1,67 @@
+"""Submit a Conduit pipeline to a Ray cluster as a Ray job (the config is validated here first).
+
+    python -m jobs.submit configs/smoke.yaml [section.field=value ...] [--address http://HOST:8265]
+        [--tracking-uri URI] [--follow] [--only STAGE] [--force STAGE] [--dry-run] [--keep-paths]
+
+Prints the job id on stdout. With --follow, streams the job's logs and exits 0 if it SUCCEEDED,
+1 if it FAILED or was STOPPED. A bad config exits 2 before anything is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline import cluster
+from pipeline.config import ConfigError, load_config
+from pipeline.runner import ORDER
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jobs.submit", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="YAML config file inside this repository (it travels with the job)")
+    p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50")
+    p.add_argument("--address", help="Ray Jobs API, http://HOST:8265 (default: $RAY_ADDRESS, then infra env file)")
+    p.add_argument("--tracking-uri", help="MLflow server for the job (default: config, $MLFLOW_TRACKING_URI, env file)")
+    p.add_argument("--follow", action="store_true", help="stream the logs and exit with the job's status")
+    p.add_argument("--only", choices=ORDER, help="passed to jobs.run")
+    p.add_argument("--force", action="append", default=[], choices=ORDER, help="passed to jobs.run (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="passed to jobs.run: the job prints the plan")
+    p.add_argument("--keep-paths", action="store_true",
+                   help="send run.workdir / data root as written (the cluster does not share this disk)")
+    return p.parse_intermixed_args(argv)  # overrides may follow the flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        config_rel = cluster.repo_relative(args.config)
+    except (ConfigError, cluster.ClusterError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pinned, env_vars = ([], {}) if args.keep_paths else cluster.pin_locations(cfg)
+    uri = cluster.resolve_tracking_uri(args.tracking_uri, cfg)
+    if uri:
+        env_vars["MLFLOW_TRACKING_URI"] = uri
+    run_args = [*(["--only", args.only] if args.only else []), *[a for s in args.force for a in ("--force", s)],
+                *(["--dry-run"] if args.dry_run else [])]
+    spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args)
+    try:
+        jc = cluster.client(args.address)
+    except cluster.ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    job_id = jc.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
+                           submission_id=spec.submission_id)
+    print(job_id, flush=True)
+    print(f"submitted {spec.entrypoint!r} to {jc.get_address()}", file=sys.stderr)
+    if not args.follow:
+        return 0
+    status = cluster.follow(jc, job_id)
+    print(f"job {job_id}: {status}", file=sys.stderr)
+    return cluster.exit_code(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

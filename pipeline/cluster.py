@@ -1,0 +1,235 @@
+"""Talking to a running Ray cluster through the Ray Jobs API: addresses, the job's runtime_env, follow.
+
+``jobs.submit`` / ``jobs.status`` / ``jobs.logs`` / ``jobs.stop`` are thin doors onto this module.
+
+Where the cluster is: ``--address``, else ``$RAY_ADDRESS``, else the env file that ``infra/local/up``
+writes (``$CONDUIT_INFRA_ENV``, default ``outputs/infra/env``). The same file supplies
+``MLFLOW_TRACKING_URI`` and ``RAY_AUTH_MODE`` when the environment does not.
+
+A submitted job runs in a copy of this repository (the ``working_dir``) under the cluster's temp
+folder, so every relative location in the config would land in, or be looked up in, that throwaway
+copy. ``pin_locations`` turns them into this machine's absolute paths, which is right when the
+cluster's nodes see this machine's disk (a local cluster, or a shared mount at the same path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shlex
+import string
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import REPO_ROOT, RunConfig
+
+DEFAULT_ENV_FILE = REPO_ROOT / "outputs" / "infra" / "env"
+ENV_FILE_VAR = "CONDUIT_INFRA_ENV"
+# What never travels in working_dir (gitignore syntax, relative to the repo root). Ray also honours
+# .gitignore; these are listed so that a checkout without one does not upload a 2 GB venv.
+# A leading "/" anchors a pattern at the repo root (pipeline/data/ is code and must travel).
+WORKING_DIR_EXCLUDES = [
+    "/.git", "/.venv", "/venv", "/outputs", "/mlruns", "/data", "/build",
+    "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info",
+]
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class ClusterError(RuntimeError):
+    """No cluster address, an unreadable env file, or a job id the cluster does not know."""
+
+
+# ---- the env file written by infra/local/up --------------------------------------------------------
+def env_file_path() -> Path:
+    """``$CONDUIT_INFRA_ENV``, else ``outputs/infra/env`` in this repository."""
+    return Path(os.environ.get(ENV_FILE_VAR) or DEFAULT_ENV_FILE)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """Parse ``KEY=value`` lines (``#`` comments and blank lines allowed; no quoting, no expansion).
+
+    Args:
+        path: the file; a missing file reads as empty.
+
+    Returns:
+        The variables, in file order.
+
+    Raises:
+        ClusterError: a line that is not ``KEY=value``.
+    """
+    if not path.is_file():
+        return {}
+    out: dict[str, str] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ClusterError(f"{path}:{n}: expected KEY=value, got {line!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def resolve_address(address: str | None) -> str:
+    """The Jobs API address: the argument, else ``$RAY_ADDRESS``, else the env file's ``RAY_ADDRESS``.
+
+    Raises:
+        ClusterError: none of the three is set.
+    """
+    found = address or os.environ.get("RAY_ADDRESS") or read_env_file(env_file_path()).get("RAY_ADDRESS")
+    if not found:
+        raise ClusterError(
+            f"no Ray cluster address: pass --address http://HOST:8265, set RAY_ADDRESS, or start one "
+            f"with infra/local/up (which writes {env_file_path()})"
+        )
+    return found
+
+
+def resolve_tracking_uri(uri: str | None, cfg: RunConfig) -> str | None:
+    """MLflow URI for the job: the argument, the config's ``tracking.uri``, ``$MLFLOW_TRACKING_URI``,
+    then the env file's. None leaves the job on its default (sqlite under ``run.workdir``)."""
+    return (uri or cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+            or read_env_file(env_file_path()).get("MLFLOW_TRACKING_URI"))
+
+
+def apply_auth_mode() -> None:
+    """Token auth (Ray's default for clusters started with ``ray start``) is only used by clients
+    when ``RAY_AUTH_MODE=token``: take it from the env file when the environment does not say.
+    Ray reads the variable once, on its first use, so this must run before that."""
+    mode = read_env_file(env_file_path()).get("RAY_AUTH_MODE")
+    if mode and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = mode
+
+
+def client(address: str | None):
+    """A ``JobSubmissionClient`` for the resolved address (it checks the connection on creation).
+
+    Raises:
+        ClusterError: no address could be resolved.
+        ConnectionError: the dashboard does not answer (raised by Ray, with the address).
+    """
+    apply_auth_mode()  # before ray is imported: Ray reads RAY_AUTH_MODE once
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(resolve_address(address))
+
+
+# ---- what a job is sent with ----------------------------------------------------------------------
+def pin_locations(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
+    """Overrides and env vars that make the job read and write where this machine would.
+
+    Returns:
+        ``(overrides, env_vars)``: ``run.workdir`` always absolute; ``run.artifact_root`` and
+        ``data.data_root`` absolute when set to local paths; ``CONDUIT_DATA_ROOT`` always.
+    """
+    overrides = [f"run.workdir={cfg.workdir()}"]
+    if cfg.run.artifact_root and "://" not in cfg.run.artifact_root:
+        overrides.append(f"run.artifact_root={cfg.artifact_root()}")
+    if cfg.data.data_root:
+        overrides.append(f"data.data_root={cfg.data_root()}")
+    return overrides, {"CONDUIT_DATA_ROOT": str(cfg.data_root())}
+
+
+def repo_relative(config_path: str | Path) -> str:
+    """The config's path inside the repository, as the job (whose cwd is the working_dir copy) sees it.
+
+    Raises:
+        ClusterError: the file is outside the repository or in a folder that does not travel.
+    """
+    path = Path(config_path).expanduser().resolve()
+    try:
+        rel = path.relative_to(REPO_ROOT)
+    except ValueError as e:
+        raise ClusterError(
+            f"config {config_path} is outside the repository {REPO_ROOT}; only files inside it travel "
+            "with the job (put it under configs/)"
+        ) from e
+    if f"/{rel.parts[0]}" in WORKING_DIR_EXCLUDES:
+        raise ClusterError(f"config {config_path} is under {rel.parts[0]}/, which is not sent with the job")
+    return rel.as_posix()
+
+
+@dataclass
+class JobSpec:
+    """Everything ``JobSubmissionClient.submit_job`` is called with."""
+
+    submission_id: str
+    entrypoint: str
+    runtime_env: dict
+
+
+def new_submission_id() -> str:
+    """``raysubmit_`` + 16 letters and digits, the form Ray gives the ids it makes itself."""
+    alphabet = string.ascii_letters + string.digits
+    return "raysubmit_" + "".join(secrets.choice(alphabet) for _ in range(16))
+
+
+def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
+             run_args: list[str] | None = None) -> JobSpec:
+    """The entrypoint ``python -m jobs.run CONFIG OVERRIDES ARGS`` and its runtime_env.
+
+    The submission id is chosen here and also passed as ``RAY_JOB_SUBMISSION_ID``: Ray does not put
+    it in the driver's environment, and the runner names the MLflow parent run after that variable.
+
+    The env vars of ``pipeline.runner.worker_env()`` are deliberately absent: the job's driver passes
+    them to ``ray.init(runtime_env=...)`` itself, and Ray refuses to merge a job runtime_env and a
+    driver runtime_env that set the same variable.
+
+    Args:
+        config_rel: the config's repository-relative path (``repo_relative``).
+        overrides: ``a.b=c`` strings, applied in order.
+        env_vars: extra environment of the driver and every task (MLFLOW_TRACKING_URI, ...).
+        run_args: extra ``jobs.run`` flags (``--only train``, ``--force evaluate``, ``--dry-run``).
+    """
+    argv = ["python", "-m", "jobs.run", config_rel, *overrides, *(run_args or [])]
+    submission_id = new_submission_id()
+    return JobSpec(
+        submission_id=submission_id,
+        entrypoint=shlex.join(argv),
+        runtime_env={"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES),
+                     "env_vars": {**env_vars, "RAY_JOB_SUBMISSION_ID": submission_id}},
+    )
+
+
+# ---- following a job ------------------------------------------------------------------------------
+def follow(job_client, job_id: str, out=sys.stdout, timeout_s: float = 60.0) -> str:
+    """Stream the job's logs to ``out`` until it ends, and return its final status.
+
+    Args:
+        timeout_s: how long to wait for a terminal status once the log stream has closed.
+
+    Raises:
+        ClusterError: the log stream ended but the job did not reach a terminal status in time.
+    """
+    async def _tail() -> None:
+        async for chunk in job_client.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    asyncio.run(_tail())
+    return wait_terminal(job_client, job_id, timeout_s)
+
+
+def wait_terminal(job_client, job_id: str, timeout_s: float) -> str:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED; return that status.
+
+    Raises:
+        ClusterError: still running after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(job_client.get_job_status(job_id).value)
+        if status in TERMINAL:
+            return status
+        if time.monotonic() > deadline:
+            raise ClusterError(f"job {job_id} is still {status} after {timeout_s:.0f}s")
+        time.sleep(1.0)
+
+
+def exit_code(status: str) -> int:
+    """0 for SUCCEEDED, 1 for FAILED or STOPPED (so scripts can chain on ``--follow``)."""
+    return 0 if status == "SUCCEEDED" else 1

@@ -1,0 +1,223 @@
+"""jobs.submit / status / logs / stop against a real two-node Ray cluster and MLflow server on 127.0.0.1.
+
+infra/local/up starts a head and a second node (its own CPUs and a custom resource) plus an MLflow
+server; the smoke pipeline is submitted once with STRICT_SPREAD, so it also proves that training
+workers on two nodes train correctly. MLflow is checked through its REST API, Ray through the CLIs.
+Everything runs as subprocesses; infra/local/down stops it all, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from pipeline import cluster
+from pipeline.config import load_config
+from pipeline.runner import ORDER
+from tests.infra.local_infra import RAY, ROOT, down, jobs_cli, run, up, wait_for
+
+SMALL = ["train.steps=40", "eval.max_batches=4", "eval.max_text_tokens=2048", "eval.lambada_max_examples=50",
+         "parallel.placement_strategy=STRICT_SPREAD", "cluster.shared_storage=true"]
+
+
+@dataclass
+class Services:
+    state_dir: Path
+    env: dict[str, str]
+    workdir: Path
+
+    @property
+    def address(self) -> str:
+        return self.env["RAY_ADDRESS"]
+
+    @property
+    def mlflow(self) -> str:
+        return self.env["MLFLOW_TRACKING_URI"] + "/api/2.0/mlflow"
+
+    def cli(self, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A jobs CLI that finds the cluster through the env file, as a user's shell would."""
+        return jobs_cli(module, *args, timeout=timeout, CONDUIT_INFRA_ENV=str(self.state_dir / "env"))
+
+    def job_ids(self) -> list[str]:
+        listed = self.cli("status")
+        assert listed.returncode == 0, listed.stderr
+        return [ln.split("\t")[0] for ln in listed.stdout.splitlines()]
+
+    def status(self, job_id: str) -> str:
+        return self.cli("status", job_id).stdout.strip()
+
+    def train_workers(self) -> list[dict]:
+        out = run([RAY, "list", "actors", "--address", self.address, "--filter", "class_name=RayTrainWorker",
+                   "--format", "json", "--limit", "1000"], timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    state = tmp_path_factory.mktemp("infra")
+    try:
+        env = up(state, "--num-cpus", "2", "--worker-nodes", "1", "--worker-cpus", "2")
+        yield Services(state, env, tmp_path_factory.mktemp("work"))
+    finally:
+        stopped = down(state)
+        assert stopped.returncode == 0, stopped.stderr
+
+
+@pytest.fixture(scope="module")
+def smoke_job(services):
+    """The smoke pipeline, submitted and followed; returns (job id, jobs.submit's output)."""
+    done = services.cli("submit", "configs/smoke.yaml", *SMALL, f"run.workdir={services.workdir}",
+                        "--tracking-uri", services.env["MLFLOW_TRACKING_URI"], "--follow", timeout=900)
+    job_id = done.stdout.splitlines()[0] if done.stdout else "(no job id printed)"
+    assert done.returncode == 0, f"{job_id} did not succeed:\n{done.stdout[-5000:]}\n{done.stderr[-3000:]}"
+    return job_id, done.stdout
+
+
+# ---- without services ------------------------------------------------------------------------------
+def test_job_spec_pins_locations_and_ships_the_repo_without_bulk(tmp_path, monkeypatch):
+    monkeypatch.delenv("CONDUIT_DATA_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", ["run.artifact_root=arts", "train.steps=30"])
+    overrides, env = cluster.pin_locations(cfg)
+    assert overrides == [f"run.workdir={tmp_path / 'outputs' / 'smoke'}", f"run.artifact_root={tmp_path / 'arts'}"]
+    assert env == {"CONDUIT_DATA_ROOT": str(cfg.data_root())} and cfg.data_root().is_absolute()
+    spec = cluster.job_spec("configs/smoke.yaml", ["train.steps=30", *overrides], env, ["--only", "train"])
+    assert spec.entrypoint.startswith("python -m jobs.run configs/smoke.yaml train.steps=30 run.workdir=")
+    assert spec.entrypoint.endswith("--only train")
+    assert spec.runtime_env["working_dir"] == str(ROOT)
+    assert {"/.venv", "/.git", "/outputs"} <= set(spec.runtime_env["excludes"])
+    assert spec.runtime_env["env_vars"]["RAY_JOB_SUBMISSION_ID"] == spec.submission_id
+    # worker_env() keys must stay out: the driver's ray.init(runtime_env) sets them, and Ray refuses to merge
+    assert not {"HF_HUB_OFFLINE", "TORCH_EXTENSIONS_DIR"} & set(spec.runtime_env["env_vars"])
+
+
+def test_repo_relative_refuses_configs_that_do_not_travel(tmp_path):
+    assert cluster.repo_relative(ROOT / "configs" / "smoke.yaml") == "configs/smoke.yaml"
+    with pytest.raises(cluster.ClusterError, match="outside the repository"):
+        cluster.repo_relative(tmp_path / "x.yaml")
+    with pytest.raises(cluster.ClusterError, match="under outputs/"):
+        cluster.repo_relative(ROOT / "outputs" / "x.yaml")
+
+
+def test_address_and_env_file_precedence(tmp_path, monkeypatch):
+    env_file = tmp_path / "env"
+    env_file.write_text("# c\nRAY_ADDRESS=http://127.0.0.1:1\nMLFLOW_TRACKING_URI=http://127.0.0.1:2\n")
+    monkeypatch.setenv("CONDUIT_INFRA_ENV", str(env_file))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert cluster.resolve_address(None) == "http://127.0.0.1:1"
+    assert cluster.resolve_address("http://h:8265") == "http://h:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "http://env:8265")
+    assert cluster.resolve_address(None) == "http://env:8265"
+    assert cluster.resolve_tracking_uri(None, load_config(None)) == "http://127.0.0.1:2"
+    env_file.write_text("not a pair\n")
+    with pytest.raises(cluster.ClusterError, match=r"env:1: expected KEY=value"):
+        cluster.read_env_file(env_file)
+
+
+def test_k8s_manifests_parse_and_name_what_the_readme_promises():
+    import yaml
+
+    kinds = {}
+    for path in sorted((ROOT / "infra" / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            kinds.setdefault(doc["kind"], []).append(doc["metadata"]["name"] if "metadata" in doc else path.name)
+    assert {"RayCluster", "RayJob", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Kustomization"} <= set(kinds)
+    assert {"mlflow-postgres", "minio"} <= set(kinds["StatefulSet"]) and "mlflow" in kinds["Deployment"]
+
+
+# ---- against real services -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_bad_config_fails_at_submit_time_and_sends_nothing(services, tmp_path):
+    before = services.job_ids()
+    typo = services.cli("submit", "configs/smoke.yaml", "trian.steps=3")
+    assert typo.returncode == 2 and "unknown key 'trian'" in typo.stderr and "'train'" in typo.stderr, typo.stderr
+    bad = ROOT / "configs" / "smoke.yaml"
+    yaml_typo = tmp_path / "bad.yaml"
+    yaml_typo.write_text(bad.read_text().replace("  steps: 150", "  stesp: 150"))
+    nested = services.cli("submit", str(yaml_typo))
+    assert nested.returncode == 2 and "unknown key train.'stesp'" in nested.stderr, nested.stderr
+    outside = tmp_path / "ok.yaml"
+    outside.write_text(bad.read_text())
+    refused = services.cli("submit", str(outside))
+    assert refused.returncode == 2 and "outside the repository" in refused.stderr, refused.stderr
+    assert services.job_ids() == before
+
+
+@pytest.mark.slow
+def test_plain_ray_job_submit_runs_jobs_run_with_the_venv_python(services, data_root):
+    entry = "python -c 'import sys; print(\"prefix=\" + sys.prefix)' && python -m jobs.run configs/smoke.yaml --dry-run"
+    job_id = f"plain_{uuid.uuid4().hex[:12]}"
+    out = run([RAY, "job", "submit", "--address", services.address, "--working-dir", ".", "--no-wait",
+               "--submission-id", job_id, "--runtime-env-json",
+               json.dumps({"env_vars": {"CONDUIT_DATA_ROOT": str(data_root.resolve())}}),
+               "--", "sh", "-c", entry], timeout=180)
+    assert out.returncode == 0, out.stderr
+    followed = services.cli("logs", job_id, "--follow", timeout=300)
+    assert followed.returncode == 0, followed.stdout[-3000:]
+    assert f"prefix={ROOT / '.venv'}" in followed.stdout
+    assert all(f"{name:<10}" in followed.stdout for name in ORDER)
+
+
+@pytest.mark.slow
+def test_smoke_job_succeeds_and_status_and_logs_say_so(services, smoke_job):
+    job_id, output = smoke_job
+    assert job_id.startswith("raysubmit_")
+    assert "Registered model: models:/conduit-smoke" in output
+    assert services.status(job_id) == "SUCCEEDED"
+    logs = services.cli("logs", job_id)
+    assert logs.returncode == 0 and "register: done" in logs.stdout
+    assert (services.workdir / "artifacts" / "register").is_dir(), "artifacts must persist outside the job's working_dir"
+
+
+@pytest.mark.slow
+def test_mlflow_server_holds_the_parent_run_named_after_the_job_its_stages_and_the_model(services, smoke_job):
+    job_id, _ = smoke_job
+    api = services.mlflow
+    exp = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": "conduit"}, timeout=30).json()
+    exp_id = exp["experiment"]["experiment_id"]
+    parents = requests.post(f"{api}/runs/search", timeout=30, json={
+        "experiment_ids": [exp_id], "filter": f"attributes.run_name = '{job_id}'"}).json().get("runs", [])
+    assert len(parents) == 1, f"no parent run named {job_id}"
+    parent = parents[0]
+    assert parent["info"]["status"] == "FINISHED"
+    assert {"key": "conduit.ray_job_id", "value": job_id} in parent["data"]["tags"]
+    children = requests.post(f"{api}/runs/search", timeout=30, json={
+        "experiment_ids": [exp_id], "filter": f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'"}).json()["runs"]
+    by_stage = {c["info"]["run_name"]: c for c in children}
+    assert sorted(by_stage) == sorted(ORDER)
+    mv = requests.get(f"{api}/registered-models/alias", params={"name": "conduit-smoke", "alias": "challenger"},
+                      timeout=30).json()["model_version"]
+    assert mv["run_id"] == by_stage["register"]["info"]["run_id"]
+    losses = requests.get(f"{api}/metrics/get-history", timeout=30, params={
+        "run_id": by_stage["train"]["info"]["run_id"], "metric_key": "loss"}).json()["metrics"]
+    losses = [m["value"] for m in sorted(losses, key=lambda m: m["step"])]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_training_workers_ran_on_both_nodes(services, smoke_job):
+    workers = services.train_workers()
+    assert len(workers) == 2, workers
+    assert len({w["node_id"] for w in workers}) == 2, f"both workers on one node: {workers}"
+
+
+@pytest.mark.slow
+def test_stop_ends_a_long_job_and_frees_its_workers(services, smoke_job):
+    started = services.cli("submit", "configs/smoke.yaml", *SMALL, "train.steps=100000", "--only", "train",
+                           f"run.workdir={services.workdir}", "--tracking-uri", services.env["MLFLOW_TRACKING_URI"])
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip()
+    wait_for(lambda: "train: running" in services.cli("logs", job_id).stdout, 300, f"{job_id} to start training")
+    stopped = services.cli("stop", job_id, "--wait", "120", timeout=180)
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stdout + stopped.stderr
+    assert services.status(job_id) == "STOPPED"
+    wait_for(lambda: not [w for w in services.train_workers() if w["state"] == "ALIVE"], 120,
+             "the stopped job's training workers to exit")

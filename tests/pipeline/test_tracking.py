@@ -1,0 +1,37 @@
+"""pipeline.tracking against a real sqlite store: no process-wide MLflow state leaks out of it."""
+
+from __future__ import annotations
+
+import os
+
+from pipeline import tracking
+
+
+def test_fluent_calls_leave_the_environment_as_they_found_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/a.db"
+    with tracking._fluent_uri(uri):
+        assert os.environ["MLFLOW_TRACKING_URI"] == uri
+    assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    with tracking._fluent_uri(uri):
+        pass
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:1"
+
+
+def test_stage_tracker_logs_to_its_run(tmp_path):
+    uri = f"sqlite:///{tmp_path}/t.db"
+    exp = tracking.ensure_experiment(uri, "t", artifact_location=str(tmp_path / "art"))
+    parent = tracking.start_run(uri, exp, "parent")
+    child = tracking.start_run(uri, exp, "child", parent_id=parent, tags={"k": "v"})
+    t = tracking.StageTracker(uri, child)
+    t.log_params({f"p{i}": i for i in range(150)})  # more than one batch of 100
+    t.log_metrics({"loss": 2.5}, step=3)
+    t.log_metrics({"loss": 2.0}, step=4)
+    run = tracking.client(uri).get_run(child)
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["k"] == "v"
+    assert len(run.data.params) == 150
+    hist = tracking.client(uri).get_metric_history(child, "loss")
+    assert [(m.step, m.value) for m in hist] == [(3, 2.5), (4, 2.0)]
