@@ -18,7 +18,7 @@ INFRA_ENV ?= outputs/infra/env
 USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
 	echo "using $(INFRA_ENV): Ray $$RAY_ADDRESS, MLflow $$MLFLOW_TRACKING_URI"; fi
 
-.PHONY: install run submit up down test test-fast clean
+.PHONY: install run submit up down test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/peak.py
+	$(PY) benchmarks/train_throughput.py
+	$(PY) benchmarks/tokenize_throughput.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -8,33 +8,28 @@ read tasks, cleaning, dedup, split, parquet writing) is timed on the raw inputs.
 megabytes (10^6 bytes): tokenize counts the documents it encodes, shard the input bytes it reads.
 Prints a table and writes ``benchmarks/results/tokenize.json``.
 
-    .venv/bin/python benchmarks/tokenize.py [--paths 'gutenberg/train/*.txt'] [--repeats 3] [--actors 2]
+    .venv/bin/python benchmarks/tokenize_throughput.py [--paths 'gutenberg/train/*.txt'] [--repeats 3] [--actors 2]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import platform
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-# This file is named like the stdlib's ``tokenize``; drop its folder from the import path before
-# anything imports the real one (``inspect`` -> ``linecache`` -> ``tokenize``).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from pipeline.config import load_config  # noqa: E402
-from pipeline.runner import make_plan, resolve, worker_env  # noqa: E402
-from pipeline.stages import execute_stage, shard  # noqa: E402
-from pipeline.text import load_sentencepiece  # noqa: E402
+from pipeline.config import load_config
+from pipeline.runner import make_plan, resolve, worker_env
+from pipeline.stages import execute_stage, shard
+from pipeline.text import load_sentencepiece
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tokenize.json"
 
