@@ -116,6 +116,9 @@ class TrainSection:
     keep_checkpoints: int = _unhashed(2)
     max_failures: int = _unhashed(0)  # worker-group restarts from the latest checkpoint
     checkpoint_storage: str | None = _unhashed(None)  # Ray Train storage; None: <train artifact>/ray
+    # A checkpoint folder of an earlier run to continue from, with any number of workers or ZeRO stage
+    # 0-2 (ZeRO-3 and expert-parallel runs: the same layout only). Hashed: it changes the result.
+    resume_from: str | None = None
 
 
 @dataclass

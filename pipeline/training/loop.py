@@ -14,6 +14,7 @@ Checkpoints (every ``train.checkpoint_every`` steps and at the end) are reported
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -26,10 +27,13 @@ from models.accounting import flops_per_token
 from models.export import save_safetensors
 from pipeline.artifacts import write_json_atomic
 from pipeline.config import config_from_dict
+from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker
 from pipeline.training.parallel import ParallelDims
+
+LAYOUT_FILE = "layout.json"
 
 
 def main(config: dict) -> None:
@@ -52,10 +56,17 @@ def main(config: dict) -> None:
                                      seed=cfg.run.seed)
     loader = BlockLoader(Path(config["tokens_dir"]) / "train.tokens.npy", dims, rank, seed=cfg.run.seed)
     start_step = 0
-    resume = ray.train.get_checkpoint()
+    layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": t.zero_stage}
+    resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
+    if resume is None and t.resume_from:  # continue another run, on this run's layout
+        resume = ray.train.Checkpoint(t.resume_from)
     if resume is not None:
         with resume.as_directory() as ckpt_dir:
-            start_step, loader_state = load_state(engine, ckpt_dir)
+            saved = json.loads((Path(ckpt_dir) / LAYOUT_FILE).read_text())
+            if saved == layout:  # DeepSpeed's own checkpoint: bit-exact
+                start_step, loader_state = load_state(engine, ckpt_dir)
+            else:  # another world size or ZeRO stage: the layout-independent one
+                start_step, loader_state = load_canonical(engine, ckpt_dir, zero_stage=t.zero_stage, scheduler=scheduler)
         loader.load_state_dict(loader_state)
 
     tracker = config["tracker"] if rank == 0 else None
@@ -96,7 +107,7 @@ def main(config: dict) -> None:
                 tracker.log_metrics(metrics, step=done)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         if done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
-            _checkpoint(engine, done, loader.state_dict())
+            _checkpoint(engine, scheduler, done, loader.state_dict(), layout)
         bar.update(1)
     bar.close()
 
@@ -107,10 +118,20 @@ def main(config: dict) -> None:
         write_json_atomic(out_dir / "train_metrics.json", history)
 
 
-def _checkpoint(engine, step: int, loader_state: dict) -> None:
-    """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint."""
+def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict) -> None:
+    """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint.
+
+    Beside DeepSpeed's checkpoint (resumes bit-exactly onto the same layout) rank 0 writes the
+    layout and, where supported (ZeRO 0-2 without expert parallelism), a layout-independent
+    ``canonical.pt`` for resuming on another number of workers or ZeRO stage.
+    """
     import ray.train
 
     with tempfile.TemporaryDirectory() as tmp:
         save_state(engine, tmp, step=step, loader_state=loader_state)
+        if layout["zero_stage"] != 3 and layout["ep_size"] == 1:
+            save_canonical(engine, tmp, zero_stage=layout["zero_stage"], step=step, scheduler=scheduler,
+                           loader_state=loader_state)
+        if dist.get_rank() == 0:
+            (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(layout))
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from models import ModelConfig, build_model
 from models.loss import lm_loss
 from pipeline.config import TrainSection
+from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
     build_engine, full_state_dict, load_state, make_optimizer, save_state, seed_everything, train_step,
@@ -128,6 +129,47 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     return out
 
 
+def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int) -> int:
+    """ZeRO-2 on this world: 2 steps, then a world-size-independent checkpoint."""
+    train = dataclasses.replace(TRAIN, zero_stage=2)
+    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
+    engine, scheduler = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED)
+    loader = BlockLoader(tokens, dims, rank, seed=SEED)
+    for _ in range(2):
+        train_step(engine, loader.next_step(), CPU)
+    ckpt.mkdir(exist_ok=True)
+    save_canonical(engine, ckpt, zero_stage=2, step=2, scheduler=scheduler, loader_state=loader.state_dict())
+    return world
+
+
+def canonical_resume(out: Path) -> None:
+    """On a different world (and ZeRO stage): restore the canonical checkpoint, 2 more steps; the
+    weights must equal 4 single-process steps on the same global batches."""
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    tokens = out / "train.tokens.npy"
+    results = {}
+    for zero in (1, 0):
+        train = dataclasses.replace(TRAIN, zero_stage=zero)
+        dims = ParallelDims(world, 1, GLOBAL, MICRO if world > 1 else GLOBAL // 2, SEQ)
+        engine, scheduler = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED + 5)
+        step, loader_state = load_canonical(engine, out / "ckpt_canonical", zero_stage=zero, scheduler=scheduler)
+        loader = BlockLoader(tokens, dims, rank, seed=0)
+        loader.load_state_dict(loader_state)
+        for _ in range(2):
+            train_step(engine, loader.next_step(), CPU)
+        state = full_state_dict(engine, zero)
+        if rank == 0:
+            ref = reference_weights(DENSE, dataclasses.replace(TRAIN, zero_stage=2), tokens, 4)
+            results[f"zero{zero}"] = {"step": step, "max_abs_diff": max_diff(state, ref), "world_size": world}
+        del engine
+        gc.collect()
+    if rank == 0:
+        (out / "canonical_resume.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     dist.init_process_group("gloo")
@@ -172,6 +214,7 @@ def main(out_dir: str) -> None:
             init = reference_weights(model_cfg, train, tokens, 0)
             results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
                              "dropped_fraction": stats.metrics()["moe_dropped_fraction"]}
+    results["canonical_saved_world"] = canonical_save(tokens, out / "ckpt_canonical", world, rank)
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
     try:
@@ -188,4 +231,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "canonical-resume":
+        canonical_resume(Path(sys.argv[2]))
+    else:
+        main(sys.argv[1])

@@ -12,10 +12,25 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     run_world("tests.pipeline.training.dist_checks", str(out), world_size=2, timeout=900)
-    return json.loads((out / "results.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(world2):
+    return json.loads((world2 / "results.json").read_text())
+
+
+def test_canonical_checkpoint_resumes_on_another_world_size(world2):
+    """Saved by 2 ranks under ZeRO-2; resumed by 1 rank under ZeRO-1 and ZeRO-0."""
+    assert json.loads((world2 / "results.json").read_text())["canonical_saved_world"] == 2
+    run_world("tests.pipeline.training.dist_checks", "canonical-resume", str(world2), world_size=1, timeout=600)
+    r = json.loads((world2 / "canonical_resume.json").read_text())
+    for zero in ("zero1", "zero0"):
+        assert r[zero]["world_size"] == 1 and r[zero]["step"] == 2
+        assert r[zero]["max_abs_diff"] < 1e-5, r
 
 
 @pytest.mark.parametrize("case", [
