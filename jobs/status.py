@@ -11,18 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline import cluster
+from jobs._cli import add_address, connect
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
     p.add_argument("job_id", nargs="?", help="a submission id (raysubmit_...); none lists every job")
-    p.add_argument("--address", help="Ray Jobs API (default: $RAY_ADDRESS, then the infra env file)")
+    add_address(p)
     args = p.parse_args(argv)
-    try:
-        jc = cluster.client(args.address)
-    except cluster.ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    jc = connect(args.address)
+    if jc is None:
         return 2
     if args.job_id is None:
         for job in jc.list_jobs():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jobs._cli import add_address, connect
 from pipeline import cluster
 
 
@@ -17,12 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.stop", description=__doc__.splitlines()[0])
     p.add_argument("job_id")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a terminal status")
-    p.add_argument("--address", help="Ray Jobs API (default: $RAY_ADDRESS, then the infra env file)")
+    add_address(p)
     args = p.parse_args(argv)
-    try:
-        jc = cluster.client(args.address)
-    except cluster.ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
+    jc = connect(args.address)
+    if jc is None:
         return 2
     jc.stop_job(args.job_id)
     try:
