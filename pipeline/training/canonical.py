@@ -85,7 +85,13 @@ def load_canonical(engine, ckpt_dir: str | Path, *, zero_stage: int, scheduler) 
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     _check_supported(engine, zero_stage)
-    saved = torch.load(Path(ckpt_dir) / CANONICAL_FILE, map_location="cpu", weights_only=False)
+    path = Path(ckpt_dir) / CANONICAL_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{ckpt_dir} has no {CANONICAL_FILE}: it was written by a ZeRO-3 or expert-parallel run, which "
+            "resumes only with the same number of workers, parallel.ep_size and train.zero_stage"
+        )
+    saved = torch.load(path, map_location="cpu", weights_only=False)
     params = saved["params"]
     names = [n for n, _ in engine.module.named_parameters()]
     if sorted(names) != sorted(params):

@@ -123,3 +123,15 @@ def test_ranks_are_disjoint_within_a_step(blocks_file):
     dims = ParallelDims(2, 1, 8, 4, 8)
     a, b = (BlockLoader(path, dims, r, 1).next_step()[0][0] for r in range(2))
     assert not set(map(tuple, a.tolist())) & set(map(tuple, b.tolist()))
+
+
+def test_a_checkpoint_without_canonical_copy_is_refused_clearly(tmp_path):
+    from pipeline.training.canonical import load_canonical
+
+    class DenseEngine:  # what load_canonical looks at before touching any state
+        has_moe_layers = False
+
+    with pytest.raises(ValueError, match=r"has no canonical\.pt: it was written by a ZeRO-3 or expert-parallel run"):
+        load_canonical(DenseEngine(), tmp_path, zero_stage=1, scheduler=None)
+    with pytest.raises(ValueError, match=r"not supported with train\.zero_stage=3"):
+        load_canonical(DenseEngine(), tmp_path, zero_stage=3, scheduler=None)
