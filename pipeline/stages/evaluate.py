@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from models.export import load_safetensors
-from models.loss import lm_loss
 from pipeline.artifacts import write_json_atomic
 from pipeline.config import RunConfig, hash_view
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
@@ -38,20 +37,6 @@ METRICS_FILE = "metrics.json"
 
 def hash_config(cfg: RunConfig) -> dict:
     return {"eval": hash_view(cfg.eval)}
-
-
-@torch.no_grad()
-def validation_loss(model: torch.nn.Module, blocks: np.ndarray, batch_size: int, max_batches: int) -> tuple[float, int]:
-    """Mean next-token loss (nats) over the first ``max_batches`` batches of blocks, and the token count."""
-    model.eval()
-    total, count = 0.0, 0
-    for b in range(min(max_batches, math.ceil(len(blocks) / batch_size))):
-        block = torch.from_numpy(blocks[b * batch_size : (b + 1) * batch_size].astype(np.int64))
-        logits = model(block[:, :-1]).logits
-        n = block[:, 1:].numel()
-        total += lm_loss(logits.float(), block[:, 1:]).item() * n
-        count += n
-    return total / count, count
 
 
 def unigram_loss(train_blocks: np.ndarray, eval_targets: np.ndarray, vocab_size: int) -> float:
@@ -107,8 +92,10 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tokens_per_byte = val["tokens"] / val["bytes"]
     model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE))
     blocks = np.load(tok_dir / "validation.tokens.npy", mmap_mode="r")
-    loss, n_tokens = validation_loss(model, blocks, cfg.eval.batch_size, cfg.eval.max_batches)
-    evaluated = blocks[: math.ceil(n_tokens / (blocks.shape[1] - 1))]
+    evaluated = np.asarray(blocks[: cfg.eval.max_batches * cfg.eval.batch_size])
+    # One pass gives the validation loss (the text as written) and the word-order control beside it.
+    order = word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed)
+    loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size
     uni = unigram_loss(np.load(tok_dir / "train.tokens.npy", mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
     metrics = {
         "val_loss": loss,
@@ -119,7 +106,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "unigram_bits_per_byte": uni * tokens_per_byte / math.log(2),
     }
     sp = load_sentencepiece(str(inputs["tokenizer"].path / MODEL_FILE))
-    metrics.update(word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed))
+    metrics.update(order)
     metrics.update(benchmark_metrics(cfg, model, sp))
     metrics.update(log_pictures(cfg, model, sp, evaluated, tracker))
     samples = TextGenerator(model, sp).generate(
