@@ -1,7 +1,9 @@
 """Tokenize-stage throughput against plain sentencepiece, and shard-stage throughput, in one run.
 
-The tokenize stage (Ray Data ``read_parquet`` -> ``map_batches`` over ``--actors`` sentencepiece
-actors with ``--threads-per-actor`` threads each -> packing and .npy writing) is timed against
+The tokenize stage (encoding -> packing and .npy writing) is timed with both engines: ``local``
+(the stage's own process, ``--actors x --threads-per-actor`` sentencepiece threads; what ``auto``
+picks below ``tokenize.ray_data_min_bytes``, as here) and ``ray_data`` (``read_parquet`` ->
+``map_batches`` over ``--actors`` actors), against
 ``SentencePieceProcessor.encode(texts, num_threads=actors * threads_per_actor)`` on the same
 documents with the same tokenizer, interleaved, ``--repeats`` times; the shard stage (parallel Ray
 read tasks, cleaning, dedup, split, parquet writing) is timed on the raw inputs. MB are UTF-8 text
@@ -16,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,21 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import summary, write_result
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve, worker_env
 from pipeline.stages import execute_stage, shard
 from pipeline.text import load_sentencepiece
 
-RESULTS = Path(__file__).resolve().parent / "results" / "tokenize.json"
 
 
 class NullTracker:
     def log_metrics(self, m, step=None):
         pass
 
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
 def timed_stage(name: str, cfg, arts: dict, out: Path) -> tuple[float, object]:
@@ -67,12 +64,13 @@ def main() -> None:
 
     os.environ.update(worker_env())
     work = Path(tempfile.mkdtemp(prefix="conduit-bench-tokenize-"))
-    cfg = resolve(load_config(None, [
+    overrides = [
         f"run.workdir={work}", f"data.train_paths=['{args.paths}']", "data.validation_fraction=0.01",
         f"tokenizer.vocab_size={args.vocab}", "tokenizer.max_training_bytes=5000000", "tokenize.seq_len=128",
         f"tokenize.num_actors={args.actors}", f"tokenize.threads_per_actor={args.threads_per_actor}",
         f"tokenize.batch_size={args.batch_size}",
-    ]))
+    ]
+    cfg = resolve(load_config(None, overrides))
     threads = args.actors * args.threads_per_actor
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, runtime_env={"env_vars": worker_env()},
              log_to_driver=False)
@@ -85,17 +83,21 @@ def main() -> None:
         text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
         input_mb = sum(i["bytes"] for i in arts["shard"].manifest["counts"]["inputs"]) / 1e6
         sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
-        plain, stage, shard_s = [], [], []
+        ray_cfg = resolve(load_config(None, [*overrides, "tokenize.engine=ray_data"]))
+        plain, stage, ray_stage, shard_s = [], [], [], []
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits both sides alike
             started = time.perf_counter()
             n_tokens = sum(map(len, sp.encode(texts, num_threads=threads)))
             plain.append(time.perf_counter() - started)
             seconds, art = timed_stage("tokenize", cfg, arts, work / "bench" / f"tokenize-{r}")
             stage.append(seconds)
+            engine = art.manifest["counts"]["engine"]
+            seconds, _ = timed_stage("tokenize", ray_cfg, arts, work / "bench" / f"tokenize-ray-{r}")
+            ray_stage.append(seconds)
             seconds, _ = timed_stage("shard", cfg, {}, work / "bench" / f"shard-{r}")
             shard_s.append(seconds)
-            print(f"repeat {r + 1}/{args.repeats}: plain {plain[-1]:.2f}s  tokenize {stage[-1]:.2f}s  "
-                  f"shard {shard_s[-1]:.2f}s", flush=True)
+            print(f"repeat {r + 1}/{args.repeats}: plain {plain[-1]:.2f}s  tokenize ({engine}) {stage[-1]:.2f}s  "
+                  f"tokenize (ray_data) {ray_stage[-1]:.2f}s  shard {shard_s[-1]:.2f}s", flush=True)
         index = json.loads((art.path / "index.json").read_text())
     finally:
         ray.shutdown()
@@ -104,28 +106,33 @@ def main() -> None:
     mbps = {
         "plain_sentencepiece": summary([text_mb / s for s in plain]),
         "tokenize_stage": summary([text_mb / s for s in stage]),
+        "tokenize_stage_ray_data": summary([text_mb / s for s in ray_stage]),
         "shard_stage": summary([input_mb / s for s in shard_s]),
     }
     ratios = [p / s for p, s in zip(plain, stage)]  # per repeat: plain seconds / stage seconds
+    ray_ratios = [p / s for p, s in zip(plain, ray_stage)]
     result = {
         "paths": args.paths, "text_mb": text_mb, "input_mb": input_mb, "tokens": n_tokens,
         "packed_tokens": sum(s["tokens"] for s in index["splits"].values()),
         "actors": args.actors, "threads_per_actor": args.threads_per_actor, "plain_threads": threads,
         "batch_size": args.batch_size, "vocab_size": args.vocab, "repeats": args.repeats,
-        "ray_logical_cpus": args.ray_cpus, "cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-        "mb_per_s": mbps, "ratio_tokenize_to_plain": summary(ratios),
-        "seconds": {"plain_sentencepiece": plain, "tokenize_stage": stage, "shard_stage": shard_s},
+        "ray_logical_cpus": args.ray_cpus,
+        "engine": engine, "mb_per_s": mbps, "ratio_tokenize_to_plain": summary(ratios),
+        "ratio_ray_data_to_plain": summary(ray_ratios),
+        "seconds": {"plain_sentencepiece": plain, "tokenize_stage": stage, "tokenize_stage_ray_data": ray_stage,
+                    "shard_stage": shard_s},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result("tokenize", result)
     print(f"\n{text_mb:.1f} MB of text ({n_tokens:,} tokens), {args.paths}; {args.actors} actor(s) x "
           f"{args.threads_per_actor} thread(s) vs sentencepiece with {threads} thread(s); {os.cpu_count()} cores")
     print(f"{'what':<22} {'MB/s median':>12} {'range':>16}")
     for name, s in mbps.items():
         print(f"{name:<22} {s['median']:>12.2f} {s['min']:>7.2f} - {s['max']:<7.2f}")
     r = result["ratio_tokenize_to_plain"]
-    print(f"{'ratio stage/plain':<22} {r['median']:>12.2f} {r['min']:>7.2f} - {r['max']:<7.2f}  (goal >= 0.8)")
-    print(f"wrote {RESULTS}")
+    print(f"{'ratio stage/plain':<22} {r['median']:>12.2f} {r['min']:>7.2f} - {r['max']:<7.2f}  (goal >= 0.8; {engine})")
+    r = result["ratio_ray_data_to_plain"]
+    print(f"{'ratio ray_data/plain':<22} {r['median']:>12.2f} {r['min']:>7.2f} - {r['max']:<7.2f}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -85,9 +85,15 @@ class TokenizerSection:
 class TokenizeSection:
     seq_len: int = 128
     add_bos: bool = False
+    # Where documents are encoded. ray_data: Ray Data actors (read_parquet -> map_batches), which
+    # scale over the cluster's nodes but cost several seconds of start-up; local: the stage's own
+    # process with num_actors x threads_per_actor threads; auto: ray_data from ray_data_min_bytes of
+    # text on, local below. Without Ray (unit tests) it is always local. The output is identical.
+    engine: Literal["auto", "ray_data", "local"] = _unhashed("auto")
+    ray_data_min_bytes: int = _unhashed(256_000_000)
     num_actors: int = _unhashed(1)  # Ray Data sentencepiece actors (1 logical CPU each)
     threads_per_actor: int = _unhashed(1)  # sentencepiece encode threads inside each actor
-    batch_size: int = _unhashed(256)  # documents per map_batches call
+    batch_size: int = _unhashed(1024)  # documents per encode call (per map_batches batch)
 
 
 @dataclass
@@ -412,6 +418,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     for name in ("num_actors", "threads_per_actor", "batch_size"):
         value = getattr(cfg.tokenize, name)
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
+    need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")

@@ -246,7 +246,8 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             if item.path.exists():
                 shutil.rmtree(item.path)  # forced, or left unsealed by an earlier attempt
             echo(f"{item.stage}: running ({item.hash})")
-            ref = task.options(num_cpus=STAGE_CPUS[item.stage], name=f"conduit.{item.stage}").remote(
+            cpus = stage.task_cpus(cfg, inputs) if hasattr(stage, "task_cpus") else STAGE_CPUS[item.stage]
+            ref = task.options(num_cpus=cpus, name=f"conduit.{item.stage}").remote(
                 item.stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
             )
             try:

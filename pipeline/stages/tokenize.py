@@ -1,10 +1,13 @@
 """tokenize: document shards + tokenizer -> packed token blocks.
 
-Each split's shards are read with Ray Data (``read_parquet``) and encoded by
+Two engines encode the same batches into identical files (``tokenize.engine``):
+``ray_data`` reads the shards with Ray Data (``read_parquet``) and encodes them in
 ``tokenize.num_actors`` sentencepiece actors (``map_batches`` with ``ActorPoolStrategy``; each actor
-loads the model once) when Ray is running, which it is inside the pipeline's stage task. Without Ray
-(unit tests) the same encoder runs in this process over the same batches. Ray Data is told to
-preserve order, so both paths give identical files.
+loads the model once; order preserved); ``local`` encodes in the stage's own process with
+``num_actors x threads_per_actor`` sentencepiece threads. ``auto`` takes Ray Data from
+``tokenize.ray_data_min_bytes`` of text on: below it, Ray Data's start-up (worker processes, actors,
+planning: about 5-8 s on 2 cores) costs more than the encoding it spreads (benchmarks/tokenize_throughput.py).
+Without Ray (unit tests) the stage is always local.
 
 Documents are joined with EOS after every document (BOS before each when ``tokenize.add_bos``) and
 cut into blocks of ``seq_len + 1`` tokens (inputs and shifted targets). The tail that does not fill
@@ -26,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from pipeline.artifacts import write_json_atomic
 from pipeline.config import RunConfig, hash_view
@@ -60,19 +64,51 @@ def pack(docs_ids: list[list[int]], seq_len: int, add_bos: bool) -> tuple[np.nda
     return stream[: n * block].reshape(n, block), doc_of[: n * block].reshape(n, block), len(stream) - n * block
 
 
-def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig) -> Iterator[tuple[str, pa.Table]]:
+def text_bytes(shard_artifact) -> int:
+    """UTF-8 bytes of text in the shard artifact (from its manifest; file sizes if it lacks them)."""
+    counts = shard_artifact.manifest.get("counts", {}).get("bytes")
+    if isinstance(counts, dict):
+        return int(sum(counts.values()))
+    return sum(f.stat().st_size for s in shard.SPLITS for f in shard.shard_files(shard_artifact.path, s))
+
+
+def choose_engine(cfg: RunConfig, n_bytes: int) -> str:
+    """``ray_data`` or ``local`` for a corpus of ``n_bytes`` (see ``tokenize.engine`` in the config)."""
+    if not ray_running():
+        return "local"
+    if cfg.tokenize.engine != "auto":
+        return cfg.tokenize.engine
+    return "ray_data" if n_bytes >= cfg.tokenize.ray_data_min_bytes else "local"
+
+
+def local_threads(cfg: RunConfig) -> int:
+    return cfg.tokenize.num_actors * cfg.tokenize.threads_per_actor
+
+
+def task_cpus(cfg: RunConfig, inputs: dict) -> float:
+    """Logical CPUs the runner reserves for this stage's task: the encode threads when it encodes
+    in-process (capped by the cluster's CPUs), none with Ray Data (its actors hold their own)."""
+    if choose_engine(cfg, text_bytes(inputs["shard"])) == "ray_data":
+        return 0
+    import ray
+
+    return min(local_threads(cfg), ray.cluster_resources().get("CPU", 1))
+
+
+def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: str) -> Iterator[tuple[str, pa.Table]]:
     """Encoded documents of ``files`` in the given order: ``(shard file, SentencePieceEncoder table)``.
 
-    With Ray running: one Ray Data pipeline over all files (``read_parquet`` -> ``map_batches`` over an
+    ``local``: one encoder here with ``num_actors x threads_per_actor`` threads, file by file.
+    ``ray_data``: one Ray Data pipeline over all files (``read_parquet`` -> ``map_batches`` over an
     actor pool of ``tokenize.num_actors``, 1 logical CPU each), order preserved, so the actors start
-    once for every split. Without Ray: the same encoder here, file by file.
+    once for every split.
 
     Raises:
         ValueError: the Ray cluster has fewer logical CPUs than the actors plus one reader need.
     """
     t = cfg.tokenize
-    if not ray_running():
-        encoder = SentencePieceEncoder(model_path, t.add_bos, t.threads_per_actor)
+    if engine == "local":
+        encoder = SentencePieceEncoder(model_path, t.add_bos, local_threads(cfg))
         for f in files:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=t.batch_size, columns=["text"]):
                 yield str(f), encoder(pa.Table.from_batches([rb]))
@@ -86,7 +122,16 @@ def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig) -> Itera
             f"(one per actor plus one for reading) but it has {cpus:g}; lower tokenize.num_actors or raise "
             "cluster.num_cpus"
         )
-    ds = ray.data.read_parquet([str(f) for f in files], include_paths=True).select_columns(["text", "path"])
+    ctx = ray.data.DataContext.get_current()
+    v2 = ctx.use_datasource_v2
+    # Ray 2.60's file-listing operator (datasource v2) spends seconds listing a handful of known
+    # files; the v1 reader takes the paths as given. Enough blocks that every actor gets work.
+    ctx.use_datasource_v2 = False
+    try:
+        ds = ray.data.read_parquet([str(f) for f in files], include_paths=True, columns=["text"],
+                                   override_num_blocks=max(len(files), 4 * t.num_actors))
+    finally:
+        ctx.use_datasource_v2 = v2
     ds = ds.map_batches(
         SentencePieceEncoder,
         fn_constructor_args=(model_path, t.add_bos, t.threads_per_actor),
@@ -117,7 +162,13 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     split_of = {str(f): s for s, fs in split_files.items() for f in fs}
     writers = {s: BlockWriter(out_dir, s, cfg.tokenize.seq_len, dtype) for s, fs in split_files.items() if fs}
     n_bytes = dict.fromkeys(writers, 0)
-    for path, table in encoded_batches([f for fs in split_files.values() for f in fs], model_path, cfg):
+    engine = choose_engine(cfg, text_bytes(inputs["shard"]))
+    n_docs = inputs["shard"].manifest.get("counts", {}).get("documents", {})
+    # Ray Data draws its own progress bars; the local path gets one over documents.
+    bar = tqdm(total=sum(n_docs.values()) if isinstance(n_docs, dict) else None, desc="tokenize", unit="doc",
+               disable=engine != "local", mininterval=1.0)
+    for path, table in encoded_batches([f for fs in split_files.values() for f in fs], model_path, cfg, engine):
+        bar.update(table.num_rows)
         split = split_of[path]
         tokens = table.column("tokens").combine_chunks()
         lengths = pc.list_value_length(tokens).to_numpy()
@@ -131,5 +182,6 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             "tokens_in_documents": writer.total - per_doc_extra * writer.documents,
         }
     write_json_atomic(out_dir / "index.json", index)
+    bar.close()
     tracker.log_metrics({f"tokens_{s}": v["tokens"] for s, v in index["splits"].items()})
-    return index
+    return {**index, "engine": engine}

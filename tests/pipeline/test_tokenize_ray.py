@@ -38,7 +38,8 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
     overrides = [f"data.data_root={data_root}",
                  "data.train_paths=[tinyshakespeare/input.txt, 'multilingual/udhr/[d-f]*.txt']",
                  "data.test_fraction=0.05", "data.num_shards=3", "tokenize.seq_len=64", "tokenize.add_bos=true",
-                 "tokenize.batch_size=64", "tokenize.num_actors=2", "tokenizer.vocab_size=600"]
+                 "tokenize.batch_size=64", "tokenize.num_actors=2", "tokenizer.vocab_size=600",
+                 "tokenize.engine=ray_data"]
     on_ray = run_stages(load_config(None, [f"run.workdir={tmp_path / 'ray'}", *overrides]),
                         ["shard", "tokenizer", "tokenize"])
     monkeypatch.setattr(shard, "ray_running", lambda: False)
@@ -51,6 +52,8 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
     for split in ("train", "validation", "test"):
         assert shard.read_texts(on_ray["shard"].path, split) == shard.read_texts(local_shard["shard"].path, split)
     assert on_ray["shard"].manifest["counts"]["inputs"] == local_shard["shard"].manifest["counts"]["inputs"]
+    assert on_ray["tokenize"].manifest["counts"]["engine"] == "ray_data"
+    assert local["tokenize"].manifest["counts"]["engine"] == "local"
     index = json.loads((on_ray["tokenize"].path / "index.json").read_text())
     assert index == json.loads((local["tokenize"].path / "index.json").read_text())
     assert set(index["splits"]) == {"train", "validation", "test"}
@@ -82,3 +85,16 @@ def test_bad_input_in_a_ray_read_task_names_the_file(tmp_path, ray_cluster):
     cfg = load_config(None, [f"run.workdir={tmp_path / 'work'}", f"data.data_root={d}", "data.train_paths=['*.txt']"])
     with pytest.raises(shard.DataError, match=r"^\S*bad\.txt: invalid UTF-8 at byte offset 17 "):
         run_stages(cfg, ["shard"])
+
+
+def test_auto_engine_takes_ray_data_from_the_configured_size(tmp_path, ray_cluster):
+    def engine(n_bytes, *overrides):
+        cfg = load_config(None, [f"run.workdir={tmp_path}", *overrides])
+        return tokenize.choose_engine(cfg, n_bytes)
+
+    assert engine(10**6) == "local"  # the default threshold is 256 MB
+    assert engine(256_000_000) == "ray_data"
+    assert engine(999, "tokenize.ray_data_min_bytes=1000") == "local"
+    assert engine(1000, "tokenize.ray_data_min_bytes=1000") == "ray_data"
+    assert engine(10**12, "tokenize.engine=local") == "local"
+    assert engine(1, "tokenize.engine=ray_data") == "ray_data"
