@@ -1,13 +1,19 @@
-"""A checkpoint that does not depend on the world size: full fp32 weights, per-parameter Adam state.
+"""A checkpoint that does not depend on the layout: full fp32 weights and Adam state per parameter.
 
-DeepSpeed's own ZeRO checkpoints store each rank's flat partition, so they load only into the same
-data-parallel layout. Beside them, every checkpoint also holds ``canonical.pt`` (written by rank 0):
-for each parameter, by its name in the model, the fp32 weight and AdamW's ``exp_avg`` /
-``exp_avg_sq``, plus the optimizer step, the LR scheduler's state and the loader position (which is
-world-size independent already). A run resumed on a different number of workers loads it instead.
+DeepSpeed's own checkpoints store each rank's flat partition (and each rank's experts), so they
+load only into the same data-parallel and expert-parallel layout; DeepSpeed cannot convert MoE
+checkpoints at all. Beside them, every checkpoint also holds ``canonical.pt`` (written by rank 0):
+for each parameter, under its name in the single-process model (experts as
+``...ffn.experts.<global id>...``, whatever rank held them), the fp32 weight and AdamW's
+``exp_avg`` / ``exp_avg_sq``; plus the optimizer step, the LR scheduler's state and the loader
+position (world-size independent already). A run resumed with another number of workers, ZeRO
+stage (0-3) or ``parallel.ep_size`` loads it instead of DeepSpeed's.
 
-Supported: ZeRO 0, 1 and 2 without expert parallelism. ZeRO-3 and expert-parallel runs resume only
-onto the same layout (their DeepSpeed checkpoint); asking for more is refused with a clear error.
+How the full tensors are reached, by ZeRO stage: 0 reads the client AdamW's state; 1 and 2 read
+each parameter's fragments of the flat fp32 partitions (``safe_get_full_*``, gathered over the
+parameter's data-parallel group: the expert-data-parallel group for experts); 3 the same through
+the stage-3 optimizer. Experts are then gathered over their expert-parallel group. Loading runs
+the other way: every rank writes the slices it owns.
 """
 
 from __future__ import annotations
@@ -17,106 +23,190 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.training.expert_parallel import moe_layers
+
 CANONICAL_FILE = "canonical.pt"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = ("weight", *ADAM_KEYS)
 
 
 def _zero_optimizer(engine):
-    """DeepSpeed's ZeRO 1/2 optimizer, or None when the engine steps the client optimizer itself."""
+    """DeepSpeed's ZeRO 1-3 optimizer, or None when the engine steps the client optimizer itself."""
     opt = engine.optimizer
-    return opt if hasattr(opt, "single_partition_of_fp32_groups") else None
+    if hasattr(opt, "single_partition_of_fp32_groups") or hasattr(opt, "fp32_partitioned_groups_flat"):
+        return opt
+    return None
+
+
+def _flat_partitions(zopt) -> list[torch.Tensor]:
+    """The fp32 flat partitions AdamW steps (its state is keyed by them)."""
+    if hasattr(zopt, "single_partition_of_fp32_groups"):
+        return list(zopt.single_partition_of_fp32_groups)
+    return list(zopt.fp32_partitioned_groups_flat)
 
 
 def _relink_optimizer_fragments(zopt) -> None:
-    """Point every parameter's fragment view at AdamW's current state tensors.
+    """ZeRO 1/2: point every parameter's fragment view at AdamW's current state tensors.
 
     DeepSpeed links them once and marks them linked; a link made before AdamW had created its
-    state is empty and stays so, hence the forced relink.
+    state is empty and stays so, hence the forced relink. (ZeRO-3 looks state up on each call.)
     """
-    zopt._hp_optimizer_states_linked = False
-    zopt._lazy_init_hp_params_optimizer_state()
+    if hasattr(zopt, "_lazy_init_hp_params_optimizer_state"):
+        zopt._hp_optimizer_states_linked = False
+        zopt._lazy_init_hp_params_optimizer_state()
 
 
-def _check_supported(engine, zero_stage: int) -> None:
-    if zero_stage == 3:
-        raise ValueError("a world-size-independent checkpoint is not supported with train.zero_stage=3 yet")
-    if getattr(engine, "has_moe_layers", False):
-        raise ValueError("a world-size-independent checkpoint is not supported with expert parallelism yet")
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's name in the single-process model. Under expert parallelism the local
+    expert ``j`` of expert-parallel rank ``r`` is global expert ``r * L + j``."""
+    names = {n: n for n, _ in model.named_parameters()}
+    for layer_name, layer in moe_layers(model):
+        shard = getattr(layer, "ep_shard", None)
+        if shard is None:
+            continue
+        ep_rank, L = dist.get_rank(shard.deepspeed_moe.ep_group), shard.num_local_experts
+        prefix = f"{layer_name}.ep_shard.deepspeed_moe.experts.deepspeed_experts."
+        for n in names:
+            if n.startswith(prefix):
+                local, rest = n[len(prefix):].split(".", 1)
+                names[n] = f"{layer_name}.experts.{ep_rank * L + int(local)}.{rest}"
+    return names
+
+
+def _expert_shard_of(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Module]]:
+    """Parameter name -> (its MoE layer's name, that layer's ExpertShard) for expert-parallel experts."""
+    out = {}
+    for layer_name, layer in moe_layers(model):
+        shard = getattr(layer, "ep_shard", None)
+        if shard is not None:
+            for n, _ in shard.named_parameters():
+                out[f"{layer_name}.ep_shard.{n}"] = (layer_name, shard)
+    return out
+
+
+def _full_entry(engine, zopt, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """Weight and Adam state of one parameter, full over its data-parallel group (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if zopt is not None:
+        entry = {"weight": safe_get_full_fp32_param(p)}
+        for key in ADAM_KEYS:
+            entry[key] = safe_get_full_optimizer_state(p, key)
+    else:
+        state = engine.optimizer.state.get(p, {})
+        entry = {"weight": p.detach(), **{k: state.get(k) for k in ADAM_KEYS}}
+    missing = [k for k, v in entry.items() if v is None]
+    if missing:
+        raise RuntimeError(f"no {missing} for a parameter: save the canonical checkpoint after an optimizer step")
+    return {k: v.detach().float().cpu().clone().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+            for k, v in entry.items()}
 
 
 def _adam_step(engine) -> int:
     zopt = _zero_optimizer(engine)
     inner = zopt.optimizer if zopt is not None else engine.optimizer
     steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
-    return max(steps) if steps else 0
+    step = torch.tensor(max(steps) if steps else 0)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank whose partitions are empty has no state
+    return int(step)
 
 
-def save_canonical(engine, ckpt_dir: str | Path, *, zero_stage: int, step: int, scheduler, loader_state: dict) -> None:
-    """Write ``canonical.pt`` into ``ckpt_dir`` (rank 0 writes; every rank must call: ZeRO gathers)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    _check_supported(engine, zero_stage)
+def save_canonical(engine, ckpt_dir: str | Path, *, step: int, scheduler, loader_state: dict) -> None:
+    """Write ``canonical.pt`` into ``ckpt_dir`` (rank 0 writes; every rank must call: it gathers)."""
     zopt = _zero_optimizer(engine)
     if zopt is not None:
         _relink_optimizer_fragments(zopt)
+    module = engine.module
+    names, experts = canonical_names(module), _expert_shard_of(module)
     params: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in engine.module.named_parameters():
-        if zopt is not None:
-            entry = {"weight": safe_get_full_fp32_param(p)}
-            for key in ADAM_KEYS:
-                entry[key] = safe_get_full_optimizer_state(p, key)
-        else:
-            state = engine.optimizer.state.get(p, {})
-            entry = {"weight": p.detach().float(), **{k: state.get(k) for k in ADAM_KEYS}}
-        params[name] = {k: (v.detach().float().cpu().clone() if v is not None else None) for k, v in entry.items()}
+    for name, p in module.named_parameters():  # the same order on every rank: collectives line up
+        entry = _full_entry(engine, zopt, p)
+        if name not in experts:
+            params[names[name]] = entry
+            continue
+        layer_name, shard = experts[name]
+        local, rest = name.split(".deepspeed_experts.", 1)[1].split(".", 1)
+        for key, value in entry.items():  # every expert-parallel rank's copy of this local slot
+            gathered = [torch.empty_like(value) for _ in range(shard.ep_size)]
+            dist.all_gather(gathered, value, group=shard.deepspeed_moe.ep_group)
+            for ep_rank, t in enumerate(gathered):
+                global_id = ep_rank * shard.num_local_experts + int(local)
+                params.setdefault(f"{layer_name}.experts.{global_id}.{rest}", {})[key] = t
+    adam_step = _adam_step(engine)
     if dist.get_rank() == 0:
-        torch.save({"params": params, "adam_step": _adam_step(engine), "step": step,
-                    "scheduler": scheduler.state_dict(), "loader": loader_state, "world_size": dist.get_world_size()},
-                   Path(ckpt_dir) / CANONICAL_FILE)
+        torch.save({"params": params, "adam_step": adam_step, "step": step, "scheduler": scheduler.state_dict(),
+                    "loader": loader_state, "world_size": dist.get_world_size()}, Path(ckpt_dir) / CANONICAL_FILE)
     dist.barrier()
 
 
-def load_canonical(engine, ckpt_dir: str | Path, *, zero_stage: int, scheduler) -> tuple[int, dict]:
+def _expected_names(module: torch.nn.Module) -> set[str]:
+    """Every canonical name the single-process twin of ``module`` has (all experts, not only local)."""
+    names = set(canonical_names(module).values())
+    for layer_name, layer in moe_layers(module):
+        shard = getattr(layer, "ep_shard", None)
+        if shard is None:
+            continue
+        for n, _ in shard.deepspeed_moe.experts.deepspeed_experts[0].named_parameters():
+            names.update(f"{layer_name}.experts.{e}.{n}" for e in range(shard.num_experts))
+    return names
+
+
+def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dict]:
     """Restore weights, Adam state, schedule and step from ``canonical.pt`` into any layout.
 
     Returns:
         (step, loader_state).
+
+    Raises:
+        ValueError: no canonical.pt, or it holds another model's parameters.
     """
+    import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    _check_supported(engine, zero_stage)
     path = Path(ckpt_dir) / CANONICAL_FILE
     if not path.is_file():
         raise ValueError(
-            f"{ckpt_dir} has no {CANONICAL_FILE}: it was written by a ZeRO-3 or expert-parallel run, which "
-            "resumes only with the same number of workers, parallel.ep_size and train.zero_stage"
+            f"{ckpt_dir} has no {CANONICAL_FILE} (an older checkpoint): it resumes only with the same number "
+            "of workers, parallel.ep_size and train.zero_stage"
         )
     saved = torch.load(path, map_location="cpu", weights_only=False)
     params = saved["params"]
-    names = [n for n, _ in engine.module.named_parameters()]
-    if sorted(names) != sorted(params):
-        raise ValueError(f"{ckpt_dir}/{CANONICAL_FILE} holds other parameters than this model")
+    module = engine.module
+    expected = _expected_names(module)
+    if expected != set(params):
+        extra, missing = sorted(set(params) - expected)[:5], sorted(expected - set(params))[:5]
+        raise ValueError(f"{path} holds another model's parameters (unexpected {extra}, missing {missing}): "
+                         "resume needs the same model config")
     adam_step = torch.tensor(float(saved["adam_step"]))
     zopt = _zero_optimizer(engine)
+    zero3 = zopt is not None and hasattr(zopt, "fp32_partitioned_groups_flat")
     if zopt is not None:
-        # ZeRO creates AdamW's state lazily at the first step; create it for every flat partition so
-        # that the per-parameter fragments can be written into it, then link the fragments.
-        for flat in zopt.single_partition_of_fp32_groups:
+        # AdamW creates its state lazily at the first step; create it for every flat partition so
+        # that the per-parameter fragments can be written into it.
+        for flat in _flat_partitions(zopt):
             zopt.optimizer.state[flat] = {"step": adam_step.clone(), **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
         _relink_optimizer_fragments(zopt)
-    for name, p in engine.module.named_parameters():
-        entry = params[name]
-        with torch.no_grad():
-            p.copy_(entry["weight"].to(p.device, p.dtype))  # the full copy every ZeRO 0-2 rank computes with
+    names = canonical_names(module)
+    for name, p in module.named_parameters():
+        entry = params[names[name]]
+        if zero3:  # the partitioned compute copy: gathered, written on rank 0, re-partitioned
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                if dist.get_rank() == 0:
+                    p.copy_(entry["weight"].to(p.device, p.dtype))
+        else:
+            with torch.no_grad():
+                p.copy_(entry["weight"].to(p.device, p.dtype))  # the full copy every ZeRO 0-2 rank computes with
         if zopt is not None:
             safe_set_full_fp32_param(p, entry["weight"].to(p.device))
             for key in ADAM_KEYS:
-                if entry[key] is not None:
-                    safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
-        elif entry["exp_avg"] is not None:
+                safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
+        else:
             engine.optimizer.state[p] = {"step": adam_step.clone(),
                                          **{k: entry[k].to(p.device).clone() for k in ADAM_KEYS}}
-    scheduler.load_state_dict(saved["scheduler"])
+    # The schedule's position only: base LRs and group count belong to this layout (expert
+    # parallelism gives experts optimizer groups of their own).
+    scheduler.load_state_dict({k: v for k, v in saved["scheduler"].items() if k not in ("base_lrs", "_last_lr")})
+    scheduler._last_lr = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     return saved["step"], saved["loader"]

@@ -65,8 +65,8 @@ def main(config: dict) -> None:
             saved = json.loads((Path(ckpt_dir) / LAYOUT_FILE).read_text())
             if saved == layout:  # DeepSpeed's own checkpoint: bit-exact
                 start_step, loader_state = load_state(engine, ckpt_dir)
-            else:  # another world size or ZeRO stage: the layout-independent one
-                start_step, loader_state = load_canonical(engine, ckpt_dir, zero_stage=t.zero_stage, scheduler=scheduler)
+            else:  # another world size, ZeRO stage or ep_size: the layout-independent one
+                start_step, loader_state = load_canonical(engine, ckpt_dir, scheduler=scheduler)
         loader.load_state_dict(loader_state)
 
     tracker = config["tracker"] if rank == 0 else None
@@ -122,16 +122,14 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict) 
     """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint.
 
     Beside DeepSpeed's checkpoint (resumes bit-exactly onto the same layout) rank 0 writes the
-    layout and, where supported (ZeRO 0-2 without expert parallelism), a layout-independent
-    ``canonical.pt`` for resuming on another number of workers or ZeRO stage.
+    layout and a layout-independent ``canonical.pt`` for resuming on another number of workers,
+    ZeRO stage or expert-parallel size.
     """
     import ray.train
 
     with tempfile.TemporaryDirectory() as tmp:
         save_state(engine, tmp, step=step, loader_state=loader_state)
-        if layout["zero_stage"] != 3 and layout["ep_size"] == 1:
-            save_canonical(engine, tmp, zero_stage=layout["zero_stage"], step=step, scheduler=scheduler,
-                           loader_state=loader_state)
+        save_canonical(engine, tmp, step=step, scheduler=scheduler, loader_state=loader_state)
         if dist.get_rank() == 0:
             (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(layout))
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

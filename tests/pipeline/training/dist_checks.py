@@ -129,42 +129,58 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     return out
 
 
-def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int) -> int:
-    """ZeRO-2 on this world: 2 steps, then a world-size-independent checkpoint."""
-    train = dataclasses.replace(TRAIN, zero_stage=2)
-    dims = ParallelDims(world, 1, GLOBAL, MICRO, SEQ)
-    engine, scheduler = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED)
+def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENSE, zero=2, ep_size=1) -> int:
+    """2 steps on this world and layout, then a layout-independent checkpoint."""
+    train = dataclasses.replace(TRAIN, zero_stage=zero)
+    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
+    engine, scheduler = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     for _ in range(2):
         train_step(engine, loader.next_step(), CPU)
     ckpt.mkdir(exist_ok=True)
-    save_canonical(engine, ckpt, zero_stage=2, step=2, scheduler=scheduler, loader_state=loader.state_dict())
+    save_canonical(engine, ckpt, step=2, scheduler=scheduler, loader_state=loader.state_dict())
+    del engine
+    gc.collect()
     return world
 
 
+def canonical_continue(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENSE, zero=1, ep_size=1,
+                       micro=MICRO) -> dict | None:
+    """Restore a canonical checkpoint into this layout (fresh, different initial weights), 2 more
+    steps; on rank 0 the distance to 4 single-process steps on the same global batches. MoE models
+    compare with a reference that accumulates micro-batches of ``MICRO`` (the load-balancing loss
+    is computed per forward), so their runs use micro-batches of ``MICRO`` too."""
+    train = dataclasses.replace(TRAIN, zero_stage=zero)
+    dims = ParallelDims(world, ep_size, GLOBAL, micro, SEQ)
+    engine, scheduler = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED + 5)
+    step, loader_state = load_canonical(engine, ckpt, scheduler=scheduler)
+    loader = BlockLoader(tokens, dims, rank, seed=0)
+    loader.load_state_dict(loader_state)
+    for _ in range(2):
+        train_step(engine, loader.next_step(), CPU)
+    state = full_state_dict(engine, zero)
+    del engine
+    gc.collect()
+    if rank != 0:
+        return None
+    ref = reference_weights(model_cfg, train, tokens, 4, micro=MICRO if model_cfg.is_moe else GLOBAL)
+    return {"step": step, "max_abs_diff": max_diff(state, ref), "world_size": world}
+
+
 def canonical_resume(out: Path) -> None:
-    """On a different world (and ZeRO stage): restore the canonical checkpoint, 2 more steps; the
-    weights must equal 4 single-process steps on the same global batches."""
+    """On a 1-rank world: continue the canonical checkpoints the 2-rank world saved (ZeRO-2, ZeRO-3,
+    and expert-parallel ep_size 2) with another ZeRO stage and ep_size 1."""
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(1)
     tokens = out / "train.tokens.npy"
-    results = {}
-    for zero in (1, 0):
-        train = dataclasses.replace(TRAIN, zero_stage=zero)
-        dims = ParallelDims(world, 1, GLOBAL, MICRO if world > 1 else GLOBAL // 2, SEQ)
-        engine, scheduler = build_engine(DENSE, train, dims, precision="fp32", device=CPU, seed=SEED + 5)
-        step, loader_state = load_canonical(engine, out / "ckpt_canonical", zero_stage=zero, scheduler=scheduler)
-        loader = BlockLoader(tokens, dims, rank, seed=0)
-        loader.load_state_dict(loader_state)
-        for _ in range(2):
-            train_step(engine, loader.next_step(), CPU)
-        state = full_state_dict(engine, zero)
-        if rank == 0:
-            ref = reference_weights(DENSE, dataclasses.replace(TRAIN, zero_stage=2), tokens, 4)
-            results[f"zero{zero}"] = {"step": step, "max_abs_diff": max_diff(state, ref), "world_size": world}
-        del engine
-        gc.collect()
+    results = {
+        "zero2_to_zero1": canonical_continue(tokens, out / "ckpt_canonical", world, rank, zero=1, micro=GLOBAL // 2),
+        "zero2_to_zero0": canonical_continue(tokens, out / "ckpt_canonical", world, rank, zero=0, micro=GLOBAL // 2),
+        "zero3_to_zero1": canonical_continue(tokens, out / "ckpt_canonical_zero3", world, rank, zero=1,
+                                             micro=GLOBAL // 2),
+        "ep2_to_ep1_zero1": canonical_continue(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=1),
+    }
     if rank == 0:
         (out / "canonical_resume.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
@@ -215,6 +231,15 @@ def main(out_dir: str) -> None:
             results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
                              "dropped_fraction": stats.metrics()["moe_dropped_fraction"]}
     results["canonical_saved_world"] = canonical_save(tokens, out / "ckpt_canonical", world, rank)
+    canonical_save(tokens, out / "ckpt_canonical_zero3", world, rank, zero=3)
+    canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=world)
+    canonical_save(tokens, out / "ckpt_canonical_moe_ep1", world, rank, MOE_AUX, zero=2, ep_size=1)
+    # Same world, another layout: ZeRO-2 -> ZeRO-3 (partitioned weights), ep_size 1 -> 2 (experts split).
+    results["canonical_same_world"] = {
+        "zero2_to_zero3": canonical_continue(tokens, out / "ckpt_canonical", world, rank, zero=3),
+        "ep1_to_ep2_zero1": canonical_continue(tokens, out / "ckpt_canonical_moe_ep1", world, rank, MOE_AUX, zero=1,
+                                               ep_size=world),
+    }
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
     try:

@@ -128,10 +128,8 @@ def test_ranks_are_disjoint_within_a_step(blocks_file):
 def test_a_checkpoint_without_canonical_copy_is_refused_clearly(tmp_path):
     from pipeline.training.canonical import load_canonical
 
-    class DenseEngine:  # what load_canonical looks at before touching any state
-        has_moe_layers = False
+    class Engine:  # load_canonical looks for the file before touching the engine
+        pass
 
-    with pytest.raises(ValueError, match=r"has no canonical\.pt: it was written by a ZeRO-3 or expert-parallel run"):
-        load_canonical(DenseEngine(), tmp_path, zero_stage=1, scheduler=None)
-    with pytest.raises(ValueError, match=r"not supported with train\.zero_stage=3"):
-        load_canonical(DenseEngine(), tmp_path, zero_stage=3, scheduler=None)
+    with pytest.raises(ValueError, match=r"has no canonical\.pt \(an older checkpoint\): it resumes only with the same"):
+        load_canonical(Engine(), tmp_path, scheduler=None)

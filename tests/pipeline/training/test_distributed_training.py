@@ -24,13 +24,24 @@ def results(world2):
 
 
 def test_canonical_checkpoint_resumes_on_another_world_size(world2):
-    """Saved by 2 ranks under ZeRO-2; resumed by 1 rank under ZeRO-1 and ZeRO-0."""
+    """Saved by 2 ranks (ZeRO-2, ZeRO-3, and MoE with ep_size 2); resumed by 1 rank under other
+    ZeRO stages and ep_size 1; the weights after 2 more steps equal 4 single-process steps."""
     assert json.loads((world2 / "results.json").read_text())["canonical_saved_world"] == 2
     run_world("tests.pipeline.training.dist_checks", "canonical-resume", str(world2), world_size=1, timeout=600)
     r = json.loads((world2 / "canonical_resume.json").read_text())
-    for zero in ("zero1", "zero0"):
-        assert r[zero]["world_size"] == 1 and r[zero]["step"] == 2
-        assert r[zero]["max_abs_diff"] < 1e-5, r
+    assert set(r) == {"zero2_to_zero1", "zero2_to_zero0", "zero3_to_zero1", "ep2_to_ep1_zero1"}
+    for case, v in r.items():
+        assert v["world_size"] == 1 and v["step"] == 2, (case, v)
+        assert v["max_abs_diff"] < 1e-5, (case, v)
+
+
+def test_canonical_checkpoint_resumes_on_another_layout_of_the_same_world(results):
+    """2 ranks: ZeRO-2 -> ZeRO-3 (weights partitioned on load), MoE ep_size 1 -> 2 (experts split)."""
+    r = results["canonical_same_world"]
+    assert set(r) == {"zero2_to_zero3", "ep1_to_ep2_zero1"}
+    for case, v in r.items():
+        assert v["world_size"] == 2 and v["step"] == 2, (case, v)
+        assert v["max_abs_diff"] < 1e-5, (case, v)
 
 
 @pytest.mark.parametrize("case", [
