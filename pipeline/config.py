@@ -52,11 +52,16 @@ class DataSection:
     # fingerprints the files it resolves to.
     data_root: str | None = _unhashed(None)
     # Files, folders, globs (``*``, ``?``, ``**``) relative to the data root, absolute paths, or
-    # pyarrow filesystem URIs (file://, s3://, gs://, hdfs://). A folder saved by
-    # ``datasets.save_to_disk`` is one input.
+    # pyarrow filesystem URIs (file://, s3://, gs://, hdfs://), which may end in pyarrow's options
+    # (``s3://b/x/*.txt?endpoint_override=host:9000&scheme=http``); credentials come from the
+    # environment (AWS_ACCESS_KEY_ID, ...), never the URI. Formats by suffix: .txt .jsonl .json .csv
+    # .parquet; a folder saved by ``datasets.save_to_disk`` is one input.
     train_paths: list[str] = field(default_factory=lambda: ["tinyshakespeare/input.txt"])
-    text_field: str = "text"  # .jsonl field / .parquet column / datasets column holding the text
+    text_field: str = "text"  # .jsonl/.json field, .csv/.parquet/datasets column holding the text
     separator: str | None = "\n\n"  # split .txt files into documents on this; None: one file, one doc
+    # Who reads .txt/.jsonl/.parquet: Conduit's readers, or datasets.load_dataset with the text, json
+    # or parquet builder. .csv and .json are always read through datasets (csv, json builders).
+    reader: Literal["native", "datasets"] = "native"
     normalize: Literal["none", "nfc", "nfkc"] = "none"  # Unicode normalisation of every document
     strip_control_chars: bool = False  # drop C0/C1 control characters except tab, newline, CR
     min_doc_chars: int = 1  # shorter documents (after stripping whitespace) are removed and counted
@@ -406,6 +411,16 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     )
     need(d.max_documents is None or d.max_documents >= 1, f"data.max_documents={d.max_documents} must be >= 1")
     need(bool(d.text_field), "data.text_field must be a non-empty string")
+    need(
+        d.reader != "datasets" or d.separator in (None, "\n", "\n\n"),
+        f"data.separator={d.separator!r} with data.reader=datasets: the text builder splits .txt files into "
+        "lines ('\\n'), paragraphs ('\\n\\n') or not at all (null)",
+    )
+    for i, path in enumerate(d.train_paths):
+        authority = path.split("://", 1)[1].split("/", 1)[0] if "://" in path else ""
+        need(":" not in authority.rpartition("@")[0],
+             f"data.train_paths[{i}] has credentials in its URI (user:secret@), which would be saved with the "
+             "config; set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
     uds = t.user_defined_symbols
     need(
         all(uds) and len(set(uds)) == len(uds) and "\n" not in uds,

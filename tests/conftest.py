@@ -30,3 +30,20 @@ def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env()})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """An S3-compatible server (moto) on a free local port for the session; yields ``host:port``.
+    It accepts any credentials; tests create their own buckets."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop()

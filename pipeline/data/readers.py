@@ -1,16 +1,35 @@
-"""Read one input (.txt, .jsonl, .parquet or a ``datasets`` folder) into documents, with its counts.
+"""Read one input (.txt, .jsonl, .json, .csv, .parquet or a ``datasets`` folder) into documents, with its counts.
 
 Every reader returns the raw documents (``None`` where a record has no text: a null in parquet,
-JSON or a dataset) and a stats dict: ``uri``, ``kind``, ``bytes`` read, ``sha256`` of the content,
-``documents`` (records, nulls included), ``replaced_chars`` (invalid UTF-8 under policy
-``replace``) and ``empty_file``. Problems that make the rest of a file meaningless raise
-``DataError`` naming the file and the byte offset or line number; nothing is skipped silently.
+JSON or a dataset) and a stats dict: ``uri``, ``kind``, ``builder`` (the ``datasets`` builder that
+read it, or None), ``bytes`` read, ``sha256`` of the content, ``documents`` (records, nulls
+included), ``replaced_chars`` (invalid UTF-8 under policy ``replace``) and ``empty_file``. Problems
+that make the rest of a file meaningless raise ``DataError`` naming the file and the byte offset or
+line number; nothing is skipped silently.
+
+Data files read through ``datasets.load_dataset`` (``.csv`` and ``.json`` always; ``.txt``,
+``.jsonl`` and ``.parquet`` with ``data.reader=datasets``): the bytes are read, hashed and checked
+(NUL bytes, UTF-8) here, then the builder reads the file with a cache in a fresh temporary folder
+(under ``$TMPDIR``) that is deleted afterwards, so nothing accumulates in ``~/.cache/huggingface``
+and every read starts from the file. A remote file, or one whose invalid UTF-8 was replaced, is
+handed to the builder as a temporary copy. Rows come in file order. Builder specifics:
+
+- csv: every cell is read as written (no ``NA``/empty-cell to null conversion, ``007`` stays a
+  string); blank lines are not rows.
+- json: JSON Lines or one JSON array; a row without the field is a null (counted), where Conduit's
+  own .jsonl reader stops at that line; a field of mixed types is an error.
+- text: ``data.separator`` picks the unit: ``"\n"`` lines, ``"\n\n"`` paragraphs, null the whole
+  file. The builder opens files with universal newlines (CRLF and CR become LF) and skips empty
+  paragraphs and the empty piece after a final newline; those are counted here as the empty
+  documents they are, so the counts equal the native reader's on LF files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -21,6 +40,17 @@ from pipeline.data.clean import CleanOptions, clean_documents
 from pipeline.data.fs import InputFile, filesystem_for
 
 STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+# The datasets builder of each kind of data file; kinds Conduit has no reader for always use it.
+DATASETS_BUILDERS = {"txt": "text", "jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}
+ALWAYS_DATASETS = ("csv", "json")
+TEXT_SAMPLE_BY = {"\n": "line", "\n\n": "paragraph", None: "document"}  # data.separator -> sample_by
+
+
+def builder_for(kind: str, reader: str) -> str | None:
+    """The ``datasets`` builder that reads an input of ``kind`` under ``data.reader`` (None: Conduit's)."""
+    if kind in ALWAYS_DATASETS or (reader == "datasets" and kind in DATASETS_BUILDERS):
+        return DATASETS_BUILDERS[kind]
+    return None
 
 
 def _read_bytes(uri: str) -> bytes:
@@ -48,6 +78,12 @@ def decode_utf8(raw: bytes, uri: str, policy: str) -> tuple[str, int]:
             ) from e
         text = raw.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
+
+
+def _refuse_nul(raw: bytes, uri: str) -> None:
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{uri}: contains NUL bytes (first at byte offset {nul}); is it a binary file?")
 
 
 def _text_documents(text: str, kind: str, uri: str, text_field: str, separator: str | None) -> list[str | None]:
@@ -100,36 +136,104 @@ def _read_datasets(uri: str, text_field: str) -> tuple[list[str | None], dict]:
     return docs, {"bytes": size, "sha256": digest.hexdigest()}
 
 
+def _local_path(uri: str) -> str | None:
+    if "://" not in uri:
+        return uri
+    return uri[len("file://"):] if uri.startswith("file://") else None
+
+
+def _builder_skipped_empty(text: str, sample_by: str) -> int:
+    """How many empty documents datasets' text builder leaves out that a split on the separator keeps."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # the builder reads with universal newlines
+    if not text or sample_by == "document":
+        return 0
+    return text.split("\n\n").count("") if sample_by == "paragraph" else int(text.endswith("\n"))
+
+
+def _read_with_builder(src: InputFile, raw: bytes, builder: str, text_field: str, separator: str | None,
+                       encoding_errors: str) -> tuple[list[str | None], int]:
+    """Read a data file through ``datasets.load_dataset(builder)`` (see the module docstring).
+
+    Returns:
+        (documents, replaced_chars).
+    """
+    import datasets  # heavy; only inputs read through it need it
+    from datasets.exceptions import DatasetGenerationError
+
+    data, text, replaced = raw, "", 0
+    if builder != "parquet":
+        _refuse_nul(raw, src.uri)
+        text, replaced = decode_utf8(raw, src.uri, encoding_errors)
+        data = text.encode("utf-8") if replaced else raw
+    if not raw:
+        return [], 0  # no rows; the builders reject an empty file
+    options: dict = {}
+    column = text_field
+    if builder == "csv":
+        options = {"na_filter": False, "converters": {text_field: str}}
+    elif builder == "text":
+        options, column = {"sample_by": TEXT_SAMPLE_BY[separator]}, "text"
+    with tempfile.TemporaryDirectory(prefix="conduit-datasets-") as tmp:
+        path = _local_path(src.uri)
+        if path is None or data is not raw:
+            path = os.path.join(tmp, f"input.{src.kind}")
+            with open(path, "wb") as f:
+                f.write(data)
+        bars_were_on = not datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # one bar per file is noise; the shard stage has its own
+        try:
+            ds = datasets.load_dataset(builder, data_files=[path], split="train",
+                                       cache_dir=os.path.join(tmp, "cache"), **options)
+        except (DatasetGenerationError, ValueError, OSError) as e:
+            raise DataError(f"{src.uri}: datasets' {builder!r} builder cannot read it: {e.__cause__ or e}") from e
+        finally:
+            if bars_were_on:
+                datasets.enable_progress_bars()
+        feature = ds.features.get(column)
+        if feature is None:
+            raise DataError(f"{src.uri}: no column {column!r} (columns: {ds.column_names}; set data.text_field)")
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            raise DataError(f"{src.uri}: column {column!r} is read by datasets as {feature}, not a string")
+        docs: list[str | None] = ds.data.table.column(column).to_pylist()
+        del ds  # its arrow file lives in ``tmp``
+    if builder == "text":
+        docs += [""] * _builder_skipped_empty(text, options["sample_by"])
+    return docs, replaced
+
+
 def read_input(src: InputFile, text_field: str, separator: str | None,
-               encoding_errors: str) -> tuple[list[str | None], dict]:
+               encoding_errors: str, reader: str = "native") -> tuple[list[str | None], dict]:
     """Read one input into documents.
 
     Args:
         src: the input.
         text_field: the .jsonl field / .parquet or dataset column holding the text.
         separator: .txt files are split on it; None keeps a whole file as one document.
-        encoding_errors: ``error`` or ``replace`` for invalid UTF-8 in .txt/.jsonl.
+        encoding_errors: ``error`` or ``replace`` for invalid UTF-8 in .txt/.jsonl/.json/.csv.
+        reader: ``native`` or ``datasets`` (``data.reader``): who reads .txt/.jsonl/.parquet.
 
     Returns:
         (documents, stats) as the module docstring describes.
 
     Raises:
-        DataError: invalid UTF-8 (policy ``error``), NUL bytes in a text file, malformed JSON, a
+        DataError: invalid UTF-8 (policy ``error``), NUL bytes in a text file, malformed JSON or CSV, a
             missing field or column, or a non-string text value.
     """
-    stats = {"uri": src.uri, "kind": src.kind, "replaced_chars": 0}
+    builder = builder_for(src.kind, reader)
+    stats = {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0}
     if src.kind == "datasets":
         docs, extra = _read_datasets(src.uri, text_field)
         stats.update(extra)
     else:
         raw = _read_bytes(src.uri)
         stats.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
-        if src.kind == "parquet":
+        if builder is not None:
+            docs, stats["replaced_chars"] = _read_with_builder(src, raw, builder, text_field, separator,
+                                                               encoding_errors)
+        elif src.kind == "parquet":
             docs = _column_documents(pq.read_table(pa.BufferReader(raw)), src.uri, text_field) if raw else []
         else:
-            nul = raw.find(b"\x00")
-            if nul >= 0:
-                raise DataError(f"{src.uri}: contains NUL bytes (first at byte offset {nul}); is it a binary file?")
+            _refuse_nul(raw, src.uri)
             text, stats["replaced_chars"] = decode_utf8(raw, src.uri, encoding_errors)
             docs = _text_documents(text, src.kind, src.uri, text_field, separator) if raw else []
     stats["empty_file"] = stats["bytes"] == 0
@@ -138,7 +242,7 @@ def read_input(src: InputFile, text_field: str, separator: str | None,
 
 
 def read_and_clean(src: InputFile, text_field: str, separator: str | None, encoding_errors: str,
-                   opts: CleanOptions) -> tuple[pa.Table, dict]:
+                   opts: CleanOptions, reader: str = "native") -> tuple[pa.Table, dict]:
     """Read one input and clean its documents: the unit of parallel work of the shard stage.
 
     Returns:
@@ -147,7 +251,7 @@ def read_and_clean(src: InputFile, text_field: str, separator: str | None, encod
     Raises:
         DataError: see ``read_input``.
     """
-    docs, stats = read_input(src, text_field, separator, encoding_errors)
+    docs, stats = read_input(src, text_field, separator, encoding_errors, reader)
     table, clean_counts = clean_documents(docs, src.uri, opts)
     stats.update(clean_counts)
     return table, stats

@@ -3,14 +3,24 @@
 A pattern is a path relative to the data root, an absolute path, or a filesystem URI
 (``file:///x``, ``s3://bucket/x``, ...). It may name a file, a folder (all supported files under it,
 recursively) or a glob (``*`` and ``?`` within one path segment, ``[...]`` classes, ``**`` for any
-number of folders). A folder written by ``datasets.save_to_disk`` is one input of kind ``datasets``.
-Results are sorted within each pattern and de-duplicated across patterns, so the order of inputs
-(and with it the first occurrence of a duplicate document) is the same on every machine.
+number of folders). A folder written by ``datasets.save_to_disk`` is one input of kind ``datasets``,
+also when it lies inside a folder that is expanded. Results are sorted within each pattern and
+de-duplicated across patterns, so the order of inputs (and with it the first occurrence of a duplicate
+document) is the same on every machine.
+
+A URI other than ``file://`` may end in pyarrow's filesystem options as a query string, e.g.
+``s3://bucket/corpus/*.txt?endpoint_override=127.0.0.1:9000&scheme=http`` for an S3-compatible
+server; the glob applies to the path before it, and every input keeps the query, so a Ray read task
+on any node opens the same filesystem. Credentials never go into a URI: pyarrow reads them from the
+environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``; ``AWS_ENDPOINT_URL`` also sets the
+endpoint) or the usual credential files.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import posixpath
+import re
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -18,17 +28,28 @@ import pyarrow.fs as pafs
 from pipeline.config import ConfigError
 from pipeline.data.fs import InputFile, filesystem_for
 
-SUFFIX_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+# .csv and .json are always read through ``datasets.load_dataset``; the others by Conduit's readers
+# unless data.reader=datasets (pipeline.data.readers).
+SUFFIX_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet", ".csv": "csv", ".json": "json"}
 DATASETS_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes at a folder's top
 GLOB_CHARS = set("*?[")
+QUERY = re.compile(r"\?\w+=[^?&]*(?:&\w+=[^?&]*)*$")  # ?key=value&key=value at the end of a URI
 
 
-def _join(prefix: str, path: str) -> str:
-    """Rebuild a URI from the scheme part of ``prefix`` and a filesystem path."""
+def split_query(uri: str) -> tuple[str, str]:
+    """``s3://b/x/*.txt?scheme=http`` -> (``s3://b/x/*.txt``, ``?scheme=http``); local paths and
+    ``file://`` URIs have no query (there a ``?`` is a glob character)."""
+    if "://" not in uri or uri.startswith("file://"):
+        return uri, ""
+    m = QUERY.search(uri)
+    return (uri[: m.start()], m.group(0)) if m else (uri, "")
+
+
+def _join(prefix: str, path: str, query: str = "") -> str:
+    """Rebuild a URI from the scheme part of ``prefix``, a filesystem path and the query."""
     if "://" not in prefix:
         return path
-    scheme = prefix.split("://", 1)[0]
-    return f"{scheme}://{path}" if scheme != "file" else f"file://{path}"
+    return f"{prefix.split('://', 1)[0]}://{path}{query}"
 
 
 def _match_segments(pattern: list[str], path: list[str]) -> bool:
@@ -44,12 +65,11 @@ def _is_datasets_dir(fs: pafs.FileSystem, path: str) -> bool:
     return any(i.type == pafs.FileType.File for i in infos)
 
 
-def _folder_stats(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
-    files = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File]
+def _folder_stats(files: list[pafs.FileInfo]) -> tuple[int, int]:
     return sum(i.size for i in files), max((i.mtime_ns or 0 for i in files), default=0)
 
 
-def _expand(fs: pafs.FileSystem, info: pafs.FileInfo, prefix: str, pattern: str) -> list[InputFile]:
+def _expand(fs: pafs.FileSystem, info: pafs.FileInfo, prefix: str, query: str, pattern: str) -> list[InputFile]:
     """A matched file or folder -> input files."""
     if info.type == pafs.FileType.File:
         kind = SUFFIX_KINDS.get(Path(info.path).suffix)
@@ -58,14 +78,23 @@ def _expand(fs: pafs.FileSystem, info: pafs.FileInfo, prefix: str, pattern: str)
                 f"data.train_paths: {info.path} (from {pattern!r}) has suffix {Path(info.path).suffix!r}; "
                 f"supported: {sorted(SUFFIX_KINDS)} or a folder saved by datasets.save_to_disk"
             )
-        return [InputFile(_join(prefix, info.path), kind, info.size, info.mtime_ns or 0)]
+        return [InputFile(_join(prefix, info.path, query), kind, info.size, info.mtime_ns or 0)]
+    listing = sorted(fs.get_file_info(pafs.FileSelector(info.path, recursive=True)), key=lambda i: i.path)
+    files = [i for i in listing if i.type == pafs.FileType.File]
     if _is_datasets_dir(fs, info.path):
-        size, mtime = _folder_stats(fs, info.path)
-        return [InputFile(_join(prefix, info.path), "datasets", size, mtime)]
+        return [InputFile(_join(prefix, info.path, query), "datasets", *_folder_stats(files))]
+    # Saved datasets inside the folder are one input each (the top-most folder: a DatasetDict's splits
+    # have markers too); their own .json/.arrow files are not inputs.
+    marked = {posixpath.dirname(i.path) for i in files if posixpath.basename(i.path) in DATASETS_MARKERS}
+    saved = {m for m in marked if not any(m.startswith(o + "/") for o in marked)}
     found = []
-    for sub in sorted(fs.get_file_info(pafs.FileSelector(info.path, recursive=True)), key=lambda i: i.path):
-        if sub.type == pafs.FileType.File and Path(sub.path).suffix in SUFFIX_KINDS:
-            found.append(InputFile(_join(prefix, sub.path), SUFFIX_KINDS[Path(sub.path).suffix],
+    for sub in listing:
+        owner = next((s for s in saved if sub.path.startswith(s + "/")), None)
+        if sub.path in saved:
+            inside = [i for i in files if i.path.startswith(sub.path + "/")]
+            found.append(InputFile(_join(prefix, sub.path, query), "datasets", *_folder_stats(inside)))
+        elif owner is None and sub.type == pafs.FileType.File and Path(sub.path).suffix in SUFFIX_KINDS:
+            found.append(InputFile(_join(prefix, sub.path, query), SUFFIX_KINDS[Path(sub.path).suffix],
                                    sub.size, sub.mtime_ns or 0))
     return found
 
@@ -84,17 +113,18 @@ def resolve_pattern(pattern: str, data_root: Path) -> list[InputFile]:
         ConfigError: nothing matches, or a matched file has an unsupported suffix.
     """
     full = pattern if ("://" in pattern or Path(pattern).is_absolute()) else str(data_root / pattern)
+    full, query = split_query(full)
     scheme_prefix, _, rest = full.rpartition("://")
     body = rest if scheme_prefix else full
     segments = body.split("/")
     first_glob = next((i for i, s in enumerate(segments) if GLOB_CHARS & set(s)), None)
     if first_glob is None:
-        fs, path = filesystem_for(full)
+        fs, path = filesystem_for(full + query)
         info = fs.get_file_info(path)
         matched = [info] if info.type != pafs.FileType.NotFound else []
     else:
         base = "/".join(segments[:first_glob]) or "/"
-        fs, base_path = filesystem_for(f"{scheme_prefix}://{base}" if scheme_prefix else base)
+        fs, base_path = filesystem_for(f"{scheme_prefix}://{base}{query}" if scheme_prefix else base)
         tail = segments[first_glob:]
         recursive = len(tail) > 1 or "**" in tail
         selector = pafs.FileSelector(base_path, recursive=recursive, allow_not_found=True)
@@ -106,10 +136,10 @@ def resolve_pattern(pattern: str, data_root: Path) -> list[InputFile]:
         )
     out: list[InputFile] = []
     for info in matched:
-        out += _expand(fs, info, full, pattern)
+        out += _expand(fs, info, full, query, pattern)
     if not out:
         raise ConfigError(
-            f"data.train_paths: {pattern!r} matches no .txt/.jsonl/.parquet file or saved dataset "
+            f"data.train_paths: {pattern!r} matches no {'/'.join(SUFFIX_KINDS)} file or saved dataset "
             f"(looked at {full})"
         )
     return out

@@ -2,8 +2,9 @@
 
 Inputs are resolved by ``pipeline.data.sources`` (paths, globs, pyarrow filesystem URIs, folders
 saved by ``datasets``) and read by ``pipeline.data.readers``: .txt (whole file, or split on
-``data.separator``), .jsonl (field ``data.text_field``), .parquet and datasets (column
-``data.text_field``). Each input is read, normalised (``data.normalize``,
+``data.separator``), .jsonl and .json (field ``data.text_field``), .csv, .parquet and datasets (column
+``data.text_field``); .csv and .json through ``datasets.load_dataset``, and all data files with
+``data.reader=datasets``. Each input is read, normalised (``data.normalize``,
 ``data.strip_control_chars``) and length-filtered in its own Ray task when Ray is running (the
 pipeline), or in this process (unit tests). Then, in input order: exact duplicates (same sha256
 after cleaning) are kept once; a document goes to validation when the first 8 bytes of its sha256,
@@ -78,7 +79,7 @@ def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[pa.Table
     """Read and clean every input, in input order: in parallel Ray tasks when Ray is running."""
     d = cfg.data
     opts = CleanOptions(d.normalize, d.strip_control_chars, d.min_doc_chars, d.max_doc_chars)
-    args = (d.text_field, d.separator, d.encoding_errors, opts)
+    args = (d.text_field, d.separator, d.encoding_errors, opts, d.reader)
     if not ray_running():
         for src in tqdm(files, desc="shard: read", unit="file", disable=None):
             yield read_and_clean(src, *args)
