@@ -119,7 +119,10 @@ class TrainSection:
     offload_optimizer: bool = False  # ZeRO 1-3: optimizer states and the step on the CPU
     offload_params: bool = False  # ZeRO-3: parameters live on the CPU between uses
     activation_checkpointing: bool = False  # recompute each block's activations in backward
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    # auto: fp32 on CPU, bf16 on GPU. bf16/fp16: DeepSpeed's mixed precision (16-bit weights, fp32
+    # master copy). amp_bf16: fp32 weights and optimizer, matmuls in bf16 under torch.autocast.
+    precision: Literal["auto", "fp32", "bf16", "fp16", "amp_bf16"] = "auto"
+    compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
     # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
@@ -434,6 +437,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         value = getattr(cfg.tokenize, name)
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
+    need(not (tr.compile and tr.zero_stage == 3),
+         "train.compile=true with train.zero_stage=3 is not supported (ZeRO-3 gathers parameters in module "
+         "hooks that a compiled block would trace); use zero_stage 0-2 or compile=false")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")

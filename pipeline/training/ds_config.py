@@ -15,13 +15,15 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
     Args:
         dims: batch arithmetic; DeepSpeed checks train = micro x accum x world itself.
         zero_stage: 0-3.
-        precision: "fp32", "bf16" or "fp16" (already resolved from "auto").
+        precision: "fp32", "bf16", "fp16" or "amp_bf16" (already resolved from "auto"); amp_bf16
+            keeps fp32 weights and runs the forward under ``torch.autocast(bfloat16)`` (DeepSpeed's
+            ``torch_autocast`` section).
         grad_clip: max global grad norm; 0 disables clipping.
         offload_optimizer: keep optimizer states on the CPU (ZeRO 1-3).
         offload_params: keep parameters on the CPU between uses (ZeRO-3).
     """
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision={precision!r}: choose fp32, bf16 or fp16")
+    if precision not in ("fp32", "bf16", "fp16", "amp_bf16"):
+        raise ValueError(f"precision={precision!r}: choose fp32, bf16, fp16 or amp_bf16")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
     if offload_optimizer and zero_stage == 0:
@@ -44,6 +46,10 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
         "steps_per_print": 2**31 - 1,  # Conduit logs its own metrics
         "wall_clock_breakdown": False,
     }
+    if precision == "amp_bf16":
+        # Gradients stay fp32 end to end (as in plain torch AMP): no module is listed as safe for
+        # bf16 gradient communication, which DeepSpeed would otherwise apply to every Linear.
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     if offload_optimizer:
         # Our optimizer is torch's AdamW (no JIT build); DeepSpeed would otherwise insist on its own.
         config["zero_force_ds_cpu_optimizer"] = False

@@ -85,6 +85,14 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         block.forward = forward
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` each Transformer block (inductor), the unit torchtitan compiles too: blocks
+    share one graph, so compile time does not grow with depth, and whatever cannot be traced (MoE
+    routing's data-dependent sizes) falls back to eager at a graph break instead of failing."""
+    for block in model.layers:
+        block.compile()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -111,6 +119,8 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
             )
         apply_expert_parallel(model, dims.ep_size, dist.get_rank())
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
+    if train.compile:
+        compile_blocks(model)
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
     config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip,

@@ -60,7 +60,7 @@ def peak_flops_per_worker(device: torch.device, precision: str) -> tuple[float, 
         if peak is not None:
             return peak, f"datasheet bf16 dense, {name}"
         return measure_matmul_flops(4096, torch.bfloat16, str(device)), f"measured bf16 matmul, {name}"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision in ("bf16", "amp_bf16") else torch.float32
     return measure_matmul_flops(512, dtype), f"measured {dtype} 512^3 matmul, {torch.get_num_threads()} threads"
 
 

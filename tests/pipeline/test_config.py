@@ -58,6 +58,9 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("model.preset=debug_moe parallel.ep_size=2 train.zero_stage=3", r"train\.zero_stage=3 with parallel\.ep_size=2"),
     ("model.preset=debug_moe parallel.ep_size=2 model.num_experts=3", r"parallel\.ep_size=2 must divide model\.num_experts=3"),
     ("model.pos_encoding=spiral", r"pos_encoding"),
+    ("train.compile=true train.zero_stage=3", r"train\.compile=true with train\.zero_stage=3 is not supported"),
+    ("train.precision=fp8", r"train\.precision='fp8' is not allowed; choose one of \['auto', 'fp32', 'bf16', 'fp16', 'amp_bf16'\]"),
+    ("tokenize.engine=spark", r"tokenize\.engine='spark' is not allowed"),
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
 ])
 def test_bad_values_name_the_field(override, pattern):

@@ -47,17 +47,19 @@ TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_ran
 
 
 def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
-                      micro: int = GLOBAL) -> dict:
+                      micro: int = GLOBAL, autocast: bool = False) -> dict:
     """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
-    one forward; smaller: the same global batch accumulated over micro-batches of that size."""
+    one forward; smaller: the same global batch accumulated over micro-batches of that size.
+    ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32."""
     seed_everything(SEED)
     model = build_model(model_cfg)
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
     loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, micro, SEQ), 0, seed=SEED)
     for _ in range(steps):
         for x, y in loader.next_step():
-            out = model(x)
-            ((lm_loss(out.logits, y) + out.aux_loss) * micro / GLOBAL).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x)
+            ((lm_loss(out.logits.float(), y) + out.aux_loss) * micro / GLOBAL).backward()
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
@@ -66,9 +68,9 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1):
+def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32"):
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
-    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
+    engine, _ = build_engine(model_cfg, train, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = [train_step(engine, loader.next_step(), CPU, moe_stats).item() for _ in range(steps)]
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
@@ -230,6 +232,22 @@ def main(out_dir: str) -> None:
             init = reference_weights(model_cfg, train, tokens, 0)
             results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
                              "dropped_fraction": stats.metrics()["moe_dropped_fraction"]}
+    # bf16 autocast (fp32 weights): the reference runs the same micro-batches under autocast, so
+    # each rank's bf16 matmuls have the shapes of the reference's.
+    train = dataclasses.replace(TRAIN, zero_stage=1)
+    state, losses = distributed_weights(DENSE, train, tokens, 2, world, rank, precision="amp_bf16")
+    if rank == 0:
+        ref = reference_weights(DENSE, train, tokens, 2, micro=MICRO, autocast=True)
+        fp32_ref = reference_weights(DENSE, train, tokens, 2, micro=MICRO)
+        results["dense_zero1_amp_bf16"] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, fp32_ref),
+                                           "losses": losses}
+    # torch.compile'd blocks against the eager reference.
+    state, losses = distributed_weights(DENSE, dataclasses.replace(train, compile=True), tokens, 2, world, rank)
+    if rank == 0:
+        ref = reference_weights(DENSE, train, tokens, 2)
+        results["dense_zero1_compile"] = {"max_abs_diff": max_diff(state, ref),
+                                          "moved": max_diff(ref, reference_weights(DENSE, train, tokens, 0)),
+                                          "losses": losses}
     results["canonical_saved_world"] = canonical_save(tokens, out / "ckpt_canonical", world, rank)
     canonical_save(tokens, out / "ckpt_canonical_zero3", world, rank, zero=3)
     canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=world)

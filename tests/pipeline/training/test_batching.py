@@ -51,6 +51,10 @@ def test_ds_config_golden():
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
     }
     assert offload["zero_force_ds_cpu_optimizer"] is False
+    amp = build_ds_config(dims=dims, zero_stage=1, precision="amp_bf16", grad_clip=1.0)
+    assert amp["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert amp["bf16"] == {"enabled": False} and amp["fp16"]["enabled"] is False  # weights stay fp32
+    assert "torch_autocast" not in build_ds_config(dims=dims, zero_stage=1, precision="bf16", grad_clip=1.0)
     with pytest.raises(ValueError, match="offload_params needs zero_stage=3"):
         build_ds_config(dims=dims, zero_stage=2, precision="fp32", grad_clip=1.0, offload_params=True)
     with pytest.raises(ValueError, match="precision='fp8'"):
