@@ -122,7 +122,7 @@ class FullPath:
         Returns:
             ``tokens_per_s`` (median over the windows after the first), ``windows`` (each window's
             tokens/s), ``mfu`` (the loop's own, median), ``seconds`` (the stage's wall time, start-up
-            included).
+            included), ``peak_memory_gib`` (rank 0's).
         """
         from pipeline import tracking
         from pipeline.config import load_config
@@ -148,4 +148,5 @@ class FullPath:
         shutil.rmtree(out, ignore_errors=True)
         windows = [h["tokens_per_s"] for h in history]
         return {"tokens_per_s": statistics.median(windows), "windows": windows,
-                "mfu": statistics.median(h["mfu"] for h in history), "seconds": seconds}
+                "mfu": statistics.median(h["mfu"] for h in history), "seconds": seconds,
+                "peak_memory_gib": max(h["peak_memory_gib"] for h in history)}

@@ -1,37 +1,64 @@
-"""Training throughput of our model against Hugging Face's Llama in the same bare PyTorch loop.
+"""Training throughput: our model against Hugging Face's Llama in a bare loop, and Conduit's full path.
 
-For each preset: (a) ``models.Transformer`` and (b) ``transformers.LlamaForCausalLM`` built from the
-same config and weights (through ``models.export.save_hf``), trained with the same AdamW on the same
-random batches, fp32, one process with ``--threads`` threads. A and B are interleaved, ``--repeats``
-times; each repeat times ``--steps`` optimizer steps after 2 warm-up steps. Tokens/s is the median
-over repeats (range beside it); MFU = tokens/s x FLOPs per token / measured fp32 matmul peak, with
-FLOPs per token = 6N + 12·L·H·Q·T (``models.accounting``, PaLM appendix B).
+Per preset, in one bare single-process PyTorch loop (AdamW, random tokens, ``--threads`` threads):
+(a) ``models.Transformer`` fp32, (b) ``transformers.LlamaForCausalLM`` built from the same config and
+weights (``models.export.save_hf``), (a') ours under bf16 autocast and (a'') ours with
+``torch.compile`` per block. Then Conduit's full training path (the train stage: Ray Train +
+DeepSpeed, checkpoints and MLflow metrics included; ``benchmarks/common.FullPath``) on the
+``--full-path-presets``: 1 worker, 2 workers at the same global batch, and 1 worker with
+``amp_bf16`` and with ``compile``. All variants of a preset are interleaved, ``--repeats`` times;
+tokens/s is the median over repeats (range beside it). The full path's tokens/s comes from its
+own log windows after the first (start-up excluded; its wall time is reported apart).
 
-Not yet here (see issue 8): the full Ray Train + DeepSpeed path with 1 and 2 workers, bf16 autocast
-and torch.compile, MoE against dense, peak memory.
+MFU = tokens/s x FLOPs per token / peak, FLOPs per token = 6N + 12·L·H·Q·T (``models.accounting``,
+PaLM appendix B), peak = this machine's measured matmul peak for the compute dtype (fp32, or bf16
+for autocast) with the same threads. Peak memory: the peak resident set of a separate process that
+runs a few steps of the bare variant; for the full path, rank 0's (``peak_memory_gib``).
 
-    .venv/bin/python benchmarks/train_throughput.py [--presets cpu_small cpu_medium] [--threads 2]
+Writes ``benchmarks/results/train_throughput.json``.
+
+    .venv/bin/python benchmarks/train_throughput.py [--presets cpu_small cpu_medium] [--full-path-presets cpu_small]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
-import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import build_model
-from models.accounting import flops_per_token
-from models.export import save_hf
-from models.loss import lm_loss
-from pipeline.training.metrics import measure_matmul_flops
+import torch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "train_throughput.json"
+from benchmarks.common import FullPath, summary, write_result  # noqa: E402
+from models import build_model  # noqa: E402
+from models.accounting import flops_per_token  # noqa: E402
+from models.export import save_hf  # noqa: E402
+from models.loss import lm_loss  # noqa: E402
+from pipeline.training.metrics import measure_matmul_flops  # noqa: E402
+
+BARE = ("conduit", "hf_llama", "conduit_amp_bf16", "conduit_compile")
+FULL = {  # name -> config overrides (besides model and batch)
+    "full_1w": ["parallel.num_workers=1"],
+    "full_2w": ["parallel.num_workers=2"],
+    "full_1w_amp_bf16": ["parallel.num_workers=1", "train.precision=amp_bf16"],
+    "full_1w_compile": ["parallel.num_workers=1", "train.compile=true"],
+}
+TARGETS = {  # ratio -> (numerator, denominator, goal)
+    "conduit_vs_hf": ("conduit", "hf_llama", 1.0),
+    "amp_bf16_vs_fp32": ("conduit_amp_bf16", "conduit", 1.25),
+    "compile_vs_eager": ("conduit_compile", "conduit", None),
+    "full_1w_vs_bare": ("full_1w", "conduit", 0.95),
+    "full_2w_vs_full_1w": ("full_2w", "full_1w", 1.0),
+    "full_amp_bf16_vs_full_fp32": ("full_1w_amp_bf16", "full_1w", 1.25),
+    "full_compile_vs_full_eager": ("full_1w_compile", "full_1w", None),
+}
 
 
 def hf_twin(model):
@@ -42,17 +69,30 @@ def hf_twin(model):
         return LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
 
 
-def steps_per_second(model, logits_of, batches, steps: int) -> float:
+def make_variant(name: str, ours):
+    """(model, logits function, autocast?) of a bare-loop variant."""
+    if name == "hf_llama":
+        return hf_twin(ours), lambda m, x: m(input_ids=x).logits, False
+    model = copy.deepcopy(ours)
+    if name == "conduit_compile":
+        for block in model.layers:
+            block.compile()
+    return model, lambda m, x: m(x).logits, name == "conduit_amp_bf16"
+
+
+def steps_per_second(model, logits_of, autocast: bool, batches, steps: int, warmup: int = 2) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
 
     def step(x):
-        loss = lm_loss(logits_of(model, x[:, :-1]), x[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = logits_of(model, x[:, :-1])
+        loss = lm_loss(logits.float(), x[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for x in batches[:2]:
+    for x in batches[:warmup]:
         step(x)
     t0 = time.perf_counter()
     for i in range(steps):
@@ -60,48 +100,129 @@ def steps_per_second(model, logits_of, batches, steps: int) -> float:
     return steps / (time.perf_counter() - t0)
 
 
+def random_batches(args, n: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(n)]
+
+
+def memory_probe(args) -> None:
+    """Child process: a few steps of one bare variant, then print the peak resident set (GiB)."""
+    import resource
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    ours = build_model(args.probe_preset, vocab_size=args.vocab, max_seq_len=args.seq_len)
+    model, logits_of, autocast = make_variant(args.probe_variant, ours)
+    del ours
+    steps_per_second(model, logits_of, autocast, random_batches(args), steps=2, warmup=1)
+    print(json.dumps({"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+
+
+def peak_rss(args, preset: str, variant: str) -> float:
+    cmd = [sys.executable, __file__, "--probe-preset", preset, "--probe-variant", variant, "--threads", str(args.threads),
+           "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_rss_gib"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["cpu_small", "cpu_medium"])
+    p.add_argument("--full-path-presets", nargs="*", default=["cpu_small"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (the full path's global batch)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed bare-loop steps per repeat")
+    p.add_argument("--full-steps", type=int, default=40, help="full-path steps per run (windows of --full-log-every)")
+    p.add_argument("--full-log-every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
+    p.add_argument("--probe-preset", help=argparse.SUPPRESS)
+    p.add_argument("--probe-variant", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.probe_preset:
+        memory_probe(args)
+        return
     torch.set_num_threads(args.threads)
-    peak = measure_matmul_flops(512, torch.float32, seconds=1.0)
-    print(f"fp32 matmul peak with {args.threads} threads: {peak / 1e9:.1f} GFLOP/s (512^3)")
-    rows = []
-    header = f"{'preset':<11} {'impl':<9} {'tokens/s':>9} {'range':>15} {'MFU':>6} {'vs HF':>6}"
-    print(header)
+    bare_names = [v for v in BARE if not (args.no_compile and "compile" in v)]
+    full_names = [v for v in FULL if not (args.no_compile and "compile" in v)]
+    peaks = {dt: measure_matmul_flops(512, dt, seconds=1.0) for dt in (torch.float32, torch.bfloat16)}
+    print(f"matmul peak with {args.threads} threads (512^3): fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s")
+    tokens_per_step = args.batch * args.seq_len
+    rows, ratios, full_seconds, full_memory = [], {}, {}, {}
     for name in args.presets:
         torch.manual_seed(0)
         ours = build_model(name, vocab_size=args.vocab, max_seq_len=args.seq_len)
-        hf = hf_twin(ours)
-        tokens_per_step = args.batch * args.seq_len
         fpt = flops_per_token(ours.cfg, args.seq_len)["total"]
-        g = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
-        runs: dict[str, list[float]] = {"conduit": [], "hf_llama": []}
-        for _ in range(args.repeats):  # interleaved: A, B, A, B, ...
-            runs["conduit"].append(steps_per_second(ours, lambda m, x: m(x).logits, batches, args.steps))
-            runs["hf_llama"].append(steps_per_second(hf, lambda m, x: m(input_ids=x).logits, batches, args.steps))
-        med = {k: statistics.median(v) * tokens_per_step for k, v in runs.items()}
-        for impl, v in runs.items():
-            tps = [s * tokens_per_step for s in v]
-            row = {"preset": name, "impl": impl, "tokens_per_s": med[impl], "min": min(tps), "max": max(tps),
-                   "mfu": med[impl] * fpt / peak, "ratio_vs_hf": med[impl] / med["hf_llama"],
-                   "flops_per_token": fpt, "threads": args.threads, "batch": args.batch, "seq_len": args.seq_len}
-            rows.append(row)
-            spread = f"{row['min']:.0f}-{row['max']:.0f}"
-            print(f"{name:<11} {impl:<9} {row['tokens_per_s']:>9.0f} {spread:>15} {row['mfu']:>6.1%} "
-                  f"{row['ratio_vs_hf']:>6.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.platform(), "torch": torch.__version__,
-                                   "peak_fp32_flops": peak, "rows": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+        batches = random_batches(args)
+        variants = {v: make_variant(v, ours) for v in bare_names}
+        runs: dict[str, list[float]] = {v: [] for v in bare_names}
+        full = name in args.full_path_presets
+        if full:
+            runs.update({v: [] for v in full_names})
+        with FullPath(vocab_size=args.vocab, seq_len=args.seq_len) if full else _nothing() as fp:
+            for r in range(args.repeats):  # interleaved: every variant once per repeat
+                for v in bare_names:
+                    model, logits_of, autocast = variants[v]
+                    runs[v].append(steps_per_second(model, logits_of, autocast, batches, args.steps) * tokens_per_step)
+                for v in full_names if full else []:
+                    workers = 2 if v == "full_2w" else 1
+                    res = fp.run([f"model.preset={name}", f"train.global_batch_size={args.batch}",
+                                  f"train.micro_batch_size_per_rank={args.batch // workers}",
+                                  f"parallel.threads_per_worker={args.threads // workers}", *FULL[v]],
+                                 steps=args.full_steps, log_every=args.full_log_every)
+                    runs[v].append(res["tokens_per_s"])
+                    full_seconds.setdefault(f"{name}/{v}", []).append(res["seconds"])
+                    full_memory.setdefault(f"{name}/{v}", []).append(res["peak_memory_gib"])
+                print(f"{name} repeat {r + 1}/{args.repeats}: " + "  ".join(f"{v} {runs[v][-1]:.0f}" for v in runs),
+                      flush=True)
+        del variants
+        med = {v: statistics.median(x) for v, x in runs.items()}
+        for v, x in runs.items():
+            bf16 = "amp_bf16" in v
+            peak = peaks[torch.bfloat16 if bf16 else torch.float32]
+            if v.startswith("full"):
+                mem = max(full_memory[f"{name}/{v}"])
+            else:
+                mem = peak_rss(args, name, v)
+            rows.append({"preset": name, "impl": v, "tokens_per_s": summary(x), "mfu": med[v] * fpt / peak,
+                         "mfu_peak": "bf16" if bf16 else "fp32", "peak_memory_gib": mem, "flops_per_token": fpt})
+        for ratio, (a, b, goal) in TARGETS.items():
+            if a in runs and b in runs:
+                per_repeat = [x / y for x, y in zip(runs[a], runs[b])]
+                ratios[f"{name}/{ratio}"] = {**summary(per_repeat), "goal": goal,
+                                            "meets_goal": None if goal is None else statistics.median(per_repeat) >= goal}
+    print(f"\n{'preset':<11} {'impl':<18} {'tokens/s':>9} {'range':>13} {'MFU':>6} {'peak GiB':>9}")
+    for row in rows:
+        t = row["tokens_per_s"]
+        mem = f"{row['peak_memory_gib']:.2f}" if row["peak_memory_gib"] is not None else "-"
+        print(f"{row['preset']:<11} {row['impl']:<18} {t['median']:>9.0f} {span(t, 0):>13} {row['mfu']:>6.1%} {mem:>9}")
+    print(f"\n{'ratio':<40} {'median':>7} {'range':>13} {'goal':>6}")
+    for key, r in ratios.items():
+        goal = "-" if r["goal"] is None else f">={r['goal']}"
+        print(f"{key:<40} {r['median']:>7.2f} {span(r, 2):>13} {goal:>6}")
+    path = write_result("train_throughput", {
+        "threads": args.threads, "batch": args.batch, "seq_len": args.seq_len, "vocab_size": args.vocab,
+        "bare_steps": args.steps, "full_steps": args.full_steps, "full_log_every": args.full_log_every,
+        "repeats": args.repeats, "peak_flops": {"fp32": peaks[torch.float32], "bf16": peaks[torch.bfloat16]},
+        "formula": "MFU = tokens/s x (6N + 12*L*H*Q*T) / measured matmul peak (same threads, compute dtype)",
+        "rows": rows, "ratios": ratios, "full_path_seconds": full_seconds,
+    })
+    print(f"wrote {path}")
+
+
+def span(s: dict, digits: int) -> str:
+    return f"{s['min']:.{digits}f}-{s['max']:.{digits}f}"
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
 
 
 if __name__ == "__main__":

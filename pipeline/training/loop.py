@@ -30,7 +30,7 @@ from pipeline.config import config_from_dict
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
-from pipeline.training.metrics import MoEStats, peak_flops_per_worker
+from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
 from pipeline.training.parallel import ParallelDims
 
 LAYOUT_FILE = "layout.json"
@@ -96,6 +96,7 @@ def main(config: dict) -> None:
                 "tokens_per_s": window_tokens / elapsed,
                 "model_tflops_per_s": window_tokens / elapsed * flops_tok / 1e12,
                 "mfu": window_tokens / elapsed * flops_tok / cluster_peak.item(),
+                "peak_memory_gib": peak_memory_gib(device),  # rank 0's
             }
             if moe_stats is not None:
                 moe_stats.all_reduce()

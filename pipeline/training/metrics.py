@@ -52,6 +52,16 @@ def measure_matmul_flops(dim: int, dtype: torch.dtype = torch.float32, device: s
             return 2 * dim**3 * n / elapsed
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """This worker's peak memory so far: CUDA's peak allocation on GPU; on CPU the process's peak
+    resident set (Python, libraries and buffers included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def peak_flops_per_worker(device: torch.device, precision: str) -> tuple[float, str]:
     """(peak FLOP/s of one worker, where the figure comes from)."""
     if device.type == "cuda":
