@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--force", action="append", default=[], choices=ORDER,
                    help="rerun this stage and everything after it (repeatable)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ def test_unknown_key_fails_with_its_name_and_a_suggestion(tmp_path):
 
 
 def test_dry_run_on_a_fresh_workdir_plans_every_stage(tmp_path):
-    out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "--dry-run")
+    out = run_cli("configs/smoke.yaml", "--dry-run", f"run.workdir={tmp_path}")  # overrides may follow flags
     assert out.returncode == 0, out.stderr
     rows = [ln.split() for ln in out.stdout.splitlines()[1:]]
     assert [r[0] for r in rows] == ["shard", "tokenizer", "tokenize", "train", "evaluate", "register"]
