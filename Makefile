@@ -48,10 +48,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# Every benchmark in turn (each a few minutes on 2 cores), then benchmarks/RESULTS.md from their JSON.
 bench: install
 	$(PY) benchmarks/peak.py
 	$(PY) benchmarks/train_throughput.py
 	$(PY) benchmarks/tokenize_throughput.py
+	$(PY) benchmarks/moe.py
+	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -1,0 +1,309 @@
+"""An 8-expert top-2 MoE against the dense model of the same width, and expert parallelism 2 against 1.
+
+The dense model is ``--preset`` (d_model, layers and heads kept); the MoE replaces every feed-forward
+layer by ``--experts`` SwiGLU experts, top ``--top-k``, dropless, with the expert hidden width chosen
+so that the MoE's active training FLOPs per token are ``--flops-ratio`` x the dense model's (the
+nearest multiple of ``--d-ff-multiple``; printed). Three measurements, each interleaved A/B and
+repeated (``--repeats``, ``--full-repeats``), median and range:
+
+1. Bare loop (one process, ``--threads`` threads, fp32, AdamW, random tokens, LM loss + MoE aux
+   loss): tokens/s, FLOPs per token (``models.accounting``: 6N + 12·L·H·Q·T, N the *active*
+   non-embedding parameters + V·D), MFU against the measured fp32 512^3 matmul peak (the best of one
+   measurement per repeat: a busy neighbour can only lower it), MoE/dense ratio.
+2. Routing overhead: one MoE layer's forward + backward on a step's tokens, against the same experts'
+   forward + backward on the same per-expert token groups (no router, no sort, gather, combine or aux
+   losses). The difference is the routing overhead; its share of the layer, and of the bare-loop MoE
+   step (difference x MoE layers / step time). ``route()`` alone (forward) is timed beside it.
+3. Conduit's full path (Ray Train + DeepSpeed, ZeRO 1, ``benchmarks.common.FullPath``): the MoE on
+   2 workers with ``parallel.ep_size=2`` against ``ep_size=1``, at the same global batch.
+
+Prints tables and writes ``benchmarks/results/moe.json``.
+
+    .venv/bin/python benchmarks/moe.py [--preset cpu_small] [--steps 10] [--repeats 5]
+        [--full-steps 30] [--full-repeats 3] [--no-full-path]
+    # tiny, to check that it runs (about a minute):
+    .venv/bin/python benchmarks/moe.py --preset debug_dense --vocab 512 --seq-len 64 --batch 4 --steps 2 \
+        --repeats 3 --full-steps 4 --full-log-every 2 --full-repeats 1 --full-batch 4 --full-blocks 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import FullPath, summary, write_result
+from models import ModelConfig, Transformer, build_model, get_preset
+from models.accounting import flops_per_token, param_counts
+from models.loss import lm_loss
+from models.moe import MoEFeedForward
+from pipeline.training.metrics import measure_matmul_flops
+
+TARGET_RATIO = 1.15  # MoE / dense tokens/s, issue 8
+TARGET_ROUTING_SHARE = 0.05  # routing overhead, share of the MoE training step
+
+
+def moe_twin(dense: ModelConfig, experts: int, top_k: int, flops_ratio: float, seq_len: int,
+             multiple: int) -> ModelConfig:
+    """The MoE of ``dense``'s width whose active FLOPs/token are nearest ``flops_ratio`` x dense."""
+    target = flops_ratio * flops_per_token(dense, seq_len)["total"]
+    candidates = [dense.replace(num_experts=experts, moe_top_k=top_k, moe_d_ff=f)
+                  for f in range(multiple, 4 * dense.resolved_d_ff + 1, multiple)]
+    return min(candidates, key=lambda c: abs(flops_per_token(c, seq_len)["total"] - target))
+
+
+def tokens_per_s(model: Transformer, opt: torch.optim.Optimizer, batches: list[torch.Tensor], steps: int) -> float:
+    """Tokens/s over ``steps`` optimizer steps, after 2 warm-up steps (caches after the other model ran)."""
+
+    def step(x_BT: torch.Tensor) -> None:
+        out = model(x_BT[:, :-1])
+        (lm_loss(out.logits, x_BT[:, 1:]) + out.aux_loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for x in batches[:2]:
+        step(x)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    return steps * batches[0][:, 1:].numel() / (time.perf_counter() - t0)
+
+
+def time_routing(layer: MoEFeedForward, dense_ffn: nn.Module, n_tokens: int, reps: int) -> dict[str, float]:
+    """Seconds per forward + backward of ``layer``, of its experts alone and of ``dense_ffn``, and per
+    ``route()`` (forward), on ``n_tokens`` tokens.
+
+    The experts-alone pass runs each expert on exactly the tokens the layer's router sends it (one
+    routing decision, made up front), so it differs from the layer by routing, dispatch, combine and
+    aux losses; the dense FFN shows what the same matmul work costs in one large layer.
+    """
+    g = torch.Generator().manual_seed(2)
+    x_BTD = torch.randn(1, n_tokens, layer.router.in_features, generator=g).requires_grad_()
+    grad_BTD = torch.randn(x_BTD.shape, generator=g)
+    with torch.no_grad():
+        routing = layer.route(x_BTD[0])
+    expert_of_slot = routing.expert_indices_NK.reshape(-1)
+    token_of_slot = torch.arange(n_tokens).repeat_interleave(layer.top_k)
+    groups = [x_BTD[0, token_of_slot[expert_of_slot == e]].detach().requires_grad_()
+              for e in range(layer.num_experts)]
+    group_grads = [torch.randn(x.shape, generator=g) for x in groups]
+    leaves = (x_BTD, *groups, *layer.parameters(), *dense_ffn.parameters())
+
+    def whole() -> None:
+        y_BTD, aux, _ = layer(x_BTD)
+        torch.autograd.backward([y_BTD, aux], [grad_BTD, torch.ones(())])
+
+    def experts_alone() -> None:
+        torch.autograd.backward([e(x) for e, x in zip(layer.experts, groups)], group_grads)
+
+    def dense() -> None:
+        dense_ffn(x_BTD).backward(grad_BTD)
+
+    def route_alone() -> None:
+        layer.route(x_BTD[0])
+
+    out = {}
+    for name, fn in (("layer", whole), ("experts", experts_alone), ("dense_ffn", dense), ("route", route_alone)):
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+            for t in leaves:
+                t.grad = None
+        out[name] = (time.perf_counter() - t0) / reps
+    return out
+
+
+def top_ops(layer: MoEFeedForward, n_tokens: int, count: int = 6) -> list[dict]:
+    """The ops that take the most self CPU time in the MoE layer's forward + backward (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x_BTD = torch.randn(1, n_tokens, layer.router.in_features).requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            y_BTD, aux, _ = layer(x_BTD)
+            (y_BTD.square().mean() + aux).backward()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in ops)
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count // 3} for e in ops[:count]]
+
+
+def bare_loop(args: argparse.Namespace, dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> dict:
+    tokens_per_step = args.batch * args.seq_len
+    models, opts, runs = {}, {}, {"dense": [], "moe": []}
+    for name, cfg in (("dense", dense_cfg), ("moe", moe_cfg)):
+        torch.manual_seed(0)
+        models[name] = build_model(cfg)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
+    moe_layer, dense_ffn = models["moe"].layers[0].ffn, models["dense"].layers[0].ffn
+    routing: dict[str, list[float]] = {"layer": [], "experts": [], "dense_ffn": [], "route": []}
+    peaks = []
+    for r in range(args.repeats):  # interleaved: peak, dense, MoE, routing, peak, dense, MoE, routing, ...
+        peaks.append(measure_matmul_flops(512, torch.float32, seconds=0.5))
+        for name in ("dense", "moe"):
+            runs[name].append(tokens_per_s(models[name], opts[name], batches, args.steps))
+        for k, v in time_routing(moe_layer, dense_ffn, tokens_per_step, args.routing_reps).items():
+            routing[k].append(v)
+        print(f"repeat {r + 1}/{args.repeats}: dense {runs['dense'][-1]:.0f} tok/s  moe {runs['moe'][-1]:.0f} tok/s  "
+              f"moe layer {routing['layer'][-1] * 1e3:.1f} ms  experts alone {routing['experts'][-1] * 1e3:.1f} ms",
+              flush=True)
+
+    peak = max(peaks)
+    impls = {}
+    for name, cfg in (("dense", dense_cfg), ("moe", moe_cfg)):
+        fpt = flops_per_token(cfg, args.seq_len)["total"]
+        counts = param_counts(cfg)
+        tps = summary(runs[name])
+        impls[name] = {"tokens_per_s": tps, "flops_per_token": fpt, "mfu": tps["median"] * fpt / peak,
+                       "params_total": counts["total"], "params_active": counts["active"],
+                       "ffn_d_ff": cfg.resolved_moe_d_ff if cfg.is_moe else cfg.resolved_d_ff}
+    ratio = summary([m / d for m, d in zip(runs["moe"], runs["dense"])])
+    overhead = [lay - exp for lay, exp in zip(routing["layer"], routing["experts"])]
+    # Per repeat: the overhead of all MoE layers over that repeat's MoE step time.
+    share_of_step = summary([o * moe_cfg.num_moe_layers * tps / tokens_per_step
+                             for o, tps in zip(overhead, runs["moe"])])
+    # Matmul work of one fwd + bwd (6 FLOPs per parameter per token-visit), over its median time.
+    expert_flops = 6 * tokens_per_step * moe_cfg.moe_top_k * sum(p.numel() for p in moe_layer.experts[0].parameters())
+    dense_flops = 6 * tokens_per_step * sum(p.numel() for p in dense_ffn.parameters())
+    return {
+        "peak_fp32_flops": peak, "peak_fp32_flops_values": peaks,
+        "impls": impls,
+        "ratio_moe_to_dense": ratio,
+        "routing": {
+            "layer_fwd_bwd_s": summary(routing["layer"]), "experts_alone_fwd_bwd_s": summary(routing["experts"]),
+            "route_fwd_s": summary(routing["route"]),
+            "share_of_moe_layer": summary([o / lay for o, lay in zip(overhead, routing["layer"])]),
+            "route_share_of_moe_layer": summary([ro / lay for ro, lay in zip(routing["route"], routing["layer"])]),
+            "share_of_step": share_of_step, "moe_layers": moe_cfg.num_moe_layers,
+            "dense_ffn_fwd_bwd_s": summary(routing["dense_ffn"]),
+            "experts_alone_flops_per_s": expert_flops / statistics.median(routing["experts"]),
+            "dense_ffn_flops_per_s": dense_flops / statistics.median(routing["dense_ffn"]),
+            "top_ops": top_ops(moe_layer, tokens_per_step),
+        },
+    }
+
+
+def full_path(args: argparse.Namespace, moe_cfg: ModelConfig) -> dict:
+    overrides = [f"model.preset={args.preset}", f"model.num_experts={moe_cfg.num_experts}",
+                 f"model.moe_top_k={moe_cfg.moe_top_k}", f"model.moe_d_ff={moe_cfg.moe_d_ff}",
+                 "parallel.num_workers=2", "train.zero_stage=1", f"train.global_batch_size={args.full_batch}",
+                 f"train.micro_batch_size_per_rank={args.full_batch // 2}"]
+    runs: dict[str, list[dict]] = {"ep1": [], "ep2": []}
+    with FullPath(vocab_size=args.vocab, seq_len=args.seq_len, n_blocks=args.full_blocks) as fp:
+        for r in range(args.full_repeats):  # interleaved: ep 1, ep 2, ep 1, ep 2, ...
+            for name in runs:
+                runs[name].append(fp.run([*overrides, f"parallel.ep_size={name[-1]}"], steps=args.full_steps,
+                                         log_every=args.full_log_every))
+            print(f"full path repeat {r + 1}/{args.full_repeats}: ep1 {runs['ep1'][-1]['tokens_per_s']:.0f} tok/s  "
+                  f"ep2 {runs['ep2'][-1]['tokens_per_s']:.0f} tok/s", flush=True)
+    out = {name: {"tokens_per_s": summary([x["tokens_per_s"] for x in v]), "mfu": summary([x["mfu"] for x in v]),
+                  "stage_seconds": summary([x["seconds"] for x in v])} for name, v in runs.items()}
+    out["ratio_ep2_to_ep1"] = summary([b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs["ep1"], runs["ep2"])])
+    out["settings"] = {"workers": 2, "zero_stage": 1, "global_batch_size": args.full_batch, "steps": args.full_steps,
+                       "log_every": args.full_log_every}
+    return out
+
+
+def rng(s: dict, fmt: str = ".0f") -> str:
+    return f"{s['min']:{fmt}}-{s['max']:{fmt}}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="cpu_small", help="the dense model; the MoE keeps its width, layers, heads")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--flops-ratio", type=float, default=0.8, help="MoE active FLOPs/token over the dense model's")
+    p.add_argument("--d-ff-multiple", type=int, default=8, help="the expert hidden width is a multiple of this")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10, help="timed bare-loop steps per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--routing-reps", type=int, default=10, help="timed MoE-layer passes per repeat")
+    p.add_argument("--full-steps", type=int, default=30)
+    p.add_argument("--full-log-every", type=int, default=10)
+    p.add_argument("--full-repeats", type=int, default=3)
+    p.add_argument("--full-batch", type=int, default=8, help="global batch (sequences) of the full-path runs")
+    p.add_argument("--full-blocks", type=int, default=1024, help="synthetic token blocks for the full path")
+    p.add_argument("--no-full-path", action="store_true", help="skip the Ray Train + DeepSpeed ep comparison")
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dense_cfg = get_preset(args.preset).replace(vocab_size=args.vocab, max_seq_len=args.seq_len)
+    moe_cfg = moe_twin(dense_cfg, args.experts, args.top_k, args.flops_ratio, args.seq_len, args.d_ff_multiple)
+    fpt = {n: flops_per_token(c, args.seq_len)["total"] for n, c in (("dense", dense_cfg), ("moe", moe_cfg))}
+    print(f"{args.preset}: d_model {dense_cfg.d_model}, {dense_cfg.n_layers} layers, {dense_cfg.n_heads} heads, "
+          f"dense d_ff {dense_cfg.resolved_d_ff}; MoE {args.experts} experts top-{args.top_k}, expert d_ff "
+          f"{moe_cfg.moe_d_ff} -> active FLOPs/token {fpt['moe'] / fpt['dense']:.3f} x dense")
+
+    bare = bare_loop(args, dense_cfg, moe_cfg)
+    print(f"\nfp32 matmul peak with {args.threads} threads: {bare['peak_fp32_flops'] / 1e9:.1f} GFLOP/s (512^3, best "
+          f"of {args.repeats}); MFU = tokens/s x (6N + 12*L*H*Q*T) / peak, N = active non-embedding params + V*D")
+    print(f"{'model':<6} {'d_ff':>5} {'active params':>13} {'FLOPs/token':>12} {'tokens/s':>9} {'range':>11} "
+          f"{'MFU':>6}")
+    for name, row in bare["impls"].items():
+        print(f"{name:<6} {row['ffn_d_ff']:>5} {row['params_active']:>13,} {row['flops_per_token']:>12,} "
+              f"{row['tokens_per_s']['median']:>9.0f} {rng(row['tokens_per_s']):>11} {row['mfu']:>6.1%}")
+    ratio, rt = bare["ratio_moe_to_dense"], bare["routing"]
+    print(f"MoE / dense tokens/s: {ratio['median']:.2f} ({rng(ratio, '.2f')}), target >= {TARGET_RATIO}")
+    print(f"routing overhead: MoE layer fwd+bwd {rt['layer_fwd_bwd_s']['median'] * 1e3:.2f} ms, experts alone "
+          f"{rt['experts_alone_fwd_bwd_s']['median'] * 1e3:.2f} ms, route() fwd "
+          f"{rt['route_fwd_s']['median'] * 1e3:.2f} ms; "
+          f"{rt['share_of_moe_layer']['median']:.1%} of the MoE layer, {rt['share_of_step']['median']:.1%} of the "
+          f"step ({rng(rt['share_of_step'], '.1%')}), target < {TARGET_ROUTING_SHARE:.0%}")
+    print(f"matmul rate: experts alone {rt['experts_alone_flops_per_s'] / 1e9:.0f} GFLOP/s, dense FFN "
+          f"{rt['dense_ffn_flops_per_s'] / 1e9:.0f} GFLOP/s (same tokens); MoE layer's top ops: "
+          + ", ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}" for o in rt["top_ops"]))
+
+    checks = [
+        {"name": "MoE / dense tokens/s (bare loop)", "measured": ratio, "target": TARGET_RATIO, "op": ">="},
+        {"name": "routing overhead, share of the MoE step", "measured": rt["share_of_step"],
+         "target": TARGET_ROUTING_SHARE, "op": "<", "format": "percent"},
+    ]
+    # This run's evidence for a result below target (benchmarks/report.py prints it beside the cause).
+    notes = {}
+    if ratio["median"] < TARGET_RATIO:
+        notes[checks[0]["name"]] = (
+            f"Here the experts alone ran at {rt['experts_alone_flops_per_s'] / 1e9:.0f} GFLOP/s against the dense "
+            f"FFN's {rt['dense_ffn_flops_per_s'] / 1e9:.0f} GFLOP/s on the same tokens, and routing + dispatch took "
+            f"{rt['share_of_moe_layer']['median']:.0%} of the MoE layer.")
+    if rt["share_of_step"]["median"] >= TARGET_ROUTING_SHARE:
+        notes[checks[1]["name"]] = "Here the MoE layer's top ops were " + ", ".join(
+            f"{o['op']} {o['share']:.0%}" for o in rt["top_ops"]) + "."
+    result = {
+        "config": {"preset": args.preset, "d_model": dense_cfg.d_model, "n_layers": dense_cfg.n_layers,
+                   "n_heads": dense_cfg.n_heads, "dense_d_ff": dense_cfg.resolved_d_ff, "experts": args.experts,
+                   "top_k": args.top_k, "expert_d_ff": moe_cfg.moe_d_ff, "flops_ratio": fpt["moe"] / fpt["dense"],
+                   "vocab_size": args.vocab, "seq_len": args.seq_len, "batch": args.batch, "threads": args.threads,
+                   "steps": args.steps, "repeats": args.repeats},
+        "bare_loop": bare, "checks": checks, "notes": notes,
+    }
+    if not args.no_full_path:
+        full = full_path(args, moe_cfg)
+        result["full_path"] = full
+        print(f"\nfull path, MoE on 2 workers, ZeRO 1, global batch {args.full_batch} x {args.seq_len} tokens")
+        print(f"{'layout':<7} {'tokens/s':>9} {'range':>11} {'MFU':>6} {'stage s':>8}")
+        for name in ("ep1", "ep2"):
+            row = full[name]
+            print(f"{name:<7} {row['tokens_per_s']['median']:>9.0f} {rng(row['tokens_per_s']):>11} "
+                  f"{row['mfu']['median']:>6.1%} {row['stage_seconds']['median']:>8.1f}")
+        r = full["ratio_ep2_to_ep1"]
+        print(f"ep 2 / ep 1 tokens/s: {r['median']:.2f} ({rng(r, '.2f')})")
+        checks.append({"name": "full path ep_size 2 / ep_size 1 tokens/s", "measured": r, "target": None, "op": ">="})
+    print(f"wrote {write_result('moe', result)}")
+
+
+if __name__ == "__main__":
+    main()
