@@ -98,7 +98,7 @@ class LocalDispatcher:
         n_kept = sum(counts)
         token_sorted = token_of_slot_S[order_S[:n_kept]]
         weight_sorted = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
-        chunks = x_ND[token_sorted].split(counts)
+        chunks = x_ND.index_select(0, token_sorted).split(counts)  # backward: index_add, not index_put
         y_sorted = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)], dim=0)
         y_sorted = y_sorted * weight_sorted.unsqueeze(1).to(y_sorted.dtype)
         return torch.zeros_like(x_ND).index_add_(0, token_sorted, y_sorted)

@@ -106,7 +106,7 @@ class AllToAllDispatcher:
         send_splits = counts_E.view(ep, L).sum(1).tolist()
         recv_splits = recv_counts_PL.sum(1).tolist()
 
-        x_send = x_ND[token_sorted]
+        x_send = x_ND.index_select(0, token_sorted)
         x_recv = all_to_all_single(x_send.new_empty(sum(recv_splits), x_ND.shape[1]), x_send,
                                    recv_splits, send_splits, group=group)
         # Received rows come grouped by (source rank, local expert); run each local expert once.
