@@ -443,6 +443,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
+         f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
+         f"below train.steps={tr.steps}")
     need(tr.micro_batch_size_per_rank >= 1, "train.micro_batch_size_per_rank must be >= 1")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
     need(not tr.offload_optimizer or tr.zero_stage >= 1,

@@ -61,6 +61,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("train.compile=true train.zero_stage=3", r"train\.compile=true with train\.zero_stage=3 is not supported"),
     ("train.precision=fp8", r"train\.precision='fp8' is not allowed; choose one of \['auto', 'fp32', 'bf16', 'fp16', 'amp_bf16'\]"),
     ("tokenize.engine=spark", r"tokenize\.engine='spark' is not allowed"),
+    ("train.steps=10 train.warmup_steps=10", r"train\.schedule=cosine decays after warmup, so train\.warmup_steps=10 must be below train\.steps=10"),
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
 ])
 def test_bad_values_name_the_field(override, pattern):
