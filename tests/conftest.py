@@ -12,6 +12,12 @@ from pipeline.runner import worker_env
 
 os.environ.update(worker_env())
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Credentials for the tests' S3 server (moto accepts any), set before Ray starts so that Ray Train
+# workers inherit them too; real AWS settings in the environment are left as they are.
+for _key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+    os.environ.setdefault(_key, "conduit-test")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,8 @@ def choose_engine(cfg: RunConfig, n_bytes: int) -> str:
     return "ray_data" if n_bytes >= cfg.tokenize.ray_data_min_bytes else "local"
 
 
-def local_threads(cfg: RunConfig) -> int:
+def encode_threads(cfg: RunConfig) -> int:
+    """sentencepiece threads of the local engine."""
     return cfg.tokenize.num_actors * cfg.tokenize.threads_per_actor
 
 
@@ -92,7 +93,7 @@ def task_cpus(cfg: RunConfig, inputs: dict) -> float:
         return 0
     import ray
 
-    return min(local_threads(cfg), ray.cluster_resources().get("CPU", 1))
+    return min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1))
 
 
 def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: str) -> Iterator[tuple[str, pa.Table]]:
@@ -108,7 +109,7 @@ def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: 
     """
     t = cfg.tokenize
     if engine == "local":
-        encoder = SentencePieceEncoder(model_path, t.add_bos, local_threads(cfg))
+        encoder = SentencePieceEncoder(model_path, t.add_bos, encode_threads(cfg))
         for f in files:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=t.batch_size, columns=["text"]):
                 yield str(f), encoder(pa.Table.from_batches([rb]))

@@ -118,3 +118,26 @@ def test_resume_from_another_runs_checkpoint_on_one_worker(tmp_path, straight):
         "parallel.num_workers=1", f"train.resume_from={first_kept}"], kill=False)
     assert history[0]["step"] == 190  # it started after step 180
     assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
+
+
+def test_checkpoints_on_s3_resume_and_are_written_there(tmp_path, straight, moto_s3):
+    """train.resume_from and train.checkpoint_storage on S3 (a moto server): a 1-worker run continues
+    from a checkpoint in the bucket, lands on the 2-worker run's weights and reports its own
+    checkpoint to the bucket."""
+    import pyarrow.fs as pafs
+
+    weights, _, _, train_dir = straight
+    first_kept = sorted((train_dir / "ray" / "train").glob("checkpoint_*"))[0]
+    query = f"endpoint_override={moto_s3}&scheme=http"
+    fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
+    fs.create_dir("conduit-ckpt")
+    pafs.copy_files(str(first_kept), f"conduit-ckpt/from/{first_kept.name}",
+                    source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    resumed, history, _, _ = train_once(tmp_path, "s3", [
+        "parallel.num_workers=1", f"train.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
+        f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False)
+    assert history[0]["step"] == 190
+    assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
+    written = [i.path for i in fs.get_file_info(pafs.FileSelector("conduit-ckpt/runs", recursive=True))]
+    final = [p for p in written if p.endswith("/layout.json")]
+    assert len(final) == 1 and f"{final[0].rsplit('/', 1)[0]}/canonical.pt" in written
