@@ -53,6 +53,7 @@ bench: install
 	$(PY) benchmarks/peak.py
 	$(PY) benchmarks/train_throughput.py
 	$(PY) benchmarks/tokenize_throughput.py
+	$(PY) benchmarks/tokenize_throughput.py --scale 8 --repeats 2
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/report.py

@@ -199,9 +199,15 @@ def train_tables(d: dict) -> list[str]:
 
 def tokenize_tables(d: dict) -> list[str]:
     rows = [[k, s["median"], span(s)] for k, s in d["mb_per_s"].items()]
-    return [f"{num(d['text_mb'])} MB of text ({d['paths']}), {d['actors']} actor(s) x {d['threads_per_actor']} "
-            f"thread(s) against sentencepiece with {d['plain_threads']} thread(s), {d['repeats']} repeat(s):", "",
-            *table(["what", "MB/s median", "range"], rows)]
+    scale = f" (the shards {d['scale']} times over)" if d.get("scale", 1) > 1 else ""
+    engine = f"; the stage's engine (auto): {d['engine']}" if "engine" in d else ""
+    out = [f"{num(d['text_mb'])} MB of text{scale} ({d['paths']}), {d['actors']} actor(s) x {d['threads_per_actor']} "
+           f"thread(s) against sentencepiece with {d['plain_threads']} thread(s), {d['repeats']} repeat(s){engine}:", "",
+           *table(["what", "MB/s median", "range"], rows)]
+    if "ratio_ray_data_to_plain" in d:
+        r = d["ratio_ray_data_to_plain"]
+        out += [f"Ray Data engine / plain sentencepiece: {num(r['median'])} ({span(r)}).", ""]
+    return out
 
 
 def moe_tables(d: dict) -> list[str]:
@@ -259,6 +265,11 @@ TABLES: dict[str, Callable[[dict], list[str]]] = {"peak": peak_tables, "train_th
                                                   "pipeline": pipeline_tables}
 
 
+def kind_of(name: str) -> str:
+    """The benchmark a result file belongs to (``tokenize_scale8`` is a ``tokenize`` run)."""
+    return name.split("_scale", 1)[0]
+
+
 def section(name: str, data: dict, header_machine: Any) -> list[str]:
     out = [f"## {name}", ""]
     when = f"written {data['written_at']}" if "written_at" in data else "no date recorded"
@@ -267,9 +278,9 @@ def section(name: str, data: dict, header_machine: Any) -> list[str]:
         when += f" at commit {m['git']}"
     same = _without_git(m) == _without_git(header_machine)
     out += [f"`benchmarks/results/{name}.json`, {when}{'' if same else f'; machine: {describe_machine(m)}'}.", ""]
-    checks = data.get("checks") or derived_checks(name, data)
-    if name in TABLES:
-        out += TABLES[name](data)
+    checks = data.get("checks") or derived_checks(kind_of(name), data)
+    if kind_of(name) in TABLES:
+        out += TABLES[kind_of(name)](data)
     elif isinstance(data.get("rows"), list):
         out += rows_table(data)
     notes = data.get("notes") or {}
@@ -294,7 +305,7 @@ def build_report(results: dict[str, dict], fallback_machine: dict | None = None)
            f"Machine: {describe_machine(header_machine)}.", ""]
     summary_rows = []
     for name, data in results.items():
-        for c in data.get("checks") or derived_checks(name, data):
+        for c in data.get("checks") or derived_checks(kind_of(name), data):
             pct = c.get("format") == "percent"
             summary_rows.append([name, c["name"], num(median(c["measured"]), pct), target_text(c), status(c)])
     if summary_rows:

@@ -8,7 +8,9 @@ picks below ``tokenize.ray_data_min_bytes``, as here) and ``ray_data`` (``read_p
 documents with the same tokenizer, interleaved, ``--repeats`` times; the shard stage (parallel Ray
 read tasks, cleaning, dedup, split, parquet writing) is timed on the raw inputs. MB are UTF-8 text
 megabytes (10^6 bytes): tokenize counts the documents it encodes, shard the input bytes it reads.
-Prints a table and writes ``benchmarks/results/tokenize.json``.
+``--scale k`` tokenizes the shards k times over (their files repeated), which shows Ray Data's
+start-up amortised on a corpus past ``tokenize.ray_data_min_bytes``, where ``auto`` picks it.
+Prints a table and writes ``benchmarks/results/tokenize.json`` (``tokenize_scale<k>.json``).
 
     .venv/bin/python benchmarks/tokenize_throughput.py [--paths 'gutenberg/train/*.txt'] [--repeats 3] [--actors 2]
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import summary, write_result
+from pipeline.artifacts import Artifact
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve, worker_env
 from pipeline.stages import execute_stage, shard
@@ -38,6 +41,19 @@ class NullTracker:
     def log_metrics(self, m, step=None):
         pass
 
+
+
+def scaled_shards(art: Artifact, k: int, out: Path) -> Artifact:
+    """A shard artifact whose every split holds ``art``'s shard files ``k`` times (links)."""
+    out.mkdir(parents=True)
+    counts = dict(art.manifest["counts"])
+    for key in ("bytes", "documents"):
+        counts[key] = {split: n * k for split, n in counts[key].items()}
+    for split in shard.SPLITS:
+        files = shard.shard_files(art.path, split)
+        for i in range(k * len(files)):
+            (out / f"{split}-{i:05d}.parquet").symlink_to(files[i % len(files)])
+    return Artifact(stage="shard", hash=f"{art.hash}x{k}", path=out, manifest={**art.manifest, "counts": counts})
 
 
 def timed_stage(name: str, cfg, arts: dict, out: Path) -> tuple[float, object]:
@@ -58,6 +74,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs of the local Ray (as in the tests)")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="tokenize the shards this many times over (the shard files repeated), to see start-up amortised")
     args = ap.parse_args()
 
     import ray
@@ -79,9 +97,12 @@ def main() -> None:
         arts = {"shard": execute_stage("shard", cfg, plan["shard"].hash, plan["shard"].path, {}, NullTracker())}
         arts["tokenizer"] = execute_stage("tokenizer", cfg, plan["tokenizer"].hash, plan["tokenizer"].path, arts,
                                           NullTracker())
+        shard_art = arts["shard"]
+        if args.scale > 1:
+            arts["shard"] = scaled_shards(shard_art, args.scale, work / "scaled")
         texts = [t for s in shard.SPLITS for t in shard.read_texts(arts["shard"].path, s)]
         text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-        input_mb = sum(i["bytes"] for i in arts["shard"].manifest["counts"]["inputs"]) / 1e6
+        input_mb = sum(i["bytes"] for i in shard_art.manifest["counts"]["inputs"]) / 1e6
         sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
         ray_cfg = resolve(load_config(None, [*overrides, "tokenize.engine=ray_data"]))
         plain, stage, ray_stage, shard_s = [], [], [], []
@@ -112,7 +133,7 @@ def main() -> None:
     ratios = [p / s for p, s in zip(plain, stage)]  # per repeat: plain seconds / stage seconds
     ray_ratios = [p / s for p, s in zip(plain, ray_stage)]
     result = {
-        "paths": args.paths, "text_mb": text_mb, "input_mb": input_mb, "tokens": n_tokens,
+        "paths": args.paths, "scale": args.scale, "text_mb": text_mb, "input_mb": input_mb, "tokens": n_tokens,
         "packed_tokens": sum(s["tokens"] for s in index["splits"].values()),
         "actors": args.actors, "threads_per_actor": args.threads_per_actor, "plain_threads": threads,
         "batch_size": args.batch_size, "vocab_size": args.vocab, "repeats": args.repeats,
@@ -122,7 +143,7 @@ def main() -> None:
         "seconds": {"plain_sentencepiece": plain, "tokenize_stage": stage, "tokenize_stage_ray_data": ray_stage,
                     "shard_stage": shard_s},
     }
-    path = write_result("tokenize", result)
+    path = write_result("tokenize" if args.scale == 1 else f"tokenize_scale{args.scale}", result)
     print(f"\n{text_mb:.1f} MB of text ({n_tokens:,} tokens), {args.paths}; {args.actors} actor(s) x "
           f"{args.threads_per_actor} thread(s) vs sentencepiece with {threads} thread(s); {os.cpu_count()} cores")
     print(f"{'what':<22} {'MB/s median':>12} {'range':>16}")
