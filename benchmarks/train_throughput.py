@@ -23,6 +23,7 @@ Writes ``benchmarks/results/train_throughput.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -177,7 +178,7 @@ def main() -> None:
         full = name in args.full_path_presets
         if full:
             runs.update({v: [] for v in full_names})
-        with FullPath(vocab_size=args.vocab, seq_len=args.seq_len) if full else _nothing() as fp:
+        with FullPath(vocab_size=args.vocab, seq_len=args.seq_len) if full else contextlib.nullcontext() as fp:
             for r in range(args.repeats):  # interleaved: every variant once per repeat
                 for v in bare_names:
                     model, logits_of, autocast = variants[v]
@@ -232,14 +233,6 @@ def main() -> None:
 
 def span(s: dict, digits: int) -> str:
     return f"{s['min']:.{digits}f}-{s['max']:.{digits}f}"
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 if __name__ == "__main__":
