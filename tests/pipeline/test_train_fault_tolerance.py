@@ -107,27 +107,16 @@ def test_killed_worker_resumes_from_checkpoint_exactly(tmp_path, straight):
     assert all((straight[k] == resumed[k]).all() for k in straight)
 
 
-def test_resume_from_another_runs_checkpoint_on_one_worker(tmp_path, straight):
-    """2 workers trained to step 180; 1 worker continues from that checkpoint (the layout-independent
-    canonical.pt, since the world size differs) to step 200 and lands on the same weights."""
-    weights, _, _, train_dir = straight
-    first_kept = sorted((train_dir / "ray" / "train").glob("checkpoint_*"))[0]  # keep_checkpoints=2: 180, 200
-    layout = json.loads((first_kept / "layout.json").read_text())
-    assert layout == {"world_size": 2, "ep_size": 1, "zero_stage": 1}
-    resumed, history, _, _ = train_once(tmp_path, "one_worker", [
-        "parallel.num_workers=1", f"train.resume_from={first_kept}"], kill=False)
-    assert history[0]["step"] == 190  # it started after step 180
-    assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
-
-
-def test_checkpoints_on_s3_resume_and_are_written_there(tmp_path, straight, moto_s3):
-    """train.resume_from and train.checkpoint_storage on S3 (a moto server): a 1-worker run continues
-    from a checkpoint in the bucket, lands on the 2-worker run's weights and reports its own
-    checkpoint to the bucket."""
+def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s3):
+    """2 workers trained to step 180; that checkpoint, copied to S3 (a moto server), is continued by
+    1 worker (``train.resume_from=s3://...``, through the layout-independent canonical.pt since the
+    world size differs) to step 200: same weights as the 2-worker run, and its own checkpoint is
+    reported to ``train.checkpoint_storage=s3://...``."""
     import pyarrow.fs as pafs
 
     weights, _, _, train_dir = straight
-    first_kept = sorted((train_dir / "ray" / "train").glob("checkpoint_*"))[0]
+    first_kept = sorted((train_dir / "ray" / "train").glob("checkpoint_*"))[0]  # keep_checkpoints=2: 180, 200
+    assert json.loads((first_kept / "layout.json").read_text()) == {"world_size": 2, "ep_size": 1, "zero_stage": 1}
     query = f"endpoint_override={moto_s3}&scheme=http"
     fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
     fs.create_dir("conduit-ckpt")
