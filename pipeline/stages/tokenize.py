@@ -65,11 +65,8 @@ def pack(docs_ids: list[list[int]], seq_len: int, add_bos: bool) -> tuple[np.nda
 
 
 def text_bytes(shard_artifact) -> int:
-    """UTF-8 bytes of text in the shard artifact (from its manifest; file sizes if it lacks them)."""
-    counts = shard_artifact.manifest.get("counts", {}).get("bytes")
-    if isinstance(counts, dict):
-        return int(sum(counts.values()))
-    return sum(f.stat().st_size for s in shard.SPLITS for f in shard.shard_files(shard_artifact.path, s))
+    """UTF-8 bytes of text in the shard artifact (its manifest counts them per split)."""
+    return int(sum(shard_artifact.manifest["counts"]["bytes"].values()))
 
 
 def choose_engine(cfg: RunConfig, n_bytes: int) -> str:
@@ -164,9 +161,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     writers = {s: BlockWriter(out_dir, s, cfg.tokenize.seq_len, dtype) for s, fs in split_files.items() if fs}
     n_bytes = dict.fromkeys(writers, 0)
     engine = choose_engine(cfg, text_bytes(inputs["shard"]))
-    n_docs = inputs["shard"].manifest.get("counts", {}).get("documents", {})
     # Ray Data draws its own progress bars; the local path gets one over documents.
-    bar = tqdm(total=sum(n_docs.values()) if isinstance(n_docs, dict) else None, desc="tokenize", unit="doc",
+    bar = tqdm(total=sum(inputs["shard"].manifest["counts"]["documents"].values()), desc="tokenize", unit="doc",
                disable=engine != "local", mininterval=1.0)
     for path, table in encoded_batches([f for fs in split_files.values() for f in fs], model_path, cfg, engine):
         bar.update(table.num_rows)
