@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The interpreter that creates the venv (CI passes the one it resolved before it replaced HOME).
+PYTHON3 ?= python3
 CONFIG ?= configs/demo.yaml
 # On a GPU machine pip's default torch 2.13.0 is the CUDA build; on CPU machines point
 # TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid downloading CUDA libraries.
@@ -23,7 +25,7 @@ USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel
 	$(PY) -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"

@@ -16,6 +16,6 @@ def connect(address: str | None):
     """A JobSubmissionClient, or None after printing why there is none (the caller exits 2)."""
     try:
         return cluster.client(address)
-    except (cluster.ClusterError, ConnectionError) as e:  # no address known, or nothing answers there
+    except cluster.ClusterError as e:  # no address known, nothing answers there, or the token is refused
         print(f"error: {e}", file=sys.stderr)
         return None

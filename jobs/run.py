@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
 from pipeline.tracking import ui_command
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
-    except (ConfigError, StageFailed) as e:
+    except (ConfigError, ClusterError, StageFailed) as e:
         return main_exit_code(e)
     if not args.dry_run:
         print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")

@@ -4,7 +4,8 @@
 
 Where the cluster is: ``--address``, else ``$RAY_ADDRESS``, else the env file that ``infra/local/up``
 writes (``$CONDUIT_INFRA_ENV``, default ``outputs/infra/env``). The same file supplies
-``MLFLOW_TRACKING_URI`` and ``RAY_AUTH_MODE`` when the environment does not.
+``MLFLOW_TRACKING_URI`` when the environment does not, and ``RAY_AUTH_MODE`` and
+``RAY_AUTH_TOKEN_PATH`` (the cluster's token) for its own cluster's address.
 
 A submitted job runs in a copy of this repository (the ``working_dir``) under the cluster's temp
 folder, so every relative location in the config would land in, or be looked up in, that throwaway
@@ -96,26 +97,61 @@ def resolve_tracking_uri(uri: str | None, cfg: RunConfig) -> str | None:
             or read_env_file(env_file_path()).get("MLFLOW_TRACKING_URI"))
 
 
-def apply_auth_mode() -> None:
-    """Token auth (Ray's default for clusters started with ``ray start``) is only used by clients
-    when ``RAY_AUTH_MODE=token``: take it from the env file when the environment does not say.
-    Ray reads the variable once, on its first use, so this must run before that."""
-    mode = read_env_file(env_file_path()).get("RAY_AUTH_MODE")
-    if mode and "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = mode
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
+
+
+def apply_auth(address: str) -> None:
+    """Token auth for ``address``: when it is the env file's cluster, take ``RAY_AUTH_MODE`` and
+    ``RAY_AUTH_TOKEN_PATH`` from that file unless the environment sets them (or ``RAY_AUTH_TOKEN``)
+    itself. Another address never gets the env file's token. Ray reads these variables once, on its
+    first use, so this must run before that."""
+    values = read_env_file(env_file_path())
+    if values.get("RAY_ADDRESS") != address:
+        return
+    own_token = "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
+    for key in AUTH_VARS:
+        if key in values and key not in os.environ and not (key == "RAY_AUTH_TOKEN_PATH" and own_token):
+            os.environ[key] = values[key]
+
+
+def where_tokens_are() -> str:
+    """Where a client looks for the cluster's token, in Ray's order, as one sentence for errors."""
+    env_file = env_file_path()
+    return (f"Ray clusters started by `ray start` (infra/local/up included) need a token: Conduit's clients "
+            f"send it when RAY_AUTH_MODE=token and take it from $RAY_AUTH_TOKEN, else the file named by "
+            f"$RAY_AUTH_TOKEN_PATH (infra/local/up writes that line into {env_file}), else ~/.ray/auth_token")
+
+
+def connection_error(address: str, exc: BaseException) -> ClusterError:
+    """A ``ClusterError`` for a failed connection to ``address``, saying what the token has to do
+    with it (Ray's own message for a wrong GCS token is only 'Failed to connect')."""
+    from ray.exceptions import AuthenticationError
+
+    mode = os.environ.get("RAY_AUTH_MODE", "unset")
+    if isinstance(exc, AuthenticationError):
+        first = str(exc).strip().splitlines()[0]
+        return ClusterError(f"the Ray cluster at {address} refused this client's token ({first}; "
+                            f"RAY_AUTH_MODE={mode}). {where_tokens_are()}")
+    return ClusterError(f"could not connect to the Ray cluster at {address}: {exc}. If it answers, a missing "
+                        f"or wrong token is the usual cause (RAY_AUTH_MODE={mode}). {where_tokens_are()}")
 
 
 def client(address: str | None):
     """A ``JobSubmissionClient`` for the resolved address (it checks the connection on creation).
 
     Raises:
-        ClusterError: no address could be resolved.
-        ConnectionError: the dashboard does not answer (raised by Ray, with the address).
+        ClusterError: no address could be resolved, nothing answers there, or the cluster refuses
+            the token (or its absence); the message says where the token is looked for.
     """
-    apply_auth_mode()  # before ray is imported: Ray reads RAY_AUTH_MODE once
+    resolved = resolve_address(address)
+    apply_auth(resolved)  # before ray is imported: Ray reads RAY_AUTH_MODE once
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(resolve_address(address))
+    try:
+        return JobSubmissionClient(resolved)
+    except (AuthenticationError, ConnectionError) as e:
+        raise connection_error(resolved, e) from e
 
 
 # ---- what a job is sent with ----------------------------------------------------------------------

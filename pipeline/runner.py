@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline import tracking
+from pipeline import cluster, tracking
 from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.stages import ORDER, STAGES, execute_stage
@@ -127,15 +127,22 @@ def connect_ray(cfg: RunConfig) -> bool:
 
     Returns:
         True when this call started or connected Ray (and so should shut it down).
+
+    Raises:
+        ClusterError: the cluster at the address does not answer or refuses this client's token.
     """
     import ray
+    from ray.exceptions import AuthenticationError
 
     if ray.is_initialized():
         return False
     os.environ.update(worker_env())  # a local cluster's workers inherit the driver's environment
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+        try:
+            ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+        except (AuthenticationError, ConnectionError) as e:
+            raise cluster.connection_error(address, e) from e
     else:
         ray.init(
             num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
@@ -273,4 +280,4 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
 def main_exit_code(exc: BaseException) -> int:
     """Exit status for a failed run, printed for people rather than as a traceback."""
     print(f"error: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, ConfigError) else 1
+    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError)) else 1

@@ -1,11 +1,32 @@
-"""Shared test fixtures: one local Ray cluster per session, the shared data root."""
+"""Shared test fixtures: a new machine's HOME, one local Ray cluster per session, the shared data root."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# A new machine for every session: HOME and the XDG folders point into a fresh temporary directory
+# before anything below imports Ray, MLflow, DeepSpeed or datasets, so nothing that an earlier run
+# left under the real HOME (Ray's ~/.ray/auth_token, compiled ops in ~/.cache, caches and configs)
+# can make a test pass. Test subprocesses, Ray clusters and Ray workers inherit it. DeepSpeed's ops
+# are then compiled once per session (TORCH_EXTENSIONS_DIR under this HOME) unless the caller sets
+# TORCH_EXTENSIONS_DIR itself to reuse a build.
+REAL_HOME = os.environ.get("HOME", "")
+TEST_HOME = Path(tempfile.mkdtemp(prefix="conduit-test-home-"))
+os.environ.update(
+    HOME=str(TEST_HOME),
+    XDG_CACHE_HOME=str(TEST_HOME / ".cache"),
+    XDG_CONFIG_HOME=str(TEST_HOME / ".config"),
+    XDG_DATA_HOME=str(TEST_HOME / ".local" / "share"),
+    XDG_STATE_HOME=str(TEST_HOME / ".local" / "state"),
+    MPLCONFIGDIR=str(TEST_HOME / ".config" / "matplotlib"),
+)
+for _var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "CONDUIT_INFRA_ENV"):
+    os.environ.pop(_var, None)  # a developer's cluster pointers and tokens never reach the tests
 
 from pipeline.config import DEFAULT_DATA_ROOT
 from pipeline.runner import worker_env
@@ -18,6 +39,14 @@ for _key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
     os.environ.setdefault(_key, "conduit-test")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_home():
+    """The session's temporary HOME (set above, at import); removed when the session ends."""
+    assert os.environ["HOME"] == str(TEST_HOME) and TEST_HOME != Path(REAL_HOME)
+    yield TEST_HOME
+    shutil.rmtree(TEST_HOME)
 
 
 @pytest.fixture(scope="session")

@@ -2,17 +2,22 @@
 
 Run through the ``infra/local/up`` and ``infra/local/down`` wrappers, which pick the repo's venv.
 
-up   starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth, a temp
-     dir of its own) and ``mlflow server`` (sqlite backend, local artifact store, proxied artifacts),
-     optionally extra Ray worker nodes on this machine, waits until the Jobs API and ``/health``
-     answer, and writes ``<state-dir>/env``: the addresses, the Ray temp dir and the pids.
+up   creates the cluster's auth token (``<state-dir>/ray_auth_token``, mode 0600, never printed),
+     starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth with
+     that token, a temp dir of its own) and ``mlflow server`` (sqlite backend, local artifact store,
+     proxied artifacts), optionally extra Ray worker nodes on this machine, waits until the Jobs API
+     and ``/health`` answer, and writes ``<state-dir>/env``: the addresses, where the token is, the
+     Ray temp dir and the pids.
 down reads that file and stops exactly what ``up`` started: every process of this Ray cluster (found
      by its own temp dir in the command line, plus their descendants such as job drivers) and the
-     MLflow server's process tree and process group. Then it removes the env file.
+     MLflow server's process tree and process group. Then it removes the env file and the token.
 
 Why not ``ray stop``: it stops every Ray process on the machine, other people's clusters included.
 Why a temp dir of our own: ``ray start`` records its address in ``<temp-dir>/ray_current_cluster``,
 and a plain ``ray.init()`` elsewhere on this machine (``/tmp/ray``) would otherwise attach to it.
+Why a token of our own: ``ray start`` with ``RAY_AUTH_MODE=token`` never creates one (on a new
+machine it fails with "no authentication token was found"), and ``~/.ray/auth_token`` is shared by
+every Ray on the machine. ``RAY_AUTH_TOKEN_PATH`` names ours to every process and client.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -48,11 +54,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def service_env() -> dict[str, str]:
+TOKEN_FILE = "ray_auth_token"
+
+
+def service_env(token_path: Path) -> dict[str, str]:
     """Environment of every service process: this venv first on PATH (a Ray job's ``python`` is
-    then the venv's), token auth on, telemetry and hub look-ups off."""
-    return {**os.environ, **QUIET_ENV, "RAY_AUTH_MODE": "token",
+    then the venv's), token auth on with the cluster's own token file, telemetry and hub look-ups off.
+    A ``RAY_AUTH_TOKEN`` of the caller's is dropped: Ray would prefer it over the file."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    return {**env, **QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def create_token(path: Path) -> None:
+    """A new random token (256 bits, hex, as ``ray get-auth-token --generate`` makes) in a file that
+    only this user can read, created with that mode so it is never readable by others."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(secrets.token_hex(32))
+    os.chmod(path, 0o600)  # O_CREAT's mode does not apply to a file that already existed
 
 
 def ray_temp_dir(state_dir: Path) -> Path:
@@ -135,7 +155,7 @@ def terminate(procs: list[psutil.Process], grace_s: float = 15.0) -> int:
 
 
 # ---- up ------------------------------------------------------------------------------------------
-def start_ray_node(temp_dir: Path, log: Path, num_cpus: int, head_port: int | None = None,
+def start_ray_node(temp_dir: Path, token_path: Path, log: Path, num_cpus: int, head_port: int | None = None,
                    resources: dict | None = None, dashboard_port: int | None = None) -> None:
     """``ray start`` a head (``dashboard_port`` given) or a worker node joining ``head_port``.
 
@@ -154,19 +174,19 @@ def start_ray_node(temp_dir: Path, log: Path, num_cpus: int, head_port: int | No
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(), cwd=REPO_ROOT,
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path), cwd=REPO_ROOT,
                               start_new_session=True, timeout=180)
     if done.returncode != 0:
         raise InfraError(f"{' '.join(cmd)} exited with {done.returncode}:\n{log.read_text()[-3000:]}")
 
 
-def start_mlflow(state_dir: Path, port: int) -> subprocess.Popen:
+def start_mlflow(state_dir: Path, port: int, token_path: Path) -> subprocess.Popen:
     """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it)."""
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
            "--artifacts-destination", str(state_dir / "mlartifacts"), "--host", "127.0.0.1",
            "--port", str(port), "--workers", "1"]
     with (state_dir / "mlflow.log").open("w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(), cwd=state_dir,
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path), cwd=state_dir,
                                 start_new_session=True)
 
 
@@ -183,9 +203,10 @@ def wait_mlflow(uri: str, proc: subprocess.Popen, log: Path, deadline: float) ->
     raise InfraError(f"mlflow server at {uri} did not answer /health in time:\n{log.read_text()[-3000:]}")
 
 
-def wait_jobs_api(address: str, deadline: float) -> None:
+def wait_jobs_api(address: str, token_path: Path, deadline: float) -> None:
     """Until the Ray Jobs API lists jobs (this also proves the token auth works)."""
-    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
     from ray.job_submission import JobSubmissionClient
 
     last: Exception | None = None
@@ -214,30 +235,33 @@ def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, time
         raise InfraError(f"{env_path} exists: services from an earlier `up` may be running; "
                          f"run infra/local/down --state-dir {state_dir} first")
     temp_dir = ray_temp_dir(state_dir)
+    token_path = state_dir / TOKEN_FILE
     gcs, dash, ml = free_port(), free_port(), free_port()
     values = {
         "RAY_ADDRESS": f"http://127.0.0.1:{dash}",
         "CONDUIT_RAY_GCS_ADDRESS": f"127.0.0.1:{gcs}",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ml}",
         "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token_path),
         "CONDUIT_RAY_TEMP_DIR": str(temp_dir),
         "CONDUIT_STATE_DIR": str(state_dir),
     }
     # Written before anything starts, so that `down` can clean up after a failed `up` too.
     write_env(env_path, values)
+    create_token(token_path)
     deadline = time.monotonic() + timeout_s
-    mlflow = start_mlflow(state_dir, ml)  # ~18 s to answer: overlaps with ray start (~9 s)
+    mlflow = start_mlflow(state_dir, ml, token_path)  # ~18 s to answer: overlaps with ray start (~9 s)
     values["CONDUIT_MLFLOW_PID"] = str(mlflow.pid)
     write_env(env_path, values)
     try:
         ray_log = state_dir / "ray-start.log"
-        start_ray_node(temp_dir, ray_log, num_cpus, head_port=gcs, dashboard_port=dash)
+        start_ray_node(temp_dir, token_path, ray_log, num_cpus, head_port=gcs, dashboard_port=dash)
         for i in range(worker_nodes):
-            start_ray_node(temp_dir, ray_log, worker_cpus, head_port=gcs,
+            start_ray_node(temp_dir, token_path, ray_log, worker_cpus, head_port=gcs,
                            resources={f"conduit_worker_node_{i + 1}": 1})
         values["CONDUIT_RAY_PIDS"] = ",".join(str(p.pid) for p in ray_processes(temp_dir))
         write_env(env_path, values)
-        wait_jobs_api(values["RAY_ADDRESS"], deadline)
+        wait_jobs_api(values["RAY_ADDRESS"], token_path, deadline)
         wait_mlflow(values["MLFLOW_TRACKING_URI"], mlflow, state_dir / "mlflow.log", deadline)
     except BaseException:
         down(state_dir)
@@ -247,7 +271,7 @@ def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, time
 
 # ---- down ----------------------------------------------------------------------------------------
 def down(state_dir: Path) -> list[str]:
-    """Stop what ``up`` started for ``state_dir`` and remove its env file and Ray temp dir.
+    """Stop what ``up`` started for ``state_dir`` and remove its env file, token and Ray temp dir.
 
     Returns:
         One line per service saying what was stopped (empty when there was no env file).
@@ -266,6 +290,9 @@ def down(state_dir: Path) -> list[str]:
         report.append(f"mlflow: stopped {n} processes (server pid {pid})")
     if temp_dir.exists():
         shutil.rmtree(temp_dir)  # session logs and the now stale ray_current_cluster
+    token = state_dir / TOKEN_FILE
+    if token.exists():
+        token.unlink()  # it opened a cluster that no longer exists
     env_path.unlink()
     return report
 
@@ -293,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"Ray Jobs API  {values['RAY_ADDRESS']}  (dashboard; GCS {values['CONDUIT_RAY_GCS_ADDRESS']})")
     print(f"MLflow        {values['MLFLOW_TRACKING_URI']}")
+    print(f"Ray token     {values['RAY_AUTH_TOKEN_PATH']}   (mode 0600; clients read it through RAY_AUTH_TOKEN_PATH)")
     print(f"env file      {state_dir / 'env'}   (source it, or let `make run` / jobs.submit read it)")
     return 0
 

@@ -16,10 +16,12 @@ RAY = Path(sys.executable).parent / "ray"  # the venv's CLI, whatever PATH says
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without cluster pointers, with token auth and one thread each."""
+    """This process's environment without cluster pointers or tokens, with one thread each.
+    ``RAY_AUTH_MODE`` is left out too: the CLIs must get it (and the token) from the env file."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "CONDUIT_INFRA_ENV")}
-    return {**env, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
+           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "CONDUIT_INFRA_ENV", "RAY_AUTH_MODE",
+                        "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, **extra}
 
 
 def run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
@@ -38,9 +40,10 @@ def read_env(state_dir: Path) -> dict[str, str]:
     return dict(ln.split("=", 1) for ln in lines if ln and not ln.startswith("#"))
 
 
-def up(state_dir: Path, *args: str, timeout: float = 400) -> dict[str, str]:
-    """``infra/local/up --state-dir STATE ARGS``; returns the env file it wrote."""
-    done = run([UP, "--state-dir", state_dir, "--timeout", str(timeout - 20), *args], timeout=timeout)
+def up(state_dir: Path, *args: str, timeout: float = 400, **env: str) -> dict[str, str]:
+    """``infra/local/up --state-dir STATE ARGS`` (``env`` added to its environment); returns the env
+    file it wrote."""
+    done = run([UP, "--state-dir", state_dir, "--timeout", str(timeout - 20), *args], timeout=timeout, **env)
     assert done.returncode == 0, f"infra/local/up failed:\n{done.stdout}\n{done.stderr}"
     return read_env(state_dir)
 

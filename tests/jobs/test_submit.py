@@ -40,6 +40,12 @@ class Services:
     def mlflow(self) -> str:
         return self.env["MLFLOW_TRACKING_URI"] + "/api/2.0/mlflow"
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """What ``. outputs/infra/env`` gives a user's shell for the plain Ray CLI: the auth mode and
+        where the cluster's token is."""
+        return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+
     def cli(self, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """A jobs CLI that finds the cluster through the env file, as a user's shell would."""
         return jobs_cli(module, *args, timeout=timeout, CONDUIT_INFRA_ENV=str(self.state_dir / "env"))
@@ -54,7 +60,7 @@ class Services:
 
     def train_workers(self) -> list[dict]:
         out = run([RAY, "list", "actors", "--address", self.address, "--filter", "class_name=RayTrainWorker",
-                   "--format", "json", "--limit", "1000"], timeout=120)
+                   "--format", "json", "--limit", "1000"], timeout=120, **self.auth)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
@@ -158,7 +164,7 @@ def test_plain_ray_job_submit_runs_jobs_run_with_the_venv_python(services, data_
     out = run([RAY, "job", "submit", "--address", services.address, "--working-dir", ".", "--no-wait",
                "--submission-id", job_id, "--runtime-env-json",
                json.dumps({"env_vars": {"CONDUIT_DATA_ROOT": str(data_root.resolve())}}),
-               "--", "sh", "-c", entry], timeout=180)
+               "--", "sh", "-c", entry], timeout=180, **services.auth)
     assert out.returncode == 0, out.stderr
     followed = services.cli("logs", job_id, "--follow", timeout=300)
     assert followed.returncode == 0, followed.stdout[-3000:]
