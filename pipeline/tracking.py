@@ -96,6 +96,11 @@ class StageTracker:
         items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
         client(self.uri).log_batch(self.run_id, metrics=items)
 
+    def log_metric_records(self, records: list[tuple[str, float, int, int]]) -> None:
+        """Metrics measured earlier: ``(name, value, timestamp ms, step)`` each, in one batch
+        (what ``pipeline.training.outbox`` delivers)."""
+        client(self.uri).log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in records])
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         client(self.uri).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 

@@ -3,9 +3,14 @@
 Every reader returns the raw documents (``None`` where a record has no text: a null in parquet,
 JSON or a dataset) and a stats dict: ``uri``, ``kind``, ``builder`` (the ``datasets`` builder that
 read it, or None), ``bytes`` read, ``sha256`` of the content, ``documents`` (records, nulls
-included), ``replaced_chars`` (invalid UTF-8 under policy ``replace``) and ``empty_file``. Problems
+included), ``replaced_chars`` (invalid UTF-8 under policy ``replace``), ``bom_removed`` (1 when the
+text began with a UTF-8 byte-order mark, which is dropped) and ``empty_file``. Problems
 that make the rest of a file meaningless raise ``DataError`` naming the file and the byte offset or
 line number; nothing is skipped silently.
+
+Text (.txt, .jsonl, .json, .csv) is read with universal newlines, as Python's ``open`` and the
+``datasets`` builders read it: CRLF and a lone CR become LF before documents are split, so a CRLF
+file splits into the same documents through either reader.
 
 Data files read through ``datasets.load_dataset`` (``.csv`` and ``.json`` always; ``.txt``,
 ``.jsonl`` and ``.parquet`` with ``data.reader=datasets``): the bytes are read, hashed and checked
@@ -80,6 +85,16 @@ def decode_utf8(raw: bytes, uri: str, policy: str) -> tuple[str, int]:
         return text, text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
 
 
+def normalize_text(text: str) -> tuple[str, int]:
+    """Drop a leading byte-order mark and turn CRLF and CR into LF.
+
+    Returns:
+        (text, 1 if a byte-order mark was removed else 0).
+    """
+    bom = int(text.startswith("\ufeff"))
+    return text[bom:].replace("\r\n", "\n").replace("\r", "\n"), bom
+
+
 def _refuse_nul(raw: bytes, uri: str) -> None:
     nul = raw.find(b"\x00")
     if nul >= 0:
@@ -143,30 +158,31 @@ def _local_path(uri: str) -> str | None:
 
 
 def _builder_skipped_empty(text: str, sample_by: str) -> int:
-    """How many empty documents datasets' text builder leaves out that a split on the separator keeps."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")  # the builder reads with universal newlines
+    """How many empty documents datasets' text builder leaves out that a split on the separator keeps
+    (``text`` with newlines already normalized, as the builder reads it)."""
     if not text or sample_by == "document":
         return 0
     return text.split("\n\n").count("") if sample_by == "paragraph" else int(text.endswith("\n"))
 
 
 def _read_with_builder(src: InputFile, raw: bytes, builder: str, text_field: str, separator: str | None,
-                       encoding_errors: str) -> tuple[list[str | None], int]:
+                       encoding_errors: str) -> tuple[list[str | None], int, int]:
     """Read a data file through ``datasets.load_dataset(builder)`` (see the module docstring).
 
     Returns:
-        (documents, replaced_chars).
+        (documents, replaced_chars, bom_removed).
     """
     import datasets  # heavy; only inputs read through it need it
     from datasets.exceptions import DatasetGenerationError
 
-    data, text, replaced = raw, "", 0
+    data, text, replaced, bom = raw, "", 0, 0
     if builder != "parquet":
         _refuse_nul(raw, src.uri)
         text, replaced = decode_utf8(raw, src.uri, encoding_errors)
-        data = text.encode("utf-8") if replaced else raw
+        text, bom = normalize_text(text)
+        data = text.encode("utf-8") if replaced or bom else raw  # the builders keep a BOM in the first row
     if not raw:
-        return [], 0  # no rows; the builders reject an empty file
+        return [], 0, 0  # no rows; the builders reject an empty file
     options: dict = {}
     column = text_field
     if builder == "csv":
@@ -198,7 +214,7 @@ def _read_with_builder(src: InputFile, raw: bytes, builder: str, text_field: str
         del ds  # its arrow file lives in ``tmp``
     if builder == "text":
         docs += [""] * _builder_skipped_empty(text, options["sample_by"])
-    return docs, replaced
+    return docs, replaced, bom
 
 
 def read_input(src: InputFile, text_field: str, separator: str | None,
@@ -220,7 +236,7 @@ def read_input(src: InputFile, text_field: str, separator: str | None,
             missing field or column, or a non-string text value.
     """
     builder = builder_for(src.kind, reader)
-    stats = {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0}
+    stats = {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0, "bom_removed": 0}
     if src.kind == "datasets":
         docs, extra = _read_datasets(src.uri, text_field)
         stats.update(extra)
@@ -228,13 +244,14 @@ def read_input(src: InputFile, text_field: str, separator: str | None,
         raw = _read_bytes(src.uri)
         stats.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
         if builder is not None:
-            docs, stats["replaced_chars"] = _read_with_builder(src, raw, builder, text_field, separator,
-                                                               encoding_errors)
+            docs, stats["replaced_chars"], stats["bom_removed"] = _read_with_builder(
+                src, raw, builder, text_field, separator, encoding_errors)
         elif src.kind == "parquet":
             docs = _column_documents(pq.read_table(pa.BufferReader(raw)), src.uri, text_field) if raw else []
         else:
             _refuse_nul(raw, src.uri)
             text, stats["replaced_chars"] = decode_utf8(raw, src.uri, encoding_errors)
+            text, stats["bom_removed"] = normalize_text(text)
             docs = _text_documents(text, src.kind, src.uri, text_field, separator) if raw else []
     stats["empty_file"] = stats["bytes"] == 0
     stats["documents"] = len(docs)

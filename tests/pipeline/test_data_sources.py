@@ -60,7 +60,8 @@ def test_csv_through_datasets_gives_the_documents_of_the_file_in_order(tmp_path,
     assert c["documents"] == n["documents"] and c["shards"] == n["shards"]
     raw = (d / "x.csv").read_bytes()
     assert c["inputs"] == [{
-        "uri": str(d / "x.csv"), "kind": "csv", "builder": "csv", "replaced_chars": 0, "bytes": len(raw),
+        "uri": str(d / "x.csv"), "kind": "csv", "builder": "csv", "replaced_chars": 0, "bom_removed": 0,
+        "bytes": len(raw),
         "sha256": hashlib.sha256(raw).hexdigest(), "empty_file": False, "documents": len(docs),
         **{k: v for k, v in n["inputs"][0].items() if k in ("removed", "normalized_changed", "control_chars_removed")},
     }]
@@ -100,6 +101,30 @@ def test_reader_datasets_matches_the_native_readers(tmp_path, data_root, separat
     assert [i["builder"] for i in c["inputs"]] == ["text"] * 5 + ["json", "parquet"]
     assert [i["builder"] for i in n["inputs"]] == [None] * 7
     assert n["removed"]["empty"] > 0  # the builder's skipped empty pieces are counted, as natively
+
+
+@pytest.mark.parametrize("newline", ["\r\n", "\r"])
+def test_crlf_cr_and_a_byte_order_mark_give_the_documents_of_the_lf_file_through_either_reader(tmp_path, newline):
+    from pipeline.data.fs import InputFile
+    from pipeline.data.readers import read_input
+
+    paragraphs = "first para\nstill first\n\nsecond\n\n\n\nthird, after an empty one\n"
+    records = "".join(json.dumps({"text": t}) + "\n" for t in ("one", "two lines\nin JSON", "three"))
+    lf, crlf = tmp_path / "lf", tmp_path / "other"
+    lf.mkdir()
+    crlf.mkdir()
+    for name, body in (("p.txt", paragraphs), ("r.jsonl", records)):
+        (lf / name).write_bytes(body.encode("utf-8"))
+        (crlf / name).write_bytes(b"\xef\xbb\xbf" + body.replace("\n", newline).encode("utf-8"))
+    for kind, name in (("txt", "p.txt"), ("jsonl", "r.jsonl")):
+        for reader in ("native", "datasets"):
+            want, want_stats = read_input(InputFile(str(lf / name), kind, 0, 0), "text", "\n\n", "error", reader)
+            got, stats = read_input(InputFile(str(crlf / name), kind, 0, 0), "text", "\n\n", "error", reader)
+            assert got == want, (kind, reader)
+            assert stats["bom_removed"] == 1 and want_stats["bom_removed"] == 0
+            assert not any("\ufeff" in d or "\r" in d for d in got if d)
+    assert read_input(InputFile(str(lf / "p.txt"), "txt", 0, 0), "text", "\n\n", "error")[0] == [
+        "first para\nstill first", "second", "", "third, after an empty one\n"]
 
 
 def test_json_arrays_and_saved_datasets_inside_folders(tmp_path):

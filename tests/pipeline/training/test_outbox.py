@@ -1,0 +1,134 @@
+"""The metrics outbox: producers never wait, delivery is in order and complete, failures are retried.
+
+The slow test stops a real MLflow server for 20 s while steps keep coming, starts it again on the same
+store, and finds every step in MLflow."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline import tracking
+from pipeline.training.outbox import MAX_METRICS_PER_BATCH, Outbox
+
+
+class FlakySink:
+    """Records what arrives; refuses the first ``failures`` sends and can be made slow."""
+
+    uri = "test://sink"
+
+    def __init__(self, failures: int = 0, delay_s: float = 0.0):
+        self.failures, self.delay_s = failures, delay_s
+        self.records: list[tuple] = []
+        self.tags: list[dict] = []
+        self.batches: list[int] = []
+        self.lock = threading.Lock()
+
+    def _maybe_fail(self):
+        time.sleep(self.delay_s)
+        with self.lock:
+            if self.failures > 0:
+                self.failures -= 1
+                raise ConnectionError("server down")
+
+    def log_metric_records(self, records):
+        self._maybe_fail()
+        self.records += records
+        self.batches.append(len(records))
+
+    def set_tags(self, tags):
+        self._maybe_fail()
+        self.tags.append(tags)
+
+
+def test_producers_do_not_wait_for_a_slow_server_and_everything_arrives_in_order():
+    sink = FlakySink(delay_s=0.5)
+    box = Outbox(sink, retry_s=0.01)
+    t0 = time.perf_counter()
+    for step in range(1, 201):
+        box.log_metrics({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    assert time.perf_counter() - t0 < 0.5  # 200 posts against a sink that takes 0.5 s per call
+    assert box.close(timeout_s=30) == 0
+    assert [(r[0], r[3]) for r in sink.records] == [(n, s) for s in range(1, 201) for n in ("loss", "lr")]
+    assert sink.records[-2][1] == pytest.approx(1 / 200)
+    assert len(sink.batches) < 200  # queued steps went out together
+
+
+def test_failed_sends_are_retried_until_they_arrive_and_tags_keep_their_place():
+    sink = FlakySink(failures=5)
+    box = Outbox(sink, retry_s=0.01, max_retry_s=0.05)
+    box.set_tags({"a": 1})
+    for step in range(1, 4):
+        box.log_metrics({"loss": float(step)}, step=step)
+    box.set_tags({"b": 2})
+    box.log_metrics({"loss": 9.0}, step=9)
+    assert box.close(timeout_s=10) == 0
+    assert box.failed_attempts == 5
+    assert sink.tags == [{"a": 1}, {"b": 2}]
+    assert [(r[1], r[3]) for r in sink.records] == [(1.0, 1), (2.0, 2), (3.0, 3), (9.0, 9)]
+    assert sink.batches == [3, 1]  # the tags split the metrics into two batches, in order
+
+
+def test_batches_respect_mlflows_limit_and_measure_time_at_posting():
+    sink = FlakySink(failures=1)  # hold the queue back once so that everything piles up
+    box = Outbox(sink, retry_s=0.2)
+    before = int(time.time() * 1000)
+    for step in range(1, 700):
+        box.log_metrics({"a": 1.0, "b": 2.0}, step=step)
+    after = int(time.time() * 1000)
+    assert box.close(timeout_s=10) == 0
+    assert max(sink.batches) <= MAX_METRICS_PER_BATCH and sum(sink.batches) == 2 * 699
+    assert all(before <= r[2] <= after for r in sink.records)  # stamped when measured, not when sent
+
+
+def test_close_gives_up_after_its_timeout_and_says_how_much_is_left():
+    sink = FlakySink(failures=10**6)
+    box = Outbox(sink, retry_s=0.01, max_retry_s=0.02)
+    for step in range(1, 4):
+        box.log_metrics({"loss": 1.0}, step=step)
+    t0 = time.perf_counter()
+    assert box.close(timeout_s=0.5) == 3  # all three steps are still queued
+    assert time.perf_counter() - t0 < 2
+    with pytest.raises(RuntimeError, match="closed"):
+        box.log_metrics({"loss": 1.0}, step=4)
+
+
+@pytest.mark.slow
+def test_a_stopped_mlflow_server_loses_no_metric(tmp_path):
+    from tests.jobs.conftest import free_port, start_process, stop_tree, wait_http
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    uri = f"http://127.0.0.1:{port}"
+    server = start_process(cmd, tmp_path / "server-1.log")
+    try:
+        wait_http(f"{uri}/health", server, tmp_path / "server-1.log", timeout=300)
+        exp = tracking.ensure_experiment(uri, "outbox")
+        run_id = tracking.start_run(uri, exp, "train")
+        box = Outbox(tracking.StageTracker(uri, run_id), retry_s=0.5, max_retry_s=4.0)
+        for step in range(1, 11):
+            box.log_metrics({"loss": 10.0 - step / 10}, step=step)
+        deadline = time.monotonic() + 60
+        while box.pending() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert box.pending() == 0, "the first steps never reached the running server"
+        stop_tree(server)
+        # The server is gone: posting stays instant, and nothing is lost for 20 s.
+        t0 = time.perf_counter()
+        for step in range(11, 41):
+            box.log_metrics({"loss": 10.0 - step / 10}, step=step)
+        assert time.perf_counter() - t0 < 0.5
+        time.sleep(20)
+        assert box.pending() > 0  # held back (MLflow's client retries inside one send, then ours), not dropped
+        server = start_process(cmd, tmp_path / "server-2.log")  # the same store, the same address
+        wait_http(f"{uri}/health", server, tmp_path / "server-2.log", timeout=300)
+        assert box.close(timeout_s=240) == 0
+        history = tracking.client(uri).get_metric_history(run_id, "loss")
+        assert sorted((m.step, m.value) for m in history) == [(s, 10.0 - s / 10) for s in range(1, 41)]
+    finally:
+        stop_tree(server)
