@@ -17,6 +17,7 @@ import torch.distributed as dist
 from models import ModelConfig, build_model
 from models.loss import lm_loss
 from models.schedules import lr_multiplier
+from pipeline import limits
 from pipeline.config import TrainSection
 from pipeline.training.ds_config import build_ds_config
 from pipeline.training.expert_parallel import (
@@ -111,12 +112,8 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
     seed_everything(seed)
     model = build_model(model_cfg, device=device)
     ep = dims.ep_size > 1
+    limits.require(limits.ep_zero_stage(dims.ep_size, train.zero_stage))
     if ep:
-        if train.zero_stage == 3:
-            raise ValueError(
-                "train.zero_stage=3 with parallel.ep_size > 1 is not supported: DeepSpeed's ZeRO-3 refuses "
-                "MoE layers outside AutoEP; use zero_stage 1 or 2 for expert parallelism"
-            )
         apply_expert_parallel(model, dims.ep_size, dist.get_rank())
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
     if train.compile:

@@ -18,7 +18,7 @@ changes is where its experts live and how tokens reach them:
   (``allreduce=False``, ``group_name``) and receives its process group from the engine. It is
   never called; the layer's forward uses it through the dispatcher.
 
-Shared experts are not supported with ep_size > 1: DeepSpeed's checkpoint code treats every
+Shared experts are not supported with ep_size > 1 (``pipeline.limits.ep_shared_experts``): DeepSpeed's checkpoint code treats every
 parameter whose name contains "expert" as a routed expert.
 """
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.moe import MoEFeedForward, RoutingDecision
+from pipeline import limits
 
 
 def _moe_base():
@@ -131,20 +132,16 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
     Call after the model is built (the same weights on every rank) and before deepspeed.initialize.
 
     Raises:
-        ValueError: ep_size does not divide the experts, or the model has shared experts.
+        ValueError: the model breaks a limit of expert parallelism (``pipeline.limits``: a dense
+            model, experts that ep_size does not divide, shared experts).
     """
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError(f"parallel.ep_size={ep_size} needs an MoE model; this one has no MoE layer")
+    cfg = model.cfg
+    limits.require(limits.ep_needs_moe(ep_size, cfg.num_experts))
+    limits.require(limits.ep_divides_experts(ep_size, cfg.num_experts))
+    limits.require(limits.ep_shared_experts(ep_size, cfg.moe_shared_experts))
     ep_rank = rank % ep_size
-    for name, layer in layers:
+    for name, layer in moe_layers(model):
         E = layer.num_experts
-        if E % ep_size:
-            raise ValueError(f"parallel.ep_size={ep_size} must divide num_experts={E} ({name})")
-        if len(layer.shared_experts):
-            raise ValueError(
-                f"{name}: shared experts (model.moe_shared_experts) are not supported with parallel.ep_size > 1"
-            )
         L = E // ep_size
         local = [layer.experts[e] for e in range(ep_rank * L, (ep_rank + 1) * L)]
         layer.experts = nn.ModuleList()  # the other ranks' experts are dropped here
