@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
-from pipeline.data.packing import BlockWriter, segment
+from pipeline.data.packing import BlockWriter
 from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
 from pipeline.text import load_sentencepiece
 
@@ -46,20 +45,6 @@ INPUTS = ("shard", "tokenizer")
 
 def hash_config(cfg: RunConfig) -> dict:
     return {"tokenize": hash_view(cfg.tokenize)}
-
-
-def pack(docs_ids: list[list[int]], seq_len: int, add_bos: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """Concatenate documents (EOS after each, BOS before each if asked) into (n, seq_len+1) blocks,
-    in memory (the stage itself streams through ``BlockWriter``; this is the same rule, for small inputs).
-
-    Returns:
-        (tokens, doc_index, dropped_tail_tokens).
-    """
-    stream, lengths = segment(docs_ids, add_bos, np.dtype(np.int64))
-    doc_of = np.repeat(np.arange(len(docs_ids), dtype=np.uint32), lengths)
-    block = seq_len + 1
-    n = len(stream) // block
-    return stream[: n * block].reshape(n, block), doc_of[: n * block].reshape(n, block), len(stream) - n * block
 
 
 def text_bytes(shard_artifact) -> int:
