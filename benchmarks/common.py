@@ -70,7 +70,7 @@ def write_result(name: str, data: dict) -> Path:
 
 
 class FullPath:
-    """Conduit's train stage, run as the pipeline runs it (``execute_stage("train", ...)``: Ray Train's
+    """Conduit's train stage, run as the pipeline runs it (``STAGES["train"].execute(...)``: Ray Train's
     TorchTrainer, one DeepSpeed engine per worker, checkpoints and MLflow metrics included) on
     random token blocks, so the model and batch alone decide the speed.
 
@@ -129,7 +129,7 @@ class FullPath:
         from pipeline.config import load_config
         from pipeline.runner import resolve
         from pipeline.stage_io import read_train_metrics
-        from pipeline.stages import execute_stage
+        from pipeline.stages import STAGES
 
         if steps < 2 * log_every:
             raise ValueError(f"steps={steps} must give at least two windows of log_every={log_every}")
@@ -142,8 +142,8 @@ class FullPath:
         run_id = tracking.start_run(self.uri, self.experiment, f"bench-{self.runs}")
         out = self.work / f"train-{self.runs}"
         started = time.perf_counter()
-        execute_stage("train", cfg, f"bench{self.runs}", out, {"tokenize": self.tokens},
-                      tracking.StageTracker(self.uri, run_id))
+        STAGES["train"].execute(cfg, f"bench{self.runs}", out, {"tokenize": self.tokens},
+                                tracking.StageTracker(self.uri, run_id))
         seconds = time.perf_counter() - started
         tracking.end_run(self.uri, run_id)
         history = read_train_metrics(out)[1:]

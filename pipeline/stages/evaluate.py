@@ -24,11 +24,8 @@ from pipeline.config import RunConfig, hash_view
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
 from pipeline.generation import TextGenerator
 from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex, tokens_file
+from pipeline.stages.stage import Stage
 from pipeline.text import load_sentencepiece
-
-NAME = "evaluate"
-VERSION = 2
-INPUTS = ("tokenizer", "tokenize", "train")
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -116,3 +113,6 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tracker.log_table(table, "references.json")
     tracker.log_artifact(report_file)
     return metrics
+
+
+STAGE = Stage(name="evaluate", version=2, inputs=("tokenizer", "tokenize", "train"), hash_config=hash_config, run=run)

@@ -19,11 +19,8 @@ from pipeline import tracking
 from pipeline.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
 from pipeline.stage_io import EVAL_METRICS_FILE, HF_DIR, TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, RegisteredModel
+from pipeline.stages.stage import Resources, Stage
 from pipeline.text import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-
-NAME = "register"
-VERSION = 2
-INPUTS = ("tokenizer", "train", "evaluate")
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -108,3 +105,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         model_name=cfg.register.model_name, version=version, alias=cfg.register.alias,
         model_uri=f"models:/{cfg.register.model_name}@{cfg.register.alias}", hf_export=hf_note is None,
     ).counts()
+
+
+# Holds no CPU: it writes files and talks to the MLflow registry.
+STAGE = Stage(name="register", version=2, inputs=("tokenizer", "train", "evaluate"),
+              hash_config=hash_config, run=run, resources=Resources(cpus=0))

@@ -42,11 +42,7 @@ from pipeline.data.fs import InputFile
 from pipeline.data.readers import read_and_clean
 from pipeline.data.sources import resolve_inputs as _resolve
 from pipeline.stage_io import SPLITS, SplitSizes, shard_file_name, shard_files
-
-
-NAME = "shard"
-VERSION = 2
-INPUTS: tuple[str, ...] = ()
+from pipeline.stages.stage import Resources, Stage
 
 
 def resolve_inputs(cfg: RunConfig) -> list[InputFile]:
@@ -190,3 +186,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 def read_texts(artifact_path: Path, split: str) -> list[str]:
     """Every document of ``split`` in shard order."""
     return [t for f in shard_files(artifact_path, split) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+
+
+# Holds no CPU itself: each input is read in a Ray task of its own (1 CPU each).
+STAGE = Stage(name="shard", version=2, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0))

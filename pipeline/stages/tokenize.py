@@ -35,12 +35,8 @@ from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
 from pipeline.data.packing import BlockWriter
 from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
+from pipeline.stages.stage import Resources, Stage
 from pipeline.text import load_sentencepiece
-
-
-NAME = "tokenize"
-VERSION = 2
-INPUTS = ("shard", "tokenizer")
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -66,14 +62,14 @@ def encode_threads(cfg: RunConfig) -> int:
     return cfg.tokenize.num_actors * cfg.tokenize.threads_per_actor
 
 
-def task_cpus(cfg: RunConfig, inputs: dict) -> float:
-    """Logical CPUs the runner reserves for this stage's task: the encode threads when it encodes
-    in-process (capped by the cluster's CPUs), none with Ray Data (its actors hold their own)."""
+def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
+    """What the runner reserves for this stage's task: the encode threads when it encodes in-process
+    (capped by the cluster's CPUs), no CPU with Ray Data (its actors hold their own)."""
     if choose_engine(cfg, text_bytes(inputs["shard"])) == "ray_data":
-        return 0
+        return Resources(cpus=0)
     import ray
 
-    return min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1))
+    return Resources(cpus=min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1)))
 
 
 def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: str) -> Iterator[tuple[str, pa.Table]]:
@@ -166,3 +162,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     bar.close()
     tracker.log_metrics({f"tokens_{s}": v.tokens for s, v in splits.items()})
     return {**index.to_dict(), "engine": engine}
+
+
+STAGE = Stage(name="tokenize", version=2, inputs=("shard", "tokenizer"),
+              hash_config=hash_config, run=run, resources_for=task_resources)

@@ -17,11 +17,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.stage_io import TOKENIZER_FILE, SplitSizes, shard_files
+from pipeline.stages.stage import Stage
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
-NAME = "tokenizer"
-VERSION = 2
-INPUTS = ("shard",)
 READ_BATCH_ROWS = 4096
 
 
@@ -73,3 +71,6 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     }
     tracker.log_metrics({"vocab_size": sp.get_piece_size(), "sample_bytes_seen": tally["bytes"]})
     return counts
+
+
+STAGE = Stage(name="tokenizer", version=2, inputs=("shard",), hash_config=hash_config, run=run)

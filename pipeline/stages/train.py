@@ -11,11 +11,8 @@ from pathlib import Path
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.stage_io import read_train_metrics
+from pipeline.stages.stage import Resources, Stage
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
-
-NAME = "train"
-VERSION = 1
-INPUTS = ("tokenize",)
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -71,3 +68,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "precision": precision,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
+
+
+# Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
+STAGE = Stage(name="train", version=1, inputs=("tokenize",),
+              hash_config=hash_config, run=run, resources=Resources(cpus=0))

@@ -30,7 +30,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.data.packing import BlockWriter, segment
 from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex, tokens_file
-from pipeline.stages import execute_stage
+from pipeline.stages import STAGES
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,8 +143,8 @@ class TinyRun:
     def stage(self, name: str, inputs: dict[str, Artifact], out_dir: Path) -> Artifact:
         """Run a stage body under a fresh MLflow run on the server (its id kept under ``out_dir.name``)."""
         run_id = tracking.start_run(self.uri, self.experiment_id, name)
-        art = execute_stage(name, self.cfg, f"{name}-{out_dir.name}", out_dir, inputs,
-                            tracking.StageTracker(self.uri, run_id))
+        art = STAGES[name].execute(self.cfg, f"{name}-{out_dir.name}", out_dir, inputs,
+                                   tracking.StageTracker(self.uri, run_id))
         tracking.end_run(self.uri, run_id)
         self.run_ids[f"{name}/{out_dir.name}"] = run_id
         return art

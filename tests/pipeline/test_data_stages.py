@@ -14,7 +14,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.runner import make_plan, resolve
 from pipeline.data import packing
 from pipeline.stage_io import docs_file, tokens_file
-from pipeline.stages import execute_stage, shard
+from pipeline.stages import STAGES, shard
 from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece, train_sentencepiece, training_lines
 
 
@@ -37,7 +37,7 @@ def run_stages(cfg, names):
     arts = {}
     for name in names:
         p = plan[name]
-        arts[name] = execute_stage(name, cfg, p.hash, p.path, arts, RecordingTracker())
+        arts[name] = STAGES[name].execute(cfg, p.hash, p.path, arts, RecordingTracker())
     return arts
 
 
