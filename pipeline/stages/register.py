@@ -1,6 +1,6 @@
 """register: trained weights + tokenizer + metrics -> an MLflow registered model version.
 
-The version is an MLflow pyfunc model (``pipeline.tracking.ConduitLM``) that answers prompts with
+The version is an MLflow pyfunc model (``pipeline.serving.ConduitLM``) that answers prompts with
 generated text; it gets the configured alias (``challenger`` by default), tags that lead back to the
 data, config, code and metrics it came from (``metric.<name>`` tags are what ``jobs.promote`` gates
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
