@@ -39,6 +39,7 @@ class SplitSizes:
 
     @classmethod
     def of(cls, shard: Artifact) -> SplitSizes:
+        """The sizes a finished shard artifact recorded."""
         counts = shard.manifest["counts"]
         return cls(documents=counts["documents"], bytes=counts["bytes"])
 
@@ -91,10 +92,12 @@ class TokenIndex:
         return dataclasses.asdict(self)
 
     def write(self, tokens_dir: Path) -> None:
+        """Write ``index.json`` into the tokenize artifact (atomically)."""
         write_json_atomic(Path(tokens_dir) / TOKEN_INDEX_FILE, self.to_dict())
 
     @classmethod
     def read(cls, tokens_dir: Path) -> TokenIndex:
+        """Read ``index.json`` of a tokenize artifact."""
         raw = json.loads((Path(tokens_dir) / TOKEN_INDEX_FILE).read_text(encoding="utf-8"))
         return cls(**{**raw, "splits": {s: SplitTokens(**v) for s, v in raw["splits"].items()}})
 
@@ -105,10 +108,12 @@ TRAIN_METRICS_FILE = "train_metrics.json"  # a list: one dict of metrics (with "
 
 
 def write_train_metrics(out_dir: Path, history: list[dict[str, float]]) -> None:
+    """Rank 0 of the training workers writes its logged metrics into the train artifact."""
     write_json_atomic(Path(out_dir) / TRAIN_METRICS_FILE, history)
 
 
 def read_train_metrics(train_dir: Path) -> list[dict[str, float]]:
+    """The train artifact's metric history, oldest logged step first."""
     return json.loads((Path(train_dir) / TRAIN_METRICS_FILE).read_text(encoding="utf-8"))
 
 
@@ -126,12 +131,14 @@ class EvalReport:
     references: dict[str, Any]
 
     def write(self, out_dir: Path) -> Path:
+        """Write ``metrics.json`` into the evaluate artifact (atomically); returns its path."""
         path = Path(out_dir) / EVAL_METRICS_FILE
         write_json_atomic(path, dataclasses.asdict(self))
         return path
 
     @classmethod
     def read(cls, evaluate_dir: Path) -> EvalReport:
+        """Read ``metrics.json`` of an evaluate artifact."""
         return cls(**json.loads((Path(evaluate_dir) / EVAL_METRICS_FILE).read_text(encoding="utf-8")))
 
 
@@ -151,6 +158,7 @@ class RegisteredModel:
 
     @classmethod
     def of(cls, register: Artifact) -> RegisteredModel:
+        """What a finished register artifact registered."""
         return cls(**register.manifest["counts"])
 
     def counts(self) -> dict[str, Any]:

@@ -73,10 +73,14 @@ def seed_everything(seed: int) -> None:
 
 def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims, *, precision: str,
                  device: torch.device, seed: int):
-    """Build the model (the same initial weights on every rank), optimizer, schedule and engine.
+    """Build the model (the same initial weights on every rank), parallelize it, then the optimizer,
+    schedule and engine.
 
     Returns:
         (engine, scheduler).
+
+    Raises:
+        ValueError: the layout breaks a limit of ``pipeline.limits`` (see ``parallelize``).
     """
     import deepspeed
 
