@@ -70,7 +70,7 @@ def write_result(name: str, data: dict) -> Path:
 
 
 class FullPath:
-    """Conduit's train stage, run as the pipeline runs it (``execute_stage("train", ...)``: Ray Train's
+    """Conduit's train stage, run as the pipeline runs it (``STAGES["train"].execute(...)``: Ray Train's
     TorchTrainer, one DeepSpeed engine per worker, checkpoints and MLflow metrics included) on
     random token blocks, so the model and batch alone decide the speed.
 
@@ -93,6 +93,7 @@ class FullPath:
         from pipeline import tracking
         from pipeline.artifacts import write_manifest
         from pipeline.runner import worker_env
+        from pipeline.stage_io import tokens_file
 
         os.environ.update(worker_env())
         self.work = Path(tempfile.mkdtemp(prefix="conduit-bench-fullpath-"))
@@ -100,7 +101,7 @@ class FullPath:
         tokens_dir.mkdir()
         rng = np.random.default_rng(0)
         blocks = rng.integers(5, self.vocab_size, size=(self.n_blocks, self.seq_len + 1), dtype=np.int64)
-        np.save(tokens_dir / "train.tokens.npy", blocks.astype(np.uint16 if self.vocab_size <= 2**16 else np.uint32))
+        np.save(tokens_dir / tokens_file("train"), blocks.astype(np.uint16 if self.vocab_size <= 2**16 else np.uint32))
         self.tokens = write_manifest(tokens_dir, stage="tokenize", hash_="synthetic", stage_config={}, run_config={},
                                      inputs={}, counts={"blocks": self.n_blocks}, started_at=time.time())
         self.uri = f"sqlite:///{self.work / 'mlflow.db'}"
@@ -127,7 +128,8 @@ class FullPath:
         from pipeline import tracking
         from pipeline.config import load_config
         from pipeline.runner import resolve
-        from pipeline.stages import execute_stage
+        from pipeline.stage_io import read_train_metrics
+        from pipeline.stages import STAGES
 
         if steps < 2 * log_every:
             raise ValueError(f"steps={steps} must give at least two windows of log_every={log_every}")
@@ -140,11 +142,11 @@ class FullPath:
         run_id = tracking.start_run(self.uri, self.experiment, f"bench-{self.runs}")
         out = self.work / f"train-{self.runs}"
         started = time.perf_counter()
-        execute_stage("train", cfg, f"bench{self.runs}", out, {"tokenize": self.tokens},
-                      tracking.StageTracker(self.uri, run_id))
+        STAGES["train"].execute(cfg, f"bench{self.runs}", out, {"tokenize": self.tokens},
+                                tracking.StageTracker(self.uri, run_id))
         seconds = time.perf_counter() - started
         tracking.end_run(self.uri, run_id)
-        history = json.loads((out / "train_metrics.json").read_text())[1:]
+        history = read_train_metrics(out)[1:]
         shutil.rmtree(out, ignore_errors=True)
         windows = [h["tokens_per_s"] for h in history]
         return {"tokens_per_s": statistics.median(windows), "windows": windows,

@@ -32,7 +32,7 @@ from benchmarks.common import summary, write_result
 from pipeline.artifacts import Artifact
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve, worker_env
-from pipeline.stages import execute_stage, shard
+from pipeline.stages import STAGES, shard
 from pipeline.text import load_sentencepiece
 
 
@@ -61,7 +61,7 @@ def timed_stage(name: str, cfg, arts: dict, out: Path) -> tuple[float, object]:
     if out.exists():
         shutil.rmtree(out)
     started = time.perf_counter()
-    art = execute_stage(name, cfg, plan[name].hash, out, arts, NullTracker())
+    art = STAGES[name].execute(cfg, plan[name].hash, out, arts, NullTracker())
     return time.perf_counter() - started, art
 
 
@@ -94,9 +94,9 @@ def main() -> None:
              log_to_driver=False)
     try:
         plan = {p.stage: p for p in make_plan(cfg)}
-        arts = {"shard": execute_stage("shard", cfg, plan["shard"].hash, plan["shard"].path, {}, NullTracker())}
-        arts["tokenizer"] = execute_stage("tokenizer", cfg, plan["tokenizer"].hash, plan["tokenizer"].path, arts,
-                                          NullTracker())
+        arts = {"shard": STAGES["shard"].execute(cfg, plan["shard"].hash, plan["shard"].path, {}, NullTracker())}
+        arts["tokenizer"] = STAGES["tokenizer"].execute(cfg, plan["tokenizer"].hash, plan["tokenizer"].path, arts,
+                                                        NullTracker())
         shard_art = arts["shard"]
         if args.scale > 1:
             arts["shard"] = scaled_shards(shard_art, args.scale, work / "scaled")

@@ -11,6 +11,7 @@ import sys
 from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
+from pipeline.stage_io import RegisteredModel
 from pipeline.tracking import ui_command
 
 
@@ -35,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")
         if "register" in result.artifacts:
-            reg = result.artifacts["register"].manifest["counts"]
-            print(f"Registered model: {reg['model_uri']} (version {reg['version']})")
+            reg = RegisteredModel.of(result.artifacts["register"])
+            print(f"Registered model: {reg.model_uri} (version {reg.version})")
         print(f"Open the MLflow UI:  {ui_command(result.tracking_uri)}")
     return 0
 

@@ -6,15 +6,17 @@ Routing (`MoEFeedForward.route`) and expert computation (`MoEFeedForward.experts
    probabilities, top-k experts per token, their combine weights (renormalised to sum to 1 over the k
    picks when `moe_renormalize`), and a `kept_NK` mask from the capacity rule. It also holds what the
    losses need, so routing can be inspected or tested on its own.
-2. `experts_forward(x_ND, routing) -> y_ND` delegates to `self.dispatcher(x_ND, routing, self.experts)`.
+2. `experts_forward(x_ND, routing) -> y_ND` delegates to `self.dispatcher(x_ND, routing)`.
 
-Extension point for expert parallelism: `dispatcher` is a plain attribute holding any callable with
-that signature, returning for each token the weighted sum of its kept experts' outputs (zeros for a
-token whose slots were all dropped). The default `LocalDispatcher` runs every expert in this process. A
-distributed module (pipeline.training) can, from outside and without editing models/, set
+Extension point for expert parallelism: `dispatcher` is a plain attribute holding a `Dispatcher`: a
+callable that runs the experts it was built with and returns for each token the weighted sum of its
+kept experts' outputs (zeros for a token whose slots were all dropped). The default
+`LocalDispatcher(self.experts)` runs every expert in this process. A distributed module
+(pipeline.training) can, from outside and without editing models/, move the experts elsewhere and set
 `layer.dispatcher = AllToAllDispatcher(...)` (permute tokens by expert, all-to-all to the ranks that own
-them, run the local experts, all-to-all back, combine) and replace `layer.experts` with the rank's
-local shard. The router, losses and statistics stay here and need no change.
+them, run the local experts, all-to-all back, combine). Both order the kept slots by expert with
+`SlotOrder` (here), so the grouping and the weighted combine are written once. The router, losses and
+statistics stay here and need no change.
 
 Expert storage: `experts` is an `nn.ModuleList` of `FeedForward` modules, so expert e's weights are
 `experts.{e}.w1.weight` (gate, F x D), `experts.{e}.w3.weight` (up, F x D), `experts.{e}.w2.weight`
@@ -36,7 +38,8 @@ Losses (returned as one differentiable scalar, coefficients from the config):
   probability of expert i over tokens. Equals 1.0 for a perfectly uniform router.
 - router z-loss (ST-MoE): mean over tokens of logsumexp(router_logits)^2.
 
-Shape legend: B batch, T time, N = B*T tokens, D d_model, E experts, K top_k, F expert hidden width.
+Shape legend: B batch, T time, N = B*T tokens, D d_model, E experts, K top_k, F expert hidden width,
+S kept token slots.
 """
 
 from __future__ import annotations
@@ -74,34 +77,77 @@ class RoutingDecision:
     capacity: int | None
 
 
-class Dispatcher(Protocol):
-    """What `MoEFeedForward.dispatcher` must be: (x_ND, routing, experts) -> y_ND."""
+@dataclass
+class SlotOrder:
+    """The kept token slots of a routing decision, grouped by expert (in token order within an expert).
 
-    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision, experts: nn.ModuleList) -> torch.Tensor: ...
+    Attributes:
+        token_S: the token each kept slot belongs to.
+        weight_S: its combine weight (fp32).
+        counts_E: kept slots per expert; slots ``[sum(counts_E[:e]), sum(counts_E[:e+1]))`` are expert e's.
+    """
+
+    token_S: torch.Tensor
+    weight_S: torch.Tensor
+    counts_E: torch.Tensor
+
+    @classmethod
+    def of(cls, routing: RoutingDecision, num_experts: int) -> SlotOrder:
+        """Order the kept slots of ``routing`` by expert.
+
+        Args:
+            routing: the layer's routing decision.
+            num_experts: E, all experts of the layer (wherever they live).
+
+        Returns:
+            The slot order.
+        """
+        N, K = routing.expert_indices_NK.shape
+        E = num_experts
+        # Dropped slots go to a virtual expert E so that one stable sort groups the kept slots by expert.
+        expert_of_slot_S = torch.where(routing.kept_NK, routing.expert_indices_NK, E).reshape(-1)
+        order_S = torch.argsort(expert_of_slot_S, stable=True)
+        counts_E = torch.bincount(expert_of_slot_S, minlength=E + 1)[:E]
+        n_kept = int(counts_E.sum())
+        token_S = torch.arange(N, device=routing.expert_indices_NK.device).repeat_interleave(K)[order_S[:n_kept]]
+        weight_S = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
+        return cls(token_S, weight_S, counts_E)
+
+    def gather(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """Each kept slot's token row, ``x_SD``, grouped by expert (backward: index_add, not index_put)."""
+        return x_ND.index_select(0, self.token_S)
+
+    def combine(self, y_SD: torch.Tensor, x_ND: torch.Tensor) -> torch.Tensor:
+        """Per token, the weighted sum of its slots' expert outputs ``y_SD`` (zeros where all were dropped)."""
+        y_SD = y_SD * self.weight_S.unsqueeze(1).to(y_SD.dtype)
+        return torch.zeros_like(x_ND).index_add_(0, self.token_S, y_SD)
+
+
+class Dispatcher(Protocol):
+    """What `MoEFeedForward.dispatcher` must be: runs the experts it was built with, (x_ND, routing) -> y_ND."""
+
+    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor: ...
 
 
 class LocalDispatcher:
-    """Runs all experts in this process: sort kept slots by expert, run each expert once, scatter back.
+    """Runs all experts in this process: order kept slots by expert, run each expert once, combine.
 
     Every expert runs, even on zero tokens, so that all expert parameters are part of the autograd graph
     in every step (data-parallel gradient reduction then needs no unused-parameter search).
+
+    Args:
+        experts: every expert of the layer, expert e at index e. Held by reference (a dispatcher is
+            not a module: the layer registers the experts).
     """
 
-    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision, experts: nn.ModuleList) -> torch.Tensor:
-        N, K = routing.expert_indices_NK.shape
-        E = len(experts)
-        # Dropped slots go to a virtual expert E so that one stable sort groups the kept slots by expert.
-        expert_of_slot_S = torch.where(routing.kept_NK, routing.expert_indices_NK, E).reshape(-1)
-        token_of_slot_S = torch.arange(N, device=x_ND.device).repeat_interleave(K)
-        order_S = torch.argsort(expert_of_slot_S, stable=True)
-        counts = torch.bincount(expert_of_slot_S, minlength=E + 1)[:E].tolist()
-        n_kept = sum(counts)
-        token_sorted = token_of_slot_S[order_S[:n_kept]]
-        weight_sorted = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
-        chunks = x_ND.index_select(0, token_sorted).split(counts)  # backward: index_add, not index_put
-        y_sorted = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)], dim=0)
-        y_sorted = y_sorted * weight_sorted.unsqueeze(1).to(y_sorted.dtype)
-        return torch.zeros_like(x_ND).index_add_(0, token_sorted, y_sorted)
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.experts = experts
+
+    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
+        slots = SlotOrder.of(routing, len(self.experts))
+        chunks = slots.gather(x_ND).split(slots.counts_E.tolist())
+        y_SD = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)], dim=0)
+        return slots.combine(y_SD, x_ND)
 
 
 class MoEFeedForward(nn.Module):
@@ -130,7 +176,7 @@ class MoEFeedForward(nn.Module):
         self.shared_experts = nn.ModuleList(
             FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.moe_shared_experts)
         )
-        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher(self.experts)
 
     def route(self, x_ND: torch.Tensor) -> RoutingDecision:
         """Pick the top-k experts of every token and apply the capacity rule.
@@ -160,7 +206,7 @@ class MoEFeedForward(nn.Module):
 
     def experts_forward(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
         """Weighted sum of the kept experts' outputs per token, through the pluggable `dispatcher`."""
-        return self.dispatcher(x_ND, routing, self.experts)
+        return self.dispatcher(x_ND, routing)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Route, run experts (and shared experts), and compute the auxiliary losses.

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from models import PRESETS, ModelConfig
+from pipeline import limits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
@@ -393,6 +394,10 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         if not ok:
             raise ConfigError(f"{source}: {msg}")
 
+    def within(problem: str | None) -> None:
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
+
     d, t, tr, p = cfg.data, cfg.tokenizer, cfg.train, cfg.parallel
     need(bool(d.train_paths), "data.train_paths must name at least one file, directory or glob")
     need(0.0 < d.validation_fraction < 1.0, f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
@@ -437,53 +442,32 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         value = getattr(cfg.tokenize, name)
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
-    need(not (tr.compile and tr.zero_stage == 3),
-         "train.compile=true with train.zero_stage=3 is not supported (ZeRO-3 gathers parameters in module "
-         "hooks that a compiled block would trace); use zero_stage 0-2 or compile=false")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
     need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
     need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
          f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
          f"below train.steps={tr.steps}")
-    need(tr.micro_batch_size_per_rank >= 1, "train.micro_batch_size_per_rank must be >= 1")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
-    need(not tr.offload_optimizer or tr.zero_stage >= 1,
-         f"train.offload_optimizer needs train.zero_stage >= 1, got {tr.zero_stage}")
-    need(not tr.offload_params or tr.zero_stage == 3,
-         f"train.offload_params needs train.zero_stage=3, got {tr.zero_stage}")
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
-    need(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be >= 1")
-    per_step = p.num_workers * tr.micro_batch_size_per_rank
-    need(
-        tr.global_batch_size % per_step == 0,
-        f"train.global_batch_size={tr.global_batch_size} must be a multiple of "
-        f"parallel.num_workers={p.num_workers} x train.micro_batch_size_per_rank={tr.micro_batch_size_per_rank} "
-        f"= {per_step}",
-    )
     mc = cfg.model_config()
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,
         f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
     )
-    need(
-        p.ep_size >= 1 and p.num_workers % p.ep_size == 0,
-        f"parallel.ep_size={p.ep_size} must divide parallel.num_workers={p.num_workers}",
-    )
-    if p.ep_size > 1:
-        need(mc.num_experts > 0, f"parallel.ep_size={p.ep_size} needs an MoE model (model.num_experts > 0)")
-        need(
-            mc.num_experts % p.ep_size == 0,
-            f"parallel.ep_size={p.ep_size} must divide model.num_experts={mc.num_experts}",
-        )
-        need(tr.zero_stage in (0, 1, 2),
-             f"train.zero_stage={tr.zero_stage} with parallel.ep_size={p.ep_size}: expert parallelism works "
-             "with ZeRO 0, 1 and 2 (DeepSpeed's ZeRO-3 refuses MoE layers outside AutoEP)")
-        need(mc.moe_shared_experts == 0,
-             f"model.moe_shared_experts={mc.moe_shared_experts} with parallel.ep_size={p.ep_size}: shared experts "
-             "are not supported with expert parallelism yet")
+    # The layout limits, each written once in pipeline.limits (the training code relies on them);
+    # checked in this order, so that each one may assume the ones before it.
+    within(limits.layout_sizes(p.num_workers, p.ep_size, tr.micro_batch_size_per_rank))
+    within(limits.global_batch(tr.global_batch_size, p.num_workers, tr.micro_batch_size_per_rank))
+    within(limits.ep_divides_workers(p.ep_size, p.num_workers))
+    within(limits.ep_needs_moe(p.ep_size, mc.num_experts))
+    within(limits.ep_divides_experts(p.ep_size, mc.num_experts))
+    within(limits.ep_zero_stage(p.ep_size, tr.zero_stage))
+    within(limits.ep_shared_experts(p.ep_size, mc.moe_shared_experts))
+    within(limits.offload(tr.zero_stage, tr.offload_optimizer, tr.offload_params))
+    within(limits.compile_zero_stage(tr.compile, tr.zero_stage))
 
 
 def hash_view(obj: Any) -> Any:

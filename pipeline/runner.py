@@ -19,11 +19,7 @@ from typing import Callable
 from pipeline import cluster, tracking
 from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
-from pipeline.stages import ORDER, STAGES, execute_stage
-
-# Logical CPUs each stage's task holds. Training holds none itself: its Ray Train workers do; nor do
-# shard and tokenize, whose work runs in their own Ray tasks / Ray Data actors (1 CPU each).
-STAGE_CPUS = {"shard": 0, "tokenizer": 1, "tokenize": 0, "train": 0, "evaluate": 1, "register": 0}
+from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
 
 
 class StageFailed(RuntimeError):
@@ -57,34 +53,35 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return config_from_dict(d, source="<resolved>")
 
 
-def downstream(stages: set[str]) -> set[str]:
-    """``stages`` and every stage that depends on them, transitively."""
-    out = set(stages)
-    for name in ORDER:
-        if any(i in out for i in STAGES[name].INPUTS):
-            out.add(name)
+def downstream(names: set[str], stages: dict[str, Stage] = STAGES) -> set[str]:
+    """``names`` and every stage of ``stages`` (a table in dependency order) that depends on them, transitively."""
+    out = set(names)
+    for stage in stages.values():
+        if any(i in out for i in stage.inputs):
+            out.add(stage.name)
     return out
 
 
-def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = ()) -> list[PlanItem]:
+def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = (),
+              stages: dict[str, Stage] = STAGES) -> list[PlanItem]:
     """Hash every stage and decide what runs.
 
     Args:
         only: run just this stage (its inputs must be cached).
         force: rerun these stages and everything downstream of them, cached or not.
+        stages: the stage table in dependency order (``pipeline.stages.in_order``); the pipeline's six by default.
 
     Raises:
         ConfigError: an unknown stage name, or ``only`` whose inputs are not finished.
     """
     for name in [*force, *([only] if only else [])]:
-        if name not in STAGES:
-            raise ConfigError(f"unknown stage {name!r}; stages are {ORDER}")
-    forced = downstream(set(force))
+        if name not in stages:
+            raise ConfigError(f"unknown stage {name!r}; stages are {list(stages)}")
+    forced = downstream(set(force), stages)
     hashes: dict[str, str] = {}
     plan = []
-    for name in ORDER:
-        stage = STAGES[name]
-        h = content_hash(name, stage.VERSION, stage.hash_config(cfg), {i: hashes[i] for i in stage.INPUTS})
+    for name, stage in stages.items():
+        h = content_hash(name, stage.version, stage.hash_config(cfg), {i: hashes[i] for i in stage.inputs})
         hashes[name] = h
         path = artifact_dir(cfg.artifact_root(), name, h)
         cached = is_complete(path)
@@ -92,7 +89,7 @@ def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = 
         plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached)))
     if only:
         by_name = {p.stage: p for p in plan}
-        missing = [i for i in STAGES[only].INPUTS if not by_name[i].cached]
+        missing = [i for i in stages[only].inputs if not by_name[i].cached]
         if missing:
             raise ConfigError(f"--only {only}: its inputs {missing} are not finished; run them first")
     return plan
@@ -187,24 +184,29 @@ def ray_job_submission_id() -> str | None:
     return json.loads(raw).get("metadata", {}).get("job_submission_id")
 
 
-def _stage_task(name: str, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
+def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
-    return str(execute_stage(name, cfg, hash_, Path(out_dir), inputs, tracker).path)
+    return str(stage.execute(cfg, hash_, Path(out_dir), inputs, tracker).path)
 
 
 def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, ...] = (),
-                 dry_run: bool = False, echo: Callable[[str], None] = print) -> PipelineResult:
+                 dry_run: bool = False, echo: Callable[[str], None] = print,
+                 stages: dict[str, Stage] = STAGES) -> PipelineResult:
     """Run (or, with ``dry_run``, just plan) the pipeline for ``cfg``.
+
+    Args:
+        stages: the stage table in dependency order; the pipeline's six by default.
 
     Raises:
         ConfigError: bad stage names or missing inputs for ``only``.
-        StageFailed: a stage raised; earlier stages' artifacts stay, so a rerun resumes there.
+        StageFailed: a stage raised; its MLflow run and the pipeline's are FAILED and its folder has no
+            manifest (the next run redoes it); earlier stages' artifacts stay, so a rerun resumes there.
     """
     import ray
 
     cfg = resolve(cfg)
-    plan = make_plan(cfg, only=only, force=force)
+    plan = make_plan(cfg, only=only, force=force, stages=stages)
     uri = cfg.tracking_uri()
     if dry_run:
         echo(format_plan(plan))
@@ -213,13 +215,14 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
     started_ray = connect_ray(cfg)
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
-        return _run_stages(cfg, plan, uri, echo)
+        return _run_stages(cfg, plan, uri, echo, stages)
     finally:
         if started_ray:
             ray.shutdown()
 
 
-def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[str], None]) -> PipelineResult:
+def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[str], None],
+                stages: dict[str, Stage]) -> PipelineResult:
     import ray
 
     cfg.workdir().mkdir(parents=True, exist_ok=True)
@@ -238,13 +241,13 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
     try:
         tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
-            stage = STAGES[item.stage]
+            stage = stages[item.stage]
             if not item.run:
                 if item.cached:
                     result.artifacts[item.stage] = Artifact.load(item.path)
                     echo(f"{item.stage}: cached ({item.hash})")
                 continue
-            inputs = {i: result.artifacts[i] for i in stage.INPUTS}
+            inputs = {i: result.artifacts[i] for i in stage.inputs}
             child = tracking.start_run(uri, exp_id, item.stage, parent_id=parent, tags={
                 "conduit.stage": item.stage, "conduit.hash": item.hash,
                 **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
@@ -253,9 +256,9 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             if item.path.exists():
                 shutil.rmtree(item.path)  # forced, or left unsealed by an earlier attempt
             echo(f"{item.stage}: running ({item.hash})")
-            cpus = stage.task_cpus(cfg, inputs) if hasattr(stage, "task_cpus") else STAGE_CPUS[item.stage]
-            ref = task.options(num_cpus=cpus, name=f"conduit.{item.stage}").remote(
-                item.stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
+            res = stage.task_resources(cfg, inputs)
+            ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
+                stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
             )
             try:
                 path = ray.get(ref)

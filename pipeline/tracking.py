@@ -1,4 +1,5 @@
-"""Everything Conduit says to MLflow goes through this module (the only one that imports mlflow).
+"""Everything Conduit says to MLflow goes through this module (with ``pipeline.serving``, the served
+model itself, the only modules that import mlflow).
 
 Lineage: one parent run per pipeline run, one nested run per stage, artifact hashes as tags. Stage
 bodies and training workers run in other processes, so they get a ``StageTracker``: a small,
@@ -18,8 +19,9 @@ from typing import Any
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.tracking import MlflowClient
+
+from pipeline import serving
 
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
 
@@ -128,63 +130,6 @@ class StageTracker:
         )
 
 
-# ---- the served model -----------------------------------------------------------------------------
-class ConduitLM(mlflow.pyfunc.PythonModel):
-    """The pyfunc wrapper that MLflow loads and serves: prompts in, generated text out.
-
-    The work is done by ``pipeline.generation.TextGenerator`` (torch + sentencepiece); this class
-    only adapts MLflow's calling convention. A ``PromptError`` (the client's fault) becomes an
-    ``MlflowException`` with INVALID_PARAMETER_VALUE, which the scoring server answers with a 400 that
-    carries our message; any other exception is a server-side bug and propagates as is.
-    """
-
-    def load_context(self, context):  # noqa: D102  (MLflow's hook)
-        from pipeline.generation import TextGenerator
-
-        self._generator = TextGenerator.from_files(
-            context.artifacts["weights"], context.artifacts["tokenizer"]
-        )
-
-    def predict(self, context, model_input, params=None):  # noqa: D102  (MLflow's hook)
-        import pandas as pd
-
-        from pipeline.generation import PromptError, prompts_from_input
-
-        p = params or {}
-        try:
-            prompts = prompts_from_input(model_input)
-            texts = self._generator.generate(
-                prompts,
-                max_new_tokens=int(p.get("max_new_tokens", 64)),
-                temperature=float(p.get("temperature", 0.8)),
-                top_p=float(p.get("top_p", 1.0)),
-            )
-        except PromptError as e:
-            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
-        return pd.DataFrame({"text": texts})
-
-
-def _signature():
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]),
-        outputs=Schema([ColSpec("string", "text")]),
-        params=ParamSchema([
-            ParamSpec("max_new_tokens", "long", 64),
-            ParamSpec("temperature", "double", 0.8),
-            ParamSpec("top_p", "double", 1.0),
-        ]),
-    )
-
-
-def _pinned_requirements() -> list[str]:
-    from importlib.metadata import version
-
-    return [f"{p}=={version(p)}" for p in ("torch", "sentencepiece", "safetensors", "numpy", "pandas")]
-
-
 def log_and_register_model(
     tracker: StageTracker,
     *,
@@ -197,7 +142,8 @@ def log_and_register_model(
     code_paths: list[str],
     extra_artifacts: dict[str, Path] | None = None,
 ) -> int:
-    """Log the pyfunc model into the tracker's run, register it, point ``alias`` at it.
+    """Log the served model (``pipeline.serving.ConduitLM``) into the tracker's run, register it, point
+    ``alias`` at it.
 
     Args:
         extra_artifacts: more files or folders to ship inside the model (name -> local path), e.g.
@@ -206,18 +152,16 @@ def log_and_register_model(
     Returns:
         The new registered model version number.
     """
-    import pandas as pd
-
     with _fluent_uri(tracker.uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=ConduitLM(),
+            python_model=serving.ConduitLM(),
             artifacts={"weights": str(weights), "tokenizer": str(tokenizer),
                        **{k: str(v) for k, v in (extra_artifacts or {}).items()}},
             code_paths=code_paths,
-            signature=_signature(),
-            input_example=(pd.DataFrame({"prompt": ["Once upon a time"]}), {"max_new_tokens": 16}),
-            pip_requirements=_pinned_requirements(),
+            signature=serving.signature(),
+            input_example=serving.input_example(),
+            pip_requirements=serving.pinned_requirements(),
             registered_model_name=model_name,
         )
     version = int(info.registered_model_version)
@@ -319,7 +263,7 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "ConduitLM", "StageTracker", "VersionInfo", "client", "download_model", "end_run", "ensure_experiment",
+    "StageTracker", "VersionInfo", "client", "download_model", "end_run", "ensure_experiment",
     "env_for_workers", "get_version", "load_registered_model", "log_and_register_model", "model_aliases",
     "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
 ]

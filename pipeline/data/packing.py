@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.stage_io import docs_file, tokens_file
 from pipeline.text import BOS_ID, EOS_ID
 
 COPY_CHUNK_TOKENS = 1 << 24  # tokens per copy from the temporary stream into the final .npy
@@ -91,10 +92,10 @@ class BlockWriter:
                 f"tokenize: the {self.split} split has {self.total} tokens (EOS included), fewer than one "
                 f"block of tokenize.seq_len+1={self.block}; add data or lower tokenize.seq_len"
             )
-        for tmp, name, dtype in ((self._tok_tmp, "tokens", self.dtype), (self._doc_tmp, "docs", np.dtype(np.uint32))):
+        for tmp, name, dtype in ((self._tok_tmp, tokens_file(self.split), self.dtype),
+                                 (self._doc_tmp, docs_file(self.split), np.dtype(np.uint32))):
             src = np.memmap(tmp, dtype=dtype, mode="r", shape=(self.total,))
-            dst = np.lib.format.open_memmap(self.out_dir / f"{self.split}.{name}.npy", mode="w+", dtype=dtype,
-                                            shape=(n, self.block))
+            dst = np.lib.format.open_memmap(self.out_dir / name, mode="w+", dtype=dtype, shape=(n, self.block))
             flat = dst.reshape(-1)
             for a in range(0, n * self.block, COPY_CHUNK_TOKENS):
                 b = min(a + COPY_CHUNK_TOKENS, n * self.block)

@@ -13,7 +13,6 @@ register copies into version tags and promote gates on), ``samples`` and ``refer
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,18 +20,12 @@ import numpy as np
 import torch
 
 from models.export import load_safetensors
-from pipeline.artifacts import write_json_atomic
 from pipeline.config import RunConfig, hash_view
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
 from pipeline.generation import TextGenerator
-from pipeline.stages.tokenizer import MODEL_FILE
-from pipeline.stages.train import WEIGHTS_FILE
+from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex, tokens_file
+from pipeline.stages.stage import Stage
 from pipeline.text import load_sentencepiece
-
-NAME = "evaluate"
-VERSION = 2
-INPUTS = ("tokenizer", "tokenize", "train")
-METRICS_FILE = "metrics.json"
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -87,16 +80,15 @@ def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, blocks: np.ndarray,
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tok_dir = inputs["tokenize"].path
-    index = json.loads((tok_dir / "index.json").read_text())
-    val = index["splits"]["validation"]
-    tokens_per_byte = val["tokens"] / val["bytes"]
+    val = TokenIndex.read(tok_dir).splits["validation"]
+    tokens_per_byte = val.tokens / val.bytes
     model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE))
-    blocks = np.load(tok_dir / "validation.tokens.npy", mmap_mode="r")
+    blocks = np.load(tok_dir / tokens_file("validation"), mmap_mode="r")
     evaluated = np.asarray(blocks[: cfg.eval.max_batches * cfg.eval.batch_size])
     # One pass gives the validation loss (the text as written) and the word-order control beside it.
     order = word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed)
     loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size
-    uni = unigram_loss(np.load(tok_dir / "train.tokens.npy", mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
+    uni = unigram_loss(np.load(tok_dir / tokens_file("train"), mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
     metrics = {
         "val_loss": loss,
         "val_perplexity": math.exp(loss),
@@ -105,7 +97,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "unigram_val_loss": uni,
         "unigram_bits_per_byte": uni * tokens_per_byte / math.log(2),
     }
-    sp = load_sentencepiece(str(inputs["tokenizer"].path / MODEL_FILE))
+    sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
     metrics.update(order)
     metrics.update(benchmark_metrics(cfg, model, sp))
     metrics.update(log_pictures(cfg, model, sp, evaluated, tracker))
@@ -113,13 +105,14 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature
     )
     table = references.reference_table(metrics)
-    write_json_atomic(out_dir / METRICS_FILE, {
-        "metrics": metrics,
-        "samples": dict(zip(cfg.eval.prompts, samples)),
-        "references": {"gpt2_117m": table, "text": references.format_table(table)},
-    })
+    report = EvalReport(metrics=metrics, samples=dict(zip(cfg.eval.prompts, samples)),
+                        references={"gpt2_117m": table, "text": references.format_table(table)})
+    report_file = report.write(out_dir)
     tracker.log_metrics(metrics)
     tracker.log_table({"prompt": cfg.eval.prompts, "continuation": samples}, "samples.json")
     tracker.log_table(table, "references.json")
-    tracker.log_artifact(out_dir / METRICS_FILE)
+    tracker.log_artifact(report_file)
     return metrics
+
+
+STAGE = Stage(name="evaluate", version=2, inputs=("tokenizer", "tokenize", "train"), hash_config=hash_config, run=run)

@@ -1,6 +1,6 @@
 """register: trained weights + tokenizer + metrics -> an MLflow registered model version.
 
-The version is an MLflow pyfunc model (``pipeline.tracking.ConduitLM``) that answers prompts with
+The version is an MLflow pyfunc model (``pipeline.serving.ConduitLM``) that answers prompts with
 generated text; it gets the configured alias (``challenger`` by default), tags that lead back to the
 data, config, code and metrics it came from (``metric.<name>`` tags are what ``jobs.promote`` gates
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
@@ -18,15 +18,9 @@ from models.export import hf_unsupported_options, load_safetensors, read_config,
 from pipeline import tracking
 from pipeline.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
-from pipeline.stages.evaluate import METRICS_FILE
-from pipeline.stages.tokenizer import MODEL_FILE
-from pipeline.stages.train import WEIGHTS_FILE
+from pipeline.stage_io import EVAL_METRICS_FILE, HF_DIR, TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, RegisteredModel
+from pipeline.stages.stage import Resources, Stage
 from pipeline.text import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-
-NAME = "register"
-VERSION = 2
-INPUTS = ("tokenizer", "train", "evaluate")
-HF_DIR = "hf"
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -87,11 +81,10 @@ def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
-    metrics_file = inputs["evaluate"].path / METRICS_FILE
-    metrics = json.loads(metrics_file.read_text())["metrics"]
+    metrics = EvalReport.read(inputs["evaluate"].path).metrics
     weights = inputs["train"].path / WEIGHTS_FILE
-    tokenizer = inputs["tokenizer"].path / MODEL_FILE
-    extra = {"metrics": metrics_file}
+    tokenizer = inputs["tokenizer"].path / TOKENIZER_FILE
+    extra = {"metrics": inputs["evaluate"].path / EVAL_METRICS_FILE}
     hf_note = "register.hf_export is false"
     if cfg.register.hf_export:
         hf_note = export_hf(weights, tokenizer, out_dir / HF_DIR)
@@ -108,6 +101,12 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         code_paths=[str(REPO_ROOT / "models"), str(REPO_ROOT / "pipeline")],
         extra_artifacts=extra,
     )
-    return {"model_name": cfg.register.model_name, "version": version, "alias": cfg.register.alias,
-            "model_uri": f"models:/{cfg.register.model_name}@{cfg.register.alias}",
-            "hf_export": hf_note is None}
+    return RegisteredModel(
+        model_name=cfg.register.model_name, version=version, alias=cfg.register.alias,
+        model_uri=f"models:/{cfg.register.model_name}@{cfg.register.alias}", hf_export=hf_note is None,
+    ).counts()
+
+
+# Holds no CPU: it writes files and talks to the MLflow registry.
+STAGE = Stage(name="register", version=2, inputs=("tokenizer", "train", "evaluate"),
+              hash_config=hash_config, run=run, resources=Resources(cpus=0))

@@ -41,12 +41,8 @@ from pipeline.data.clean import DOCUMENT_SCHEMA, REMOVAL_RULES, CleanOptions
 from pipeline.data.fs import InputFile
 from pipeline.data.readers import read_and_clean
 from pipeline.data.sources import resolve_inputs as _resolve
-
-
-NAME = "shard"
-VERSION = 2
-INPUTS: tuple[str, ...] = ()
-SPLITS = ("train", "validation", "test")
+from pipeline.stage_io import SPLITS, SplitSizes, shard_file_name, shard_files
+from pipeline.stages.stage import Resources, Stage
 
 
 def resolve_inputs(cfg: RunConfig) -> list[InputFile]:
@@ -151,8 +147,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
                 f"(removed: {removed}); add data or change data.validation_fraction / data.test_fraction"
             )
 
+    sizes_by_split = SplitSizes(documents={}, bytes={})  # filled below, then added to the counts
     counts = {
-        "inputs": per_input, "removed": removed, "documents": {}, "bytes": {}, "shards": {},
+        "inputs": per_input, "removed": removed, "shards": {},
         "empty_inputs": sum(s["empty_file"] for s in per_input),
         "replaced_chars": sum(s["replaced_chars"] for s in per_input),
         "normalized_changed": sum(s["normalized_changed"] for s in per_input),
@@ -166,30 +163,30 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             n_shards = math.ceil(split_bytes / d.target_shard_bytes)
         else:
             n_shards = d.num_shards if s == "train" else 1
-        counts["documents"][s], counts["bytes"][s], counts["shards"][s] = len(table), split_bytes, []
+        sizes_by_split.documents[s], sizes_by_split.bytes[s], counts["shards"][s] = len(table), split_bytes, []
         for k, (a, b) in enumerate(shard_bounds(sizes, n_shards)):
-            name = f"{s}-{k:05d}.parquet"
+            name = shard_file_name(s, k)
             pq.write_table(table.slice(a, b - a), out_dir / name)
             counts["shards"][s].append({"file": name, "documents": b - a, "bytes": int(sizes[a:b].sum())})
+    counts.update(sizes_by_split.counts())
     read = sum(s["documents"] for s in per_input)
-    kept = sum(counts["documents"].values())
+    kept = sum(sizes_by_split.documents.values())
     if read != kept + sum(removed.values()):
         raise AssertionError(f"shard: {read} documents read but {kept} kept + {removed} removed")  # a bug here
     counts["documents_read"] = read
     tracker.log_metrics({
         "documents_read": read, "bytes_read": sum(s["bytes"] for s in per_input),
-        **{f"documents_{s}": n for s, n in counts["documents"].items()},
-        **{f"bytes_{s}": n for s, n in counts["bytes"].items()},
+        **{f"documents_{s}": n for s, n in sizes_by_split.documents.items()},
+        **{f"bytes_{s}": n for s, n in sizes_by_split.bytes.items()},
         **{f"removed_{k}": v for k, v in removed.items()},
     })
     return counts
 
 
-def shard_files(artifact_path: Path, split: str) -> list[Path]:
-    """The shard files of ``split`` in order (empty for a split the artifact does not have)."""
-    return sorted(Path(artifact_path).glob(f"{split}-*.parquet"))
-
-
 def read_texts(artifact_path: Path, split: str) -> list[str]:
     """Every document of ``split`` in shard order."""
     return [t for f in shard_files(artifact_path, split) for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+
+
+# Holds no CPU itself: each input is read in a Ray task of its own (1 CPU each).
+STAGE = Stage(name="shard", version=2, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0))

@@ -25,48 +25,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from pipeline.artifacts import write_json_atomic
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
-from pipeline.data.packing import BlockWriter, segment
-from pipeline.stages import shard
-from pipeline.stages.tokenizer import MODEL_FILE
+from pipeline.data.packing import BlockWriter
+from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
+from pipeline.stages.stage import Resources, Stage
 from pipeline.text import load_sentencepiece
-
-
-NAME = "tokenize"
-VERSION = 2
-INPUTS = ("shard", "tokenizer")
 
 
 def hash_config(cfg: RunConfig) -> dict:
     return {"tokenize": hash_view(cfg.tokenize)}
 
 
-def pack(docs_ids: list[list[int]], seq_len: int, add_bos: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """Concatenate documents (EOS after each, BOS before each if asked) into (n, seq_len+1) blocks,
-    in memory (the stage itself streams through ``BlockWriter``; this is the same rule, for small inputs).
-
-    Returns:
-        (tokens, doc_index, dropped_tail_tokens).
-    """
-    stream, lengths = segment(docs_ids, add_bos, np.dtype(np.int64))
-    doc_of = np.repeat(np.arange(len(docs_ids), dtype=np.uint32), lengths)
-    block = seq_len + 1
-    n = len(stream) // block
-    return stream[: n * block].reshape(n, block), doc_of[: n * block].reshape(n, block), len(stream) - n * block
-
-
 def text_bytes(shard_artifact) -> int:
     """UTF-8 bytes of text in the shard artifact (its manifest counts them per split)."""
-    return int(sum(shard_artifact.manifest["counts"]["bytes"].values()))
+    return int(sum(SplitSizes.of(shard_artifact).bytes.values()))
 
 
 def choose_engine(cfg: RunConfig, n_bytes: int) -> str:
@@ -83,14 +62,14 @@ def encode_threads(cfg: RunConfig) -> int:
     return cfg.tokenize.num_actors * cfg.tokenize.threads_per_actor
 
 
-def task_cpus(cfg: RunConfig, inputs: dict) -> float:
-    """Logical CPUs the runner reserves for this stage's task: the encode threads when it encodes
-    in-process (capped by the cluster's CPUs), none with Ray Data (its actors hold their own)."""
+def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
+    """What the runner reserves for this stage's task: the encode threads when it encodes in-process
+    (capped by the cluster's CPUs), no CPU with Ray Data (its actors hold their own)."""
     if choose_engine(cfg, text_bytes(inputs["shard"])) == "ray_data":
-        return 0
+        return Resources(cpus=0)
     import ray
 
-    return min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1))
+    return Resources(cpus=min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1)))
 
 
 def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: str) -> Iterator[tuple[str, pa.Table]]:
@@ -149,20 +128,18 @@ def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: 
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
-    model_path = str(inputs["tokenizer"].path / MODEL_FILE)
+    model_path = str(inputs["tokenizer"].path / TOKENIZER_FILE)
     sp = load_sentencepiece(model_path)
     dtype = token_dtype(sp.get_piece_size())
     per_doc_extra = 1 + int(cfg.tokenize.add_bos)
-    index = {"seq_len": cfg.tokenize.seq_len, "dtype": dtype.name, "vocab_size": sp.get_piece_size(),
-             "add_bos": cfg.tokenize.add_bos, "splits": {}}
     # Splits the shard artifact has (test is optional), their files in order, all in one pass.
-    split_files = {s: shard.shard_files(inputs["shard"].path, s) for s in shard.SPLITS}
+    split_files = {s: shard_files(inputs["shard"].path, s) for s in SPLITS}
     split_of = {str(f): s for s, fs in split_files.items() for f in fs}
     writers = {s: BlockWriter(out_dir, s, cfg.tokenize.seq_len, dtype) for s, fs in split_files.items() if fs}
     n_bytes = dict.fromkeys(writers, 0)
     engine = choose_engine(cfg, text_bytes(inputs["shard"]))
     # Ray Data draws its own progress bars; the local path gets one over documents.
-    bar = tqdm(total=sum(inputs["shard"].manifest["counts"]["documents"].values()), desc="tokenize", unit="doc",
+    bar = tqdm(total=sum(SplitSizes.of(inputs["shard"]).documents.values()), desc="tokenize", unit="doc",
                disable=engine != "local", mininterval=1.0)
     for path, table in encoded_batches([f for fs in split_files.values() for f in fs], model_path, cfg, engine):
         bar.update(table.num_rows)
@@ -171,14 +148,21 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         lengths = pc.list_value_length(tokens).to_numpy()
         writers[split].append(tokens.flatten().to_numpy(), lengths)  # flatten honours slices
         n_bytes[split] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
+    splits = {}
     for split, writer in writers.items():
         blocks, dropped = writer.finish()
-        index["splits"][split] = {
-            "blocks": blocks, "tokens": blocks * (cfg.tokenize.seq_len + 1), "dropped_tail_tokens": dropped,
-            "documents": writer.documents, "bytes": n_bytes[split],
-            "tokens_in_documents": writer.total - per_doc_extra * writer.documents,
-        }
-    write_json_atomic(out_dir / "index.json", index)
+        splits[split] = SplitTokens(
+            blocks=blocks, tokens=blocks * (cfg.tokenize.seq_len + 1), dropped_tail_tokens=dropped,
+            documents=writer.documents, bytes=n_bytes[split],
+            tokens_in_documents=writer.total - per_doc_extra * writer.documents,
+        )
+    index = TokenIndex(seq_len=cfg.tokenize.seq_len, dtype=dtype.name, vocab_size=sp.get_piece_size(),
+                       add_bos=cfg.tokenize.add_bos, splits=splits)
+    index.write(out_dir)
     bar.close()
-    tracker.log_metrics({f"tokens_{s}": v["tokens"] for s, v in index["splits"].items()})
-    return {**index, "engine": engine}
+    tracker.log_metrics({f"tokens_{s}": v.tokens for s, v in splits.items()})
+    return {**index.to_dict(), "engine": engine}
+
+
+STAGE = Stage(name="tokenize", version=2, inputs=("shard", "tokenizer"),
+              hash_config=hash_config, run=run, resources_for=task_resources)

@@ -16,13 +16,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, hash_view
-from pipeline.stages import shard
+from pipeline.stage_io import TOKENIZER_FILE, SplitSizes, shard_files
+from pipeline.stages.stage import Stage
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
-NAME = "tokenizer"
-VERSION = 2
-INPUTS = ("shard",)
-MODEL_FILE = "tokenizer.model"
 READ_BATCH_ROWS = 4096
 
 
@@ -43,7 +40,7 @@ def sample_docs(shard_dir: Path, rate: float, tally: dict) -> Iterator[str]:
         rate: the sampling rate in (0, 1].
         tally: gets ``documents`` and ``bytes`` of the sampled documents added as they are yielded.
     """
-    for f in shard.shard_files(shard_dir, "train"):
+    for f in shard_files(shard_dir, "train"):
         for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_BATCH_ROWS, columns=["text", "doc_id"]):
             for text, did in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
                 if in_sample(did, rate):
@@ -54,7 +51,7 @@ def sample_docs(shard_dir: Path, rate: float, tally: dict) -> Iterator[str]:
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     t = cfg.tokenizer
-    train_bytes = inputs["shard"].manifest["counts"]["bytes"]["train"]
+    train_bytes = SplitSizes.of(inputs["shard"]).bytes["train"]
     rate = min(1.0, t.max_training_bytes / max(1, train_bytes))
     tally = {"documents": 0, "bytes": 0}
     model = train_sentencepiece(
@@ -63,8 +60,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         byte_fallback=t.byte_fallback, normalization=t.normalization, num_threads=t.num_threads,
         user_defined_symbols=t.user_defined_symbols,
     )
-    (out_dir / MODEL_FILE).write_bytes(model)
-    sp = load_sentencepiece(str(out_dir / MODEL_FILE))
+    (out_dir / TOKENIZER_FILE).write_bytes(model)
+    sp = load_sentencepiece(str(out_dir / TOKENIZER_FILE))
     # A sample of pieces, for a person to eyeball in the manifest.
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     counts = {
@@ -74,3 +71,6 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     }
     tracker.log_metrics({"vocab_size": sp.get_piece_size(), "sample_bytes_seen": tally["bytes"]})
     return counts
+
+
+STAGE = Stage(name="tokenizer", version=2, inputs=("shard",), hash_config=hash_config, run=run)

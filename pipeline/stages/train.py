@@ -7,16 +7,12 @@ reported to Ray Train under ``<out_dir>/ray`` so that a failed worker restarts f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.config import RunConfig, hash_view
+from pipeline.stage_io import read_train_metrics
+from pipeline.stages.stage import Resources, Stage
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
-
-NAME = "train"
-VERSION = 1
-INPUTS = ("tokenize",)
-WEIGHTS_FILE = "model.safetensors"
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -62,7 +58,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     result = trainer.fit()
     if result.error:
         raise RuntimeError(f"training failed: {result.error}") from result.error
-    history = json.loads((out_dir / "train_metrics.json").read_text())
+    history = read_train_metrics(out_dir)
     return {
         "steps": cfg.train.steps,
         "tokens": cfg.train.steps * cfg.train.global_batch_size * cfg.tokenize.seq_len,
@@ -72,3 +68,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "precision": precision,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
+
+
+# Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
+STAGE = Stage(name="train", version=1, inputs=("tokenize",),
+              hash_config=hash_config, run=run, resources=Resources(cpus=0))

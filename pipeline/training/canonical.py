@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.training.expert_parallel import moe_layers
+from pipeline.training.expert_parallel import (
+    all_expert_names, canonical_names, expert_name, expert_shards, gather_expert, local_expert_param,
+)
 
 CANONICAL_FILE = "canonical.pt"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -54,34 +56,6 @@ def _relink_optimizer_fragments(zopt) -> None:
     if hasattr(zopt, "_lazy_init_hp_params_optimizer_state"):
         zopt._hp_optimizer_states_linked = False
         zopt._lazy_init_hp_params_optimizer_state()
-
-
-def canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """Each parameter's name in the single-process model. Under expert parallelism the local
-    expert ``j`` of expert-parallel rank ``r`` is global expert ``r * L + j``."""
-    names = {n: n for n, _ in model.named_parameters()}
-    for layer_name, layer in moe_layers(model):
-        shard = getattr(layer, "ep_shard", None)
-        if shard is None:
-            continue
-        ep_rank, L = dist.get_rank(shard.deepspeed_moe.ep_group), shard.num_local_experts
-        prefix = f"{layer_name}.ep_shard.deepspeed_moe.experts.deepspeed_experts."
-        for n in names:
-            if n.startswith(prefix):
-                local, rest = n[len(prefix):].split(".", 1)
-                names[n] = f"{layer_name}.experts.{ep_rank * L + int(local)}.{rest}"
-    return names
-
-
-def _expert_shard_of(model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Module]]:
-    """Parameter name -> (its MoE layer's name, that layer's ExpertShard) for expert-parallel experts."""
-    out = {}
-    for layer_name, layer in moe_layers(model):
-        shard = getattr(layer, "ep_shard", None)
-        if shard is not None:
-            for n, _ in shard.named_parameters():
-                out[f"{layer_name}.ep_shard.{n}"] = (layer_name, shard)
-    return out
 
 
 def _full_entry(engine, zopt, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
@@ -117,38 +91,23 @@ def save_canonical(engine, ckpt_dir: str | Path, *, step: int, scheduler, loader
     if zopt is not None:
         _relink_optimizer_fragments(zopt)
     module = engine.module
-    names, experts = canonical_names(module), _expert_shard_of(module)
+    names, shards = canonical_names(module), expert_shards(module)
     params: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in module.named_parameters():  # the same order on every rank: collectives line up
         entry = _full_entry(engine, zopt, p)
-        if name not in experts:
+        parsed = local_expert_param(name)
+        if parsed is None:
             params[names[name]] = entry
             continue
-        layer_name, shard = experts[name]
-        local, rest = name.split(".deepspeed_experts.", 1)[1].split(".", 1)
+        layer_name, local, rest = parsed
         for key, value in entry.items():  # every expert-parallel rank's copy of this local slot
-            gathered = [torch.empty_like(value) for _ in range(shard.ep_size)]
-            dist.all_gather(gathered, value, group=shard.deepspeed_moe.ep_group)
-            for ep_rank, t in enumerate(gathered):
-                global_id = ep_rank * shard.num_local_experts + int(local)
-                params.setdefault(f"{layer_name}.experts.{global_id}.{rest}", {})[key] = t
+            for global_id, t in gather_expert(shards[layer_name], value, local).items():
+                params.setdefault(expert_name(layer_name, global_id, rest), {})[key] = t
     adam_step = _adam_step(engine)
     if dist.get_rank() == 0:
         torch.save({"params": params, "adam_step": adam_step, "step": step, "scheduler": scheduler.state_dict(),
                     "loader": loader_state, "world_size": dist.get_world_size()}, Path(ckpt_dir) / CANONICAL_FILE)
     dist.barrier()
-
-
-def _expected_names(module: torch.nn.Module) -> set[str]:
-    """Every canonical name the single-process twin of ``module`` has (all experts, not only local)."""
-    names = set(canonical_names(module).values())
-    for layer_name, layer in moe_layers(module):
-        shard = getattr(layer, "ep_shard", None)
-        if shard is None:
-            continue
-        for n, _ in shard.deepspeed_moe.experts.deepspeed_experts[0].named_parameters():
-            names.update(f"{layer_name}.experts.{e}.{n}" for e in range(shard.num_experts))
-    return names
 
 
 def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dict]:
@@ -172,7 +131,7 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
     saved = torch.load(path, map_location="cpu", weights_only=False)
     params = saved["params"]
     module = engine.module
-    expected = _expected_names(module)
+    expected = set(canonical_names(module).values()) | all_expert_names(module)  # all experts, not only local
     if expected != set(params):
         extra, missing = sorted(set(params) - expected)[:5], sorted(expected - set(params))[:5]
         raise ValueError(f"{path} holds another model's parameters (unexpected {extra}, missing {missing}): "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline import limits
 from pipeline.training.parallel import ParallelDims
 
 
@@ -21,15 +22,18 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
         grad_clip: max global grad norm; 0 disables clipping.
         offload_optimizer: keep optimizer states on the CPU (ZeRO 1-3).
         offload_params: keep parameters on the CPU between uses (ZeRO-3).
+
+    Returns:
+        The config dict for ``deepspeed.initialize``.
+
+    Raises:
+        ValueError: an unknown precision or ZeRO stage, or offloading that ``pipeline.limits.offload`` refuses.
     """
     if precision not in ("fp32", "bf16", "fp16", "amp_bf16"):
         raise ValueError(f"precision={precision!r}: choose fp32, bf16, fp16 or amp_bf16")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: choose 0, 1, 2 or 3")
-    if offload_optimizer and zero_stage == 0:
-        raise ValueError("offload_optimizer needs zero_stage >= 1")
-    if offload_params and zero_stage != 3:
-        raise ValueError("offload_params needs zero_stage=3")
+    limits.require(limits.offload(zero_stage, offload_optimizer, offload_params))
     zero: dict = {"stage": zero_stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}

@@ -19,10 +19,9 @@ from models.loss import lm_loss
 from models.schedules import lr_multiplier
 from pipeline.config import TrainSection
 from pipeline.training.ds_config import build_ds_config
-from pipeline.training.expert_parallel import (
-    apply_expert_parallel, canonical_state_dict, check_groups, moe_layers, moe_param_groups,
-)
+from pipeline.training.expert_parallel import canonical_state_dict, check_groups, expert_shards, moe_param_groups
 from pipeline.training.parallel import ParallelDims
+from pipeline.training.parallelize import parallelize
 
 CHECKPOINT_TAG = "conduit"
 
@@ -66,33 +65,6 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int, ex
     return optimizer, scheduler
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each Transformer block's activations during backward instead of storing them.
-
-    Wraps every block's forward in non-reentrant ``torch.utils.checkpoint`` (it takes the blocks'
-    non-tensor arguments and returns their MoE statistics); without grad it runs plainly.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.layers:
-        plain = block.forward
-
-        def forward(*args, _plain=plain, **kwargs):
-            if not torch.is_grad_enabled():
-                return _plain(*args, **kwargs)
-            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward
-
-
-def compile_blocks(model: torch.nn.Module) -> None:
-    """``torch.compile`` each Transformer block (inductor), the unit torchtitan compiles too: blocks
-    share one graph, so compile time does not grow with depth, and whatever cannot be traced (MoE
-    routing's data-dependent sizes) falls back to eager at a graph break instead of failing."""
-    for block in model.layers:
-        block.compile()
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -101,28 +73,22 @@ def seed_everything(seed: int) -> None:
 
 def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims, *, precision: str,
                  device: torch.device, seed: int):
-    """Build the model (the same initial weights on every rank), optimizer, schedule and engine.
+    """Build the model (the same initial weights on every rank), parallelize it, then the optimizer,
+    schedule and engine.
 
     Returns:
         (engine, scheduler).
+
+    Raises:
+        ValueError: the layout breaks a limit of ``pipeline.limits`` (see ``parallelize``).
     """
     import deepspeed
 
     seed_everything(seed)
     model = build_model(model_cfg, device=device)
+    parallelize(model, train, dims, dist.get_rank())  # expert parallelism, checkpointing, compile
     ep = dims.ep_size > 1
-    if ep:
-        if train.zero_stage == 3:
-            raise ValueError(
-                "train.zero_stage=3 with parallel.ep_size > 1 is not supported: DeepSpeed's ZeRO-3 refuses "
-                "MoE layers outside AutoEP; use zero_stage 1 or 2 for expert parallelism"
-            )
-        apply_expert_parallel(model, dims.ep_size, dist.get_rank())
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
-    if train.compile:
-        compile_blocks(model)
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model)
     config = build_ds_config(dims=dims, zero_stage=train.zero_stage, precision=precision, grad_clip=train.grad_clip,
                              offload_optimizer=train.offload_optimizer, offload_params=train.offload_params)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
@@ -187,7 +153,7 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().float().clone() for k, v in state.items()} if dist.get_rank() == 0 else None
 
     module = engine.module
-    if any(hasattr(layer, "ep_shard") for _, layer in moe_layers(module)):
+    if expert_shards(module):
         state = rank0_copy(canonical_state_dict(module))  # experts gathered over their EP groups
     elif zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):

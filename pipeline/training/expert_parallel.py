@@ -5,9 +5,13 @@ changes is where its experts live and how tokens reach them:
 
 * Rank ``r`` is expert-parallel rank ``r % ep_size`` (DeepSpeed's default group layout: the
   expert-parallel groups are blocks of ``ep_size`` consecutive ranks) and keeps experts
-  ``[ep_rank * L, (ep_rank + 1) * L)``, ``L = num_experts / ep_size``.
-* ``AllToAllDispatcher`` replaces the layer's local dispatcher: kept token slots are sorted by
-  expert, sent to the owning rank with one all-to-all, run through the local experts, sent back
+  ``[ep_rank * L, (ep_rank + 1) * L)``, ``L = num_experts / ep_size``. This module owns that
+  bookkeeping for everyone: ``global_expert_id`` maps a local expert to its index in the
+  single-process model, ``canonical_names`` names parameters that way, and ``gather_expert`` is the
+  one gather of an expert's tensors over its expert-parallel group (the weights export here and the
+  canonical checkpoint in ``canonical`` both use it).
+* ``AllToAllDispatcher`` replaces the layer's local dispatcher: kept token slots are ordered by
+  expert (``models.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one all-to-all, run through the local experts, sent back
   with a second all-to-all and combined with their router weights. Both all-to-alls are autograd
   functions, so expert gradients arrive from every rank's tokens.
 * DeepSpeed must know which parameters are experts, to reduce their gradients only within the
@@ -18,8 +22,8 @@ changes is where its experts live and how tokens reach them:
   (``allreduce=False``, ``group_name``) and receives its process group from the engine. It is
   never called; the layer's forward uses it through the dispatcher.
 
-Shared experts are not supported with ep_size > 1: DeepSpeed's checkpoint code treats every
-parameter whose name contains "expert" as a routed expert.
+Shared experts are not supported with ep_size > 1 (``pipeline.limits.ep_shared_experts``): DeepSpeed's
+checkpoint code treats every parameter whose name contains "expert" as a routed expert.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.moe import MoEFeedForward, RoutingDecision
+from models.moe import MoEFeedForward, RoutingDecision, SlotOrder
+from pipeline import limits
+
+
+# Where an ExpertShard keeps its local experts: DeepSpeed's path, which its engine recognises.
+SHARD_EXPERTS = "ep_shard.deepspeed_moe.experts.deepspeed_experts"
 
 
 def _moe_base():
@@ -75,38 +84,37 @@ def make_expert_shard(num_experts: int, ep_size: int, local_experts: list[nn.Mod
 
 
 class AllToAllDispatcher:
-    """Sends kept token slots to the ranks that own their experts and combines the answers.
+    """Sends kept token slots to the ranks that own their experts, runs this rank's experts on what
+    arrives, sends the outputs back and combines them (a ``models.moe.Dispatcher``).
 
     Not an nn.Module on purpose: it only points at the layer's ExpertShard, whose parameters are
     registered there.
+
+    Args:
+        shard: the layer's ExpertShard: this rank's experts and, after ``deepspeed.initialize``, the
+            expert-parallel group.
     """
 
     def __init__(self, shard: nn.Module):
         self.shard = shard
 
-    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision, experts: nn.ModuleList) -> torch.Tensor:
+    def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
         from torch.distributed.nn.functional import all_to_all_single
 
         shard = self.shard
         group = shard.deepspeed_moe.ep_group
         if group is None:
             raise RuntimeError("expert-parallel group not set: deepspeed.initialize has not run on this model")
-        ep, L, E = shard.ep_size, shard.num_local_experts, shard.num_experts
-        N, K = routing.expert_indices_NK.shape
-        expert_of_slot_S = torch.where(routing.kept_NK, routing.expert_indices_NK, E).reshape(-1)
-        order_S = torch.argsort(expert_of_slot_S, stable=True)
-        counts_E = torch.bincount(expert_of_slot_S, minlength=E + 1)[:E]
-        n_kept = int(counts_E.sum())
-        token_sorted = torch.arange(N, device=x_ND.device).repeat_interleave(K)[order_S[:n_kept]]
-        weight_sorted = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
-
-        # How many rows each rank sends to each of the receiver's local experts: (ep, L) both ways.
-        recv_counts_PL = torch.empty_like(counts_E).view(ep, L)
-        dist.all_to_all_single(recv_counts_PL, counts_E.view(ep, L).contiguous(), group=group)
-        send_splits = counts_E.view(ep, L).sum(1).tolist()
+        ep, L = shard.ep_size, shard.num_local_experts
+        slots = SlotOrder.of(routing, shard.num_experts)
+        # Global experts come in blocks of L per expert-parallel rank (``global_expert_id``), so the
+        # slot counts per expert are, viewed as (ep, L), what this rank sends to each rank's experts.
+        recv_counts_PL = torch.empty_like(slots.counts_E).view(ep, L)
+        dist.all_to_all_single(recv_counts_PL, slots.counts_E.view(ep, L).contiguous(), group=group)
+        send_splits = slots.counts_E.view(ep, L).sum(1).tolist()
         recv_splits = recv_counts_PL.sum(1).tolist()
 
-        x_send = x_ND.index_select(0, token_sorted)
+        x_send = slots.gather(x_ND)
         x_recv = all_to_all_single(x_send.new_empty(sum(recv_splits), x_ND.shape[1]), x_send,
                                    recv_splits, send_splits, group=group)
         # Received rows come grouped by (source rank, local expert); run each local expert once.
@@ -115,38 +123,121 @@ class AllToAllDispatcher:
         for j, expert in enumerate(shard.deepspeed_moe.experts.deepspeed_experts):
             rows = (local_of_row == j).nonzero(as_tuple=True)[0]
             y_recv = y_recv.index_copy(0, rows, expert(x_recv[rows]))  # runs on 0 rows too: grads stay defined
-        y_back = all_to_all_single(y_recv.new_empty(n_kept, x_ND.shape[1]), y_recv, send_splits, recv_splits,
-                                   group=group)
-        y_back = y_back * weight_sorted.unsqueeze(1).to(y_back.dtype)
-        return torch.zeros_like(x_ND).index_add_(0, token_sorted, y_back)
+        y_back = all_to_all_single(y_recv.new_empty(len(slots.token_S), x_ND.shape[1]), y_recv, send_splits,
+                                   recv_splits, group=group)
+        return slots.combine(y_back, x_ND)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEFeedForward)]
 
 
+def expert_shards(model: nn.Module) -> dict[str, nn.Module]:
+    """MoE layer name -> its ExpertShard, for the layers ``apply_expert_parallel`` split (empty when none)."""
+    return {name: layer.ep_shard for name, layer in moe_layers(model) if hasattr(layer, "ep_shard")}
+
+
+# ---- the expert index: the one place that maps this rank's experts to the single-process model's -------
+def global_expert_id(ep_rank: int, num_local_experts: int, local: int) -> int:
+    """Local expert ``local`` of expert-parallel rank ``ep_rank`` is global expert ``ep_rank * L + local``.
+
+    Args:
+        ep_rank: the rank in the expert-parallel group.
+        num_local_experts: L, experts per expert-parallel rank.
+        local: the expert's index on that rank.
+
+    Returns:
+        The expert's index in the single-process model.
+    """
+    return ep_rank * num_local_experts + local
+
+
+def local_expert_param(name: str) -> tuple[str, int, str] | None:
+    """Split the name of an expert-parallel expert's parameter (or state entry).
+
+    Returns:
+        ``(MoE layer name, local expert index, name inside the expert)`` for
+        ``<layer>.ep_shard.deepspeed_moe.experts.deepspeed_experts.<local>.<rest>``; None for any other name.
+    """
+    layer_name, sep, tail = name.partition(f".{SHARD_EXPERTS}.")
+    if not sep:
+        return None
+    local, rest = tail.split(".", 1)
+    return layer_name, int(local), rest
+
+
+def expert_name(layer_name: str, global_id: int, rest: str) -> str:
+    """The single-process (and Mixtral) name of a routed expert's parameter."""
+    return f"{layer_name}.experts.{global_id}.{rest}"
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter's name in the single-process model: experts under their global index.
+
+    Every rank of an expert-parallel group names its own local experts; no collective.
+    """
+    shards = expert_shards(model)
+    names = {}
+    for name, _ in model.named_parameters():
+        parsed = local_expert_param(name)
+        if parsed is None:
+            names[name] = name
+            continue
+        layer_name, local, rest = parsed
+        shard = shards[layer_name]
+        ep_rank = dist.get_rank(shard.deepspeed_moe.ep_group)
+        names[name] = expert_name(layer_name, global_expert_id(ep_rank, shard.num_local_experts, local), rest)
+    return names
+
+
+def gather_expert(shard: nn.Module, tensor: torch.Tensor, local: int) -> dict[int, torch.Tensor]:
+    """Every expert-parallel rank's ``tensor`` for its local expert ``local``, by global expert id.
+
+    A collective over the shard's expert-parallel group: every rank of it calls this with its own
+    copy of the same local slot, in the same order.
+
+    Args:
+        shard: the layer's ExpertShard.
+        tensor: this rank's tensor (a weight, or an optimizer state of one).
+        local: the local expert index the tensor belongs to.
+
+    Returns:
+        Global expert id -> that expert's tensor, for the ``ep_size`` experts in slot ``local``.
+    """
+    gathered = [torch.empty_like(tensor) for _ in range(shard.ep_size)]
+    dist.all_gather(gathered, tensor.contiguous(), group=shard.deepspeed_moe.ep_group)
+    return {global_expert_id(r, shard.num_local_experts, local): t for r, t in enumerate(gathered)}
+
+
+def all_expert_names(model: nn.Module) -> set[str]:
+    """The names of every routed expert's parameters in the single-process twin of ``model``
+    (all experts of every split layer, not only this rank's)."""
+    names = set()
+    for layer_name, shard in expert_shards(model).items():
+        for n, _ in shard.deepspeed_moe.experts.deepspeed_experts[0].named_parameters():
+            names.update(expert_name(layer_name, e, n) for e in range(shard.num_experts))
+    return names
+
+
+# ---- applying expert parallelism ---------------------------------------------------------------------
 def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
     """Keep this rank's experts in every MoE layer and route tokens to the others by all-to-all.
 
     Call after the model is built (the same weights on every rank) and before deepspeed.initialize.
 
     Raises:
-        ValueError: ep_size does not divide the experts, or the model has shared experts.
+        ValueError: the model breaks a limit of expert parallelism (``pipeline.limits``: a dense
+            model, experts that ep_size does not divide, shared experts).
     """
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError(f"parallel.ep_size={ep_size} needs an MoE model; this one has no MoE layer")
+    cfg = model.cfg
+    limits.require(limits.ep_needs_moe(ep_size, cfg.num_experts))
+    limits.require(limits.ep_divides_experts(ep_size, cfg.num_experts))
+    limits.require(limits.ep_shared_experts(ep_size, cfg.moe_shared_experts))
     ep_rank = rank % ep_size
-    for name, layer in layers:
+    for _, layer in moe_layers(model):
         E = layer.num_experts
-        if E % ep_size:
-            raise ValueError(f"parallel.ep_size={ep_size} must divide num_experts={E} ({name})")
-        if len(layer.shared_experts):
-            raise ValueError(
-                f"{name}: shared experts (model.moe_shared_experts) are not supported with parallel.ep_size > 1"
-            )
         L = E // ep_size
-        local = [layer.experts[e] for e in range(ep_rank * L, (ep_rank + 1) * L)]
+        local = [layer.experts[global_expert_id(ep_rank, L, j)] for j in range(L)]
         layer.experts = nn.ModuleList()  # the other ranks' experts are dropped here
         layer.ep_shard = make_expert_shard(E, ep_size, local)
         layer.dispatcher = AllToAllDispatcher(layer.ep_shard)
@@ -154,8 +245,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
 
 def check_groups(model: nn.Module, rank: int) -> None:
     """After deepspeed.initialize: the engine's EP groups put this rank where we assumed."""
-    for name, layer in moe_layers(model):
-        shard = layer.ep_shard
+    for name, shard in expert_shards(model).items():
         got = dist.get_rank(shard.deepspeed_moe.ep_group)
         if got != rank % shard.ep_size:
             raise RuntimeError(f"{name}: DeepSpeed made this rank EP rank {got}, expected {rank % shard.ep_size}")
@@ -166,18 +256,16 @@ def canonical_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Every rank must call it: each layer's experts are gathered over its expert-parallel group.
     """
-    state = {k: v for k, v in model.state_dict().items() if ".ep_shard." not in k}
-    for name, layer in moe_layers(model):
-        shard = getattr(layer, "ep_shard", None)
-        if shard is None:
+    shards = expert_shards(model)
+    state = {}
+    for key, value in model.state_dict().items():  # the same order on every rank: collectives line up
+        parsed = local_expert_param(key)
+        if parsed is None:
+            state[key] = value
             continue
-        group, L = shard.deepspeed_moe.ep_group, shard.num_local_experts
-        for j, expert in enumerate(shard.deepspeed_moe.experts.deepspeed_experts):
-            for pname, p in expert.state_dict().items():
-                gathered = [torch.empty_like(p) for _ in range(shard.ep_size)]
-                dist.all_gather(gathered, p.detach().contiguous(), group=group)
-                for ep_rank, t in enumerate(gathered):
-                    state[f"{name}.experts.{ep_rank * L + j}.{pname}"] = t
+        layer_name, local, rest = parsed
+        for global_id, t in gather_expert(shards[layer_name], value.detach(), local).items():
+            state[expert_name(layer_name, global_id, rest)] = t
     return state
 
 

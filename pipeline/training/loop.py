@@ -3,7 +3,7 @@
 ``main(config)`` gets everything through its argument (a plain dict built by the train stage):
     run_config     the resolved RunConfig as a dict
     tokens_dir     the tokenize artifact folder
-    out_dir        where rank 0 writes model.safetensors and train_metrics.json
+    out_dir        where rank 0 writes the weights and the metric history (``pipeline.stage_io``)
     tracker        a StageTracker for live metrics (rank 0 only logs)
     device         "cpu" or "cuda" (resolved by the stage)
     precision      "fp32" / "bf16" / "fp16" (resolved)
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from models.accounting import flops_per_token
 from models.export import save_safetensors
-from pipeline.artifacts import write_json_atomic
 from pipeline.config import config_from_dict
+from pipeline.stage_io import WEIGHTS_FILE, tokens_file, write_train_metrics
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
@@ -54,7 +54,7 @@ def main(config: dict) -> None:
                         cfg.tokenize.seq_len)
     engine, scheduler = build_engine(model_cfg, t, dims, precision=config["precision"], device=device,
                                      seed=cfg.run.seed)
-    loader = BlockLoader(Path(config["tokens_dir"]) / "train.tokens.npy", dims, rank, seed=cfg.run.seed)
+    loader = BlockLoader(Path(config["tokens_dir"]) / tokens_file("train"), dims, rank, seed=cfg.run.seed)
     start_step = 0
     layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": t.zero_stage}
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
@@ -115,8 +115,8 @@ def main(config: dict) -> None:
     state = full_state_dict(engine, t.zero_stage)
     if rank == 0:
         out_dir = Path(config["out_dir"])
-        save_safetensors(state, model_cfg, out_dir / "model.safetensors")
-        write_json_atomic(out_dir / "train_metrics.json", history)
+        save_safetensors(state, model_cfg, out_dir / WEIGHTS_FILE)
+        write_train_metrics(out_dir, history)
 
 
 def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline import limits
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -21,7 +23,7 @@ class ParallelDims:
         seq_len: tokens per sequence.
 
     Raises:
-        ValueError: naming every factor when the sizes do not divide.
+        ValueError: the sizes break a limit of ``pipeline.limits`` (its message names every factor).
     """
 
     world_size: int
@@ -31,20 +33,10 @@ class ParallelDims:
     seq_len: int
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.ep_size < 1 or self.micro_batch_size_per_rank < 1:
-            raise ValueError(
-                f"world_size={self.world_size}, ep_size={self.ep_size} and "
-                f"micro_batch_size_per_rank={self.micro_batch_size_per_rank} must all be >= 1"
-            )
-        if self.world_size % self.ep_size:
-            raise ValueError(f"ep_size={self.ep_size} must divide world_size={self.world_size}")
-        per_micro_step = self.world_size * self.micro_batch_size_per_rank
-        if self.global_batch_size % per_micro_step:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} sequences is not a multiple of "
-                f"world_size={self.world_size} x micro_batch_size_per_rank={self.micro_batch_size_per_rank} "
-                f"= {per_micro_step}"
-            )
+        # The limits config validation checks (pipeline.limits); here for callers without a config.
+        limits.require(limits.layout_sizes(self.world_size, self.ep_size, self.micro_batch_size_per_rank))
+        limits.require(limits.ep_divides_workers(self.ep_size, self.world_size))
+        limits.require(limits.global_batch(self.global_batch_size, self.world_size, self.micro_batch_size_per_rank))
 
     @property
     def dp_size(self) -> int:

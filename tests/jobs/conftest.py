@@ -8,7 +8,6 @@ with its whole tree, also when a test fails.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -29,8 +28,9 @@ from models.loss import lm_loss
 from pipeline import tracking
 from pipeline.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict
-from pipeline.stages import execute_stage
-from pipeline.stages.tokenize import pack
+from pipeline.data.packing import BlockWriter, segment
+from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex, tokens_file
+from pipeline.stages import STAGES
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,8 +143,8 @@ class TinyRun:
     def stage(self, name: str, inputs: dict[str, Artifact], out_dir: Path) -> Artifact:
         """Run a stage body under a fresh MLflow run on the server (its id kept under ``out_dir.name``)."""
         run_id = tracking.start_run(self.uri, self.experiment_id, name)
-        art = execute_stage(name, self.cfg, f"{name}-{out_dir.name}", out_dir, inputs,
-                            tracking.StageTracker(self.uri, run_id))
+        art = STAGES[name].execute(self.cfg, f"{name}-{out_dir.name}", out_dir, inputs,
+                                   tracking.StageTracker(self.uri, run_id))
         tracking.end_run(self.uri, run_id)
         self.run_ids[f"{name}/{out_dir.name}"] = run_id
         return art
@@ -163,19 +163,24 @@ def tiny_run(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
     tok_dir, tokd_dir, train_dir = work / "tokenizer", work / "tokenize", work / "train"
     for d in (tok_dir, tokd_dir, train_dir):
         d.mkdir()
-    (tok_dir / "tokenizer.model").write_bytes(train_sentencepiece(
+    (tok_dir / TOKENIZER_FILE).write_bytes(train_sentencepiece(
         training_lines(docs, 10**9), vocab_size=512, model_type="bpe", character_coverage=1.0,
         byte_fallback=True, normalization="identity", num_threads=1))
-    sp = load_sentencepiece(str(tok_dir / "tokenizer.model"))
+    sp = load_sentencepiece(str(tok_dir / TOKENIZER_FILE))
     split = int(len(docs) * 0.95)
-    index = {"splits": {}}
-    for name, part in (("train", docs[:split]), ("validation", docs[split:])):
-        blocks, _, _ = pack(sp.encode(part), cfg.tokenize.seq_len, add_bos=False)
-        np.save(tokd_dir / f"{name}.tokens.npy", blocks.astype(np.uint16))
-        index["splits"][name] = {"tokens": int(blocks.size), "bytes": sum(len(t.encode()) for t in part)}
-    (tokd_dir / "index.json").write_text(json.dumps(index))
-    model = train_tiny(cfg, np.load(tokd_dir / "train.tokens.npy"))
-    save_safetensors(model, model.cfg, train_dir / "model.safetensors")
+    splits = {}
+    for name, part in (("train", docs[:split]), ("validation", docs[split:])):  # packed as the stage packs
+        writer = BlockWriter(tokd_dir, name, cfg.tokenize.seq_len, np.uint16)
+        writer.append(*segment(sp.encode(part), False, np.dtype(np.uint16)))
+        blocks, dropped = writer.finish()
+        splits[name] = SplitTokens(blocks=blocks, tokens=blocks * (cfg.tokenize.seq_len + 1),
+                                   dropped_tail_tokens=dropped, documents=writer.documents,
+                                   bytes=sum(len(t.encode()) for t in part),
+                                   tokens_in_documents=writer.total - writer.documents)
+    TokenIndex(seq_len=cfg.tokenize.seq_len, dtype="uint16", vocab_size=sp.get_piece_size(), add_bos=False,
+               splits=splits).write(tokd_dir)
+    model = train_tiny(cfg, np.load(tokd_dir / tokens_file("train")))
+    save_safetensors(model, model.cfg, train_dir / WEIGHTS_FILE)
     arts = {"tokenizer": _artifact("tokenizer", tok_dir, {}),
             "tokenize": _artifact("tokenize", tokd_dir, {"tokenizer": "tokenizer-test"}),
             "train": _artifact("train", train_dir, {"tokenize": "tokenize-test"})}

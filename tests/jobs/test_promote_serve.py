@@ -15,7 +15,7 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from jobs import promote
-from pipeline import promotion, tracking
+from pipeline import promotion, serving, tracking
 from pipeline.config import ConfigError, PromoteSection, load_config
 from pipeline.evaluation.references import GPT2_117M
 from pipeline.generation import TextGenerator
@@ -77,7 +77,7 @@ def test_promote_section_loads_from_yaml_and_rejects_unknown_keys(tmp_path):
 def test_served_model_turns_prompt_errors_into_invalid_parameter_value():
     from models import build_model
 
-    lm = tracking.ConduitLM()
+    lm = serving.ConduitLM()
     model = build_model("debug_dense", max_seq_len=16)
 
     class Chars:  # a stand-in tokenizer: one token per character

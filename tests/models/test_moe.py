@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.ffn import FeedForward
-from models.moe import LocalDispatcher, MoEFeedForward
+from models.moe import LocalDispatcher, MoEFeedForward, RoutingDecision, SlotOrder
 from models.transformer import Transformer
 
 
@@ -152,15 +152,34 @@ def test_dispatcher_is_pluggable(make_cfg):
     calls = []
 
     class Recording:
-        def __call__(self, x_ND, routing, experts):
-            calls.append((x_ND.shape, routing.expert_indices_NK.shape, len(experts)))
-            return LocalDispatcher()(x_ND, routing, experts)
+        def __init__(self, inner):
+            self.inner = inner
 
-    layer.dispatcher = Recording()
+        def __call__(self, x_ND, routing):
+            calls.append((x_ND.shape, routing.expert_indices_NK.shape, len(self.inner.experts)))
+            return self.inner(x_ND, routing)
+
+    layer.dispatcher = Recording(LocalDispatcher(layer.experts))
     y, _, _ = layer(x)
     torch.testing.assert_close(y, expected)
     assert calls == [(torch.Size([10, 32]), torch.Size([10, 2]), 4)]
     assert "dispatcher" not in dict(layer.named_children())  # not a module: state dict unchanged
+
+
+def test_slot_order_groups_kept_slots_by_expert_and_combines_with_weights():
+    # 3 tokens, top-2 over 3 experts; token 2's second slot (expert 0) was dropped by capacity.
+    idx = torch.tensor([[1, 0], [0, 2], [1, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]])
+    kept = torch.tensor([[True, True], [True, True], [True, False]])
+    routing = RoutingDecision(idx, weights, kept, torch.zeros(3, 3), torch.zeros(3, 3), capacity=2)
+    slots = SlotOrder.of(routing, num_experts=3)
+    assert slots.counts_E.tolist() == [2, 2, 1]
+    assert slots.token_S.tolist() == [0, 1, 0, 2, 1]  # expert 0: tokens 0, 1; expert 1: 0, 2; expert 2: 1
+    assert slots.weight_S.tolist() == pytest.approx([0.4, 0.7, 0.6, 0.9, 0.3])
+    x_ND = torch.arange(6.0).view(3, 2)
+    assert slots.gather(x_ND).tolist() == [x_ND[t].tolist() for t in (0, 1, 0, 2, 1)]
+    y = slots.combine(torch.ones(5, 2), x_ND)
+    torch.testing.assert_close(y, torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.9, 0.9]]))
 
 
 def test_all_expert_parameters_get_gradients(make_cfg):

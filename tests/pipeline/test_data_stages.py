@@ -12,8 +12,10 @@ import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import make_plan, resolve
-from pipeline.stages import execute_stage, shard, tokenize
-from pipeline.text import EOS_ID, load_sentencepiece, train_sentencepiece, training_lines
+from pipeline.data import packing
+from pipeline.stage_io import docs_file, tokens_file
+from pipeline.stages import STAGES, shard
+from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece, train_sentencepiece, training_lines
 
 
 class RecordingTracker:
@@ -35,7 +37,7 @@ def run_stages(cfg, names):
     arts = {}
     for name in names:
         p = plan[name]
-        arts[name] = execute_stage(name, cfg, p.hash, p.path, arts, RecordingTracker())
+        arts[name] = STAGES[name].execute(cfg, p.hash, p.path, arts, RecordingTracker())
     return arts
 
 
@@ -135,14 +137,27 @@ def test_default_tokenizer_round_trips_every_multilingual_text(tmp_path, data_ro
     assert sp.decode(sp.encode(edge)) == edge
 
 
-def test_pack_puts_eos_between_documents_and_counts_the_tail():
+def write_blocks(out_dir, docs, seq_len, add_bos):
+    """Pack ``docs`` into ``out_dir`` as the tokenize stage does (``segment`` + ``BlockWriter``).
+
+    Returns:
+        (tokens, doc_index, dropped_tail_tokens), read back from the written files.
+    """
+    out_dir.mkdir()
+    writer = packing.BlockWriter(out_dir, "train", seq_len, np.uint16)
+    writer.append(*packing.segment(docs, add_bos, np.dtype(np.uint16)))
+    _, dropped = writer.finish()
+    return np.load(out_dir / tokens_file("train")), np.load(out_dir / docs_file("train")), dropped
+
+
+def test_packing_puts_eos_between_documents_and_counts_the_tail(tmp_path):
     docs = [[10, 11, 12], [20], [30, 31, 32, 33]]
-    tokens, doc_of, dropped = tokenize.pack(docs, seq_len=3, add_bos=False)
+    tokens, doc_of, dropped = write_blocks(tmp_path / "a", docs, seq_len=3, add_bos=False)
     stream = [10, 11, 12, EOS_ID, 20, EOS_ID, 30, 31, 32, 33, EOS_ID]
     assert tokens.tolist() == [stream[0:4], stream[4:8]]
     assert doc_of.tolist() == [[0, 0, 0, 0], [1, 1, 2, 2]]
     assert dropped == 3
-    tokens, _, _ = tokenize.pack([[5]], seq_len=2, add_bos=True)
+    tokens, _, _ = write_blocks(tmp_path / "b", [[5]], seq_len=2, add_bos=True)
     assert tokens.tolist() == [[2, 5, EOS_ID]]
 
 
@@ -308,9 +323,7 @@ def test_tokenizer_user_symbols_and_deterministic_sample(tmp_path, data_root):
     assert set(sampled) <= set(train) and sampled[-1] in train[len(train) // 2 :]
 
 
-def test_block_writer_streams_the_same_blocks_as_pack(tmp_path, monkeypatch):
-    from pipeline.data import packing
-
+def test_block_writer_streams_the_blocks_of_the_whole_stream(tmp_path, monkeypatch):
     monkeypatch.setattr(packing, "COPY_CHUNK_TOKENS", 3)  # many copy chunks
     rng = np.random.default_rng(0)
     docs = [rng.integers(5, 300, size=rng.integers(0, 20)).tolist() for _ in range(50)]
@@ -318,7 +331,12 @@ def test_block_writer_streams_the_same_blocks_as_pack(tmp_path, monkeypatch):
     for a in range(0, 50, 13):  # batches of 13 documents
         writer.append(*packing.segment(docs[a : a + 13], True, np.dtype(np.uint16)))
     blocks, dropped = writer.finish()
-    tokens, doc_of, dropped_ref = tokenize.pack(docs, seq_len=7, add_bos=True)
+    # The rule written out: BOS, the ids, EOS per document, in one stream cut into blocks of 8.
+    stream = [t for d in docs for t in (BOS_ID, *d, EOS_ID)]
+    doc_index = [i for i, d in enumerate(docs) for _ in range(len(d) + 2)]
+    n = len(stream) // 8
+    tokens, doc_of = np.array(stream[: n * 8]).reshape(n, 8), np.array(doc_index[: n * 8]).reshape(n, 8)
+    dropped_ref = len(stream) - n * 8
     assert np.array_equal(np.load(tmp_path / "train.tokens.npy"), tokens) and dropped == dropped_ref
     assert np.array_equal(np.load(tmp_path / "train.docs.npy"), doc_of) and blocks == len(tokens)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.docs.npy", "train.tokens.npy"]

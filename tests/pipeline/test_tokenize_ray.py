@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve
-from pipeline.stages import execute_stage, shard, tokenize
+from pipeline.stages import STAGES, shard, tokenize
 from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece
 
 
@@ -25,7 +25,7 @@ def run_stages(cfg, names, arts=None):
     plan = {p.stage: p for p in make_plan(cfg)}
     arts = dict(arts or {})
     for name in names:
-        arts[name] = execute_stage(name, cfg, plan[name].hash, plan[name].path, arts, NullTracker())
+        arts[name] = STAGES[name].execute(cfg, plan[name].hash, plan[name].path, arts, NullTracker())
     return arts
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from pipeline import tracking
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve
-from pipeline.stages import execute_stage
+from pipeline.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool):
                                       args=(plan["train"].path / "ray" / "train", killed, done))
             killer.start()
         try:
-            arts[stage] = execute_stage(stage, cfg, plan[stage].hash, plan[stage].path, arts, tracker)
+            arts[stage] = STAGES[stage].execute(cfg, plan[stage].hash, plan[stage].path, arts, tracker)
         finally:
             done.set()
             if killer:

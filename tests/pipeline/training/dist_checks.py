@@ -241,13 +241,15 @@ def main(out_dir: str) -> None:
         fp32_ref = reference_weights(DENSE, train, tokens, 2, micro=MICRO)
         results["dense_zero1_amp_bf16"] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, fp32_ref),
                                            "losses": losses}
-    # torch.compile'd blocks against the eager reference.
-    state, losses = distributed_weights(DENSE, dataclasses.replace(train, compile=True), tokens, 2, world, rank)
-    if rank == 0:
-        ref = reference_weights(DENSE, train, tokens, 2)
-        results["dense_zero1_compile"] = {"max_abs_diff": max_diff(state, ref),
-                                          "moved": max_diff(ref, reference_weights(DENSE, train, tokens, 0)),
-                                          "losses": losses}
+    # torch.compile'd blocks against the eager reference; then blocks checkpointed and compiled
+    # (parallelize puts the checkpointing inside the compiled unit) against the same reference.
+    ref = reference_weights(DENSE, train, tokens, 2) if rank == 0 else None
+    for case, fields in (("dense_zero1_compile", {"compile": True}),
+                         ("dense_zero1_compile_activation_ckpt", {"compile": True, "activation_checkpointing": True})):
+        state, losses = distributed_weights(DENSE, dataclasses.replace(train, **fields), tokens, 2, world, rank)
+        if rank == 0:
+            results[case] = {"max_abs_diff": max_diff(state, ref),
+                             "moved": max_diff(ref, reference_weights(DENSE, train, tokens, 0)), "losses": losses}
     results["canonical_saved_world"] = canonical_save(tokens, out / "ckpt_canonical", world, rank)
     canonical_save(tokens, out / "ckpt_canonical_zero3", world, rank, zero=3)
     canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=world)

@@ -6,7 +6,7 @@ import torch
 
 from models import build_model
 from models.loss import lm_loss
-from pipeline.training.engine import apply_activation_checkpointing
+from pipeline.training.parallelize import apply_activation_checkpointing
 
 
 def grads(model_name: str, checkpointed: bool) -> tuple[float, dict]:

@@ -19,9 +19,10 @@ def test_parallel_dims_arithmetic():
 
 @pytest.mark.parametrize("kw,pattern", [
     (dict(world_size=2, ep_size=1, global_batch_size=10, micro_batch_size_per_rank=4, seq_len=8),
-     r"global_batch_size=10 sequences is not a multiple of world_size=2 x micro_batch_size_per_rank=4 = 8"),
+     r"train\.global_batch_size=10 must be a multiple of parallel\.num_workers=2 x "
+     r"train\.micro_batch_size_per_rank=4 = 8"),
     (dict(world_size=3, ep_size=2, global_batch_size=6, micro_batch_size_per_rank=1, seq_len=8),
-     r"ep_size=2 must divide world_size=3"),
+     r"parallel\.ep_size=2 must divide parallel\.num_workers=3"),
     (dict(world_size=2, ep_size=1, global_batch_size=4, micro_batch_size_per_rank=0, seq_len=8),
      r"micro_batch_size_per_rank=0"),
 ])

@@ -1,0 +1,85 @@
+"""The served model: what a registered Conduit version is once MLflow (or a server) loads it.
+
+``ConduitLM`` is the MLflow pyfunc model: prompts in, generated text out. The register stage logs an
+instance of it through ``pipeline.tracking`` (which owns every call to the tracking server and the
+registry), with this module's signature, input example and pinned requirements; the model's
+``code_paths`` ship ``models/`` and ``pipeline/``, so MLflow imports this class from the model's own
+copy of the code when it loads a version. This module and ``pipeline.tracking`` are the only ones
+that import mlflow.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+# Generation parameters a request may set, and their defaults (the signature advertises the same).
+DEFAULT_PARAMS: dict[str, Any] = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 1.0}
+PINNED_PACKAGES = ("torch", "sentencepiece", "safetensors", "numpy", "pandas")
+
+
+class ConduitLM(mlflow.pyfunc.PythonModel):
+    """The pyfunc wrapper that MLflow loads and serves: prompts in, generated text out.
+
+    The work is done by ``pipeline.generation.TextGenerator`` (torch + sentencepiece); this class
+    only adapts MLflow's calling convention. A ``PromptError`` (the client's fault) becomes an
+    ``MlflowException`` with INVALID_PARAMETER_VALUE, which the scoring server answers with a 400 that
+    carries our message; any other exception is a server-side bug and propagates as is.
+    """
+
+    def load_context(self, context):  # noqa: D102  (MLflow's hook)
+        from pipeline.generation import TextGenerator
+
+        self._generator = TextGenerator.from_files(
+            context.artifacts["weights"], context.artifacts["tokenizer"]
+        )
+
+    def predict(self, context, model_input, params=None):  # noqa: D102  (MLflow's hook)
+        import pandas as pd
+
+        from pipeline.generation import PromptError, prompts_from_input
+
+        p = {**DEFAULT_PARAMS, **(params or {})}
+        try:
+            prompts = prompts_from_input(model_input)
+            texts = self._generator.generate(
+                prompts,
+                max_new_tokens=int(p["max_new_tokens"]),
+                temperature=float(p["temperature"]),
+                top_p=float(p["top_p"]),
+            )
+        except PromptError as e:
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
+        return pd.DataFrame({"text": texts})
+
+
+def signature():
+    """The model signature: a ``prompt`` column in, a ``text`` column out, the generation parameters."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema([ColSpec("string", "text")]),
+        params=ParamSchema([
+            ParamSpec("max_new_tokens", "long", DEFAULT_PARAMS["max_new_tokens"]),
+            ParamSpec("temperature", "double", DEFAULT_PARAMS["temperature"]),
+            ParamSpec("top_p", "double", DEFAULT_PARAMS["top_p"]),
+        ]),
+    )
+
+
+def input_example():
+    """The request logged beside the model: one prompt and a short generation."""
+    import pandas as pd
+
+    return pd.DataFrame({"prompt": ["Once upon a time"]}), {"max_new_tokens": 16}
+
+
+def pinned_requirements() -> list[str]:
+    """``package==version`` of what serving imports, as installed here."""
+    return [f"{p}=={version(p)}" for p in PINNED_PACKAGES]

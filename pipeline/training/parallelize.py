@@ -1,0 +1,78 @@
+"""Parallelism and its companions applied to a built model from outside, in one place and one order.
+
+As torchtitan's ``parallelize_*``: the model is built plainly (the same initial weights on every
+rank), then ``parallelize`` applies, in this order,
+
+1. expert parallelism (``expert_parallel``): each rank keeps its share of the experts and reaches the
+   others by all-to-all; it changes which parameters exist, so it comes before anything that wraps
+   the blocks and before the optimizer is built;
+2. activation checkpointing: each block's forward recomputes its activations during backward;
+3. compile: each block (with its checkpointing, and its all-to-all dispatch where there is one)
+   becomes one compiled unit. Compiling last puts the checkpointed forward inside the compiled
+   region, as torchtitan does, rather than a checkpoint around a compiled block.
+
+The limits these rely on are checked at config validation (``pipeline.limits``) and required here
+again for callers without a config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import limits
+from pipeline.config import TrainSection
+from pipeline.training.expert_parallel import apply_expert_parallel
+from pipeline.training.parallel import ParallelDims
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each Transformer block's activations during backward instead of storing them.
+
+    Wraps every block's forward in non-reentrant ``torch.utils.checkpoint`` (it takes the blocks'
+    non-tensor arguments and returns their MoE statistics); without grad it runs plainly.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers:
+        plain = block.forward
+
+        def forward(*args, _plain=plain, **kwargs):
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` each Transformer block (inductor), the unit torchtitan compiles too: blocks
+    share one graph, so compile time does not grow with depth, and whatever cannot be traced (MoE
+    routing's data-dependent sizes) falls back to eager at a graph break instead of failing."""
+    for block in model.layers:
+        block.compile()
+
+
+def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims, rank: int) -> None:
+    """Apply expert parallelism, activation checkpointing and compile to ``model``, in that order.
+
+    Call after the model is built and its weights set, and before the optimizer is made and
+    ``deepspeed.initialize`` runs.
+
+    Args:
+        model: a ``models.Transformer``.
+        train: ``activation_checkpointing``, ``compile`` and ``zero_stage`` are read.
+        dims: ``ep_size`` > 1 splits the experts.
+        rank: this process's global rank (its expert-parallel rank is ``rank % ep_size``).
+
+    Raises:
+        ValueError: the combination breaks a limit of ``pipeline.limits`` (expert parallelism with
+            ZeRO-3, compile with ZeRO-3, or a model expert parallelism cannot split).
+    """
+    limits.require(limits.ep_zero_stage(dims.ep_size, train.zero_stage))
+    limits.require(limits.compile_zero_stage(train.compile, train.zero_stage))
+    if dims.ep_size > 1:
+        apply_expert_parallel(model, dims.ep_size, rank)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if train.compile:
+        compile_blocks(model)
