@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
 from pipeline.stage_io import RegisteredModel
-from pipeline.tracking import ui_command
+from pipeline.tracking import TrackingUnavailable, ui_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,13 +27,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`, `kill`: end as Ctrl-C does (runs KILLED)
     try:
         cfg = load_config(args.config, args.overrides)
         result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
-    except (ConfigError, ClusterError, StageFailed) as e:
+    except (ConfigError, ClusterError, StageFailed, TrackingUnavailable) as e:
         return main_exit_code(e)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e or 'SIGINT'}): the MLflow runs are KILLED; finished stages stay cached, and a "
+              "rerun of this command continues training from its latest checkpoint", file=sys.stderr)
+        return 130
     if not args.dry_run:
         print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")
         if "register" in result.artifacts:

@@ -127,12 +127,19 @@ class TrainSection:
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
     # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
-    checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: only at the end
+    checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
+    # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
+    # so a fault costs minutes of training whatever the step time; 0: by steps only.
+    checkpoint_every_s: float = _unhashed(900.0)
     keep_checkpoints: int = _unhashed(2)
-    max_failures: int = _unhashed(0)  # worker-group restarts from the latest checkpoint
-    checkpoint_storage: str | None = _unhashed(None)  # Ray Train storage; None: <train artifact>/ray
-    # A checkpoint folder of an earlier run to continue from, with any number of workers or ZeRO stage
-    # 0-2 (ZeRO-3 and expert-parallel runs: the same layout only). Hashed: it changes the result.
+    # Worker-group restarts from the latest checkpoint: a lost node or an OOM-killed worker costs a
+    # restart, while a bug that fails every time still stops the run after a few quick tries.
+    max_failures: int = _unhashed(3)
+    # Ray Train storage, shared by every config: checkpoints go to its run "train-<artifact hash>".
+    # None: <artifact_root>/checkpoints.
+    checkpoint_storage: str | None = _unhashed(None)
+    # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
+    # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
     resume_from: str | None = None
 
 
@@ -452,6 +459,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
+    need(tr.checkpoint_every_s >= 0, f"train.checkpoint_every_s={tr.checkpoint_every_s} must be >= 0")
     mc = cfg.model_config()
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ class PlanItem:
     path: Path
     cached: bool
     run: bool  # False: skipped because cached, or outside --only
+    forced: bool = False  # --force (or downstream of it): state kept to resume an attempt is discarded
 
 
 @dataclass
@@ -86,7 +89,8 @@ def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = 
         path = artifact_dir(cfg.artifact_root(), name, h)
         cached = is_complete(path)
         selected = only is None or name == only
-        plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached)))
+        plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached),
+                             forced=selected and name in forced))
     if only:
         by_name = {p.stage: p for p in plan}
         missing = [i for i in stages[only].inputs if not by_name[i].cached]
@@ -142,6 +146,7 @@ def connect_ray(cfg: RunConfig) -> bool:
             raise cluster.connection_error(address, e) from e
     else:
         ray.init(
+            address="local",  # our own: never attach to whatever /tmp/ray/ray_current_cluster names
             num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
             include_dashboard=cfg.cluster.include_dashboard,
             dashboard_host=cfg.cluster.dashboard_host,
@@ -212,6 +217,7 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
         echo(format_plan(plan))
         return PipelineResult(run_id=None, tracking_uri=uri, plan=plan)
 
+    tracking.check_reachable(uri)  # a server that is down fails the run here, before any compute
     started_ray = connect_ray(cfg)
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
@@ -231,10 +237,13 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         uri, cfg.tracking.experiment,
         artifact_location=str(cfg.workdir() / "mlartifacts") if local_store else None,
     )
+    for line in fail_runs_of_dead_drivers(uri, exp_id, cfg):
+        echo(line)
     # Inside `ray job submit` the parent run is named after the job, so the two find each other.
     job_id = ray_job_submission_id()
     parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, tags={
         "conduit.ray_job_id": job_id or "local", "conduit.config_name": cfg.run.name,
+        "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()),
     })
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
     task = ray.remote(_stage_task)
@@ -255,6 +264,8 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             tracker = tracking.StageTracker(uri, child)
             if item.path.exists():
                 shutil.rmtree(item.path)  # forced, or left unsealed by an earlier attempt
+            if item.forced and stage.discard_state is not None:
+                stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
             echo(f"{item.stage}: running ({item.hash})")
             res = stage.task_resources(cfg, inputs)
             ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
@@ -263,8 +274,12 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             try:
                 path = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
+                record_failure(tracker, e.cause, str(e))
                 tracking.end_run(uri, child, "FAILED")
                 raise StageFailed(f"stage {item.stage} failed: {e.cause!r}") from e.cause
+            except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
+                tracking.end_run(uri, child, end_status(e))
+                raise
             art = Artifact.load(path)
             result.artifacts[item.stage] = art
             tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
@@ -274,13 +289,80 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             {f"conduit.artifact.{k}": a.hash for k, a in result.artifacts.items()}
         )
         tracking.end_run(uri, parent)
-    except BaseException:
-        tracking.end_run(uri, parent, "FAILED")
+    except BaseException as e:
+        tracking.end_run(uri, parent, end_status(e))
         raise
     return result
+
+
+DRIVER_TAG = "conduit.driver"  # JSON: host, pid and process start time of the driver that owns the run
+
+
+def driver_identity(pid: int | None = None) -> dict:
+    """This host, the pid and its start time: a pid with another start time is another process."""
+    import psutil
+
+    proc = psutil.Process(pid or os.getpid())
+    return {"host": socket.gethostname(), "pid": proc.pid, "started": proc.create_time()}
+
+
+def driver_is_dead(identity: dict) -> bool | None:
+    """True when the driver that wrote ``identity`` no longer runs; None when that cannot be told
+    from here (it ran on another host)."""
+    import psutil
+
+    if identity.get("host") != socket.gethostname():
+        return None
+    try:
+        return psutil.Process(identity["pid"]).create_time() != identity["started"]
+    except psutil.NoSuchProcess:
+        return True
+
+
+def fail_runs_of_dead_drivers(uri: str, exp_id: str, cfg: RunConfig) -> list[str]:
+    """Mark FAILED the runs that an earlier attempt of this config (same name and workdir) left
+    RUNNING when its driver died (SIGKILL, a lost node): the parent run and its RUNNING stage runs.
+
+    Returns:
+        One line per parent run handled, for the console.
+    """
+    lines = []
+    query = (f"attributes.status = 'RUNNING' and tags.`conduit.config_name` = '{cfg.run.name}' "
+             f"and tags.`conduit.workdir` = '{cfg.workdir()}'")
+    for run_id, tags in tracking.search_runs(uri, exp_id, query):
+        identity = json.loads(tags.get(DRIVER_TAG, "{}"))
+        dead = driver_is_dead(identity) if identity else None
+        if dead is None:
+            lines.append(f"note: MLflow run {run_id} of this config is RUNNING under a driver on "
+                         f"{identity.get('host', 'an unknown host')}; left as it is")
+            continue
+        if not dead:
+            continue  # a live driver: another run of this config, going on now
+        children = tracking.search_runs(uri, exp_id, f"attributes.status = 'RUNNING' and "
+                                                     f"tags.`mlflow.parentRunId` = '{run_id}'")
+        for child, _ in children:
+            tracking.StageTracker(uri, child).set_tags({"conduit.error": "the driver died during this stage"})
+            tracking.end_run(uri, child, "FAILED")
+        tracking.StageTracker(uri, run_id).set_tags({"conduit.error": "the driver died (no longer running)"})
+        tracking.end_run(uri, run_id, "FAILED")
+        lines.append(f"marked MLflow run {run_id} (and {len(children)} stage runs) FAILED: its driver, pid "
+                     f"{identity['pid']} on {identity['host']}, is gone")
+    return lines
+
+
+def end_status(exc: BaseException) -> str:
+    """MLflow's end state for a run that ``exc`` ended: KILLED for Ctrl-C / SIGTERM, else FAILED."""
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+
+
+def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_traceback: str) -> None:
+    """Put a failed stage's error on its MLflow run: the message as a tag, the traceback (the frames of
+    the stage's Ray task, as Ray reports them, without colour codes) as ``error.txt``."""
+    tracker.set_tags({"conduit.error": f"{type(cause).__name__}: {cause}"[:5000]})
+    tracker.log_text(re.sub(r"\x1b\[[0-9;]*m", "", remote_traceback), "error.txt")
 
 
 def main_exit_code(exc: BaseException) -> int:
     """Exit status for a failed run, printed for people rather than as a traceback."""
     print(f"error: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError)) else 1
+    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable)) else 1

@@ -117,6 +117,19 @@ def read_train_metrics(train_dir: Path) -> list[dict[str, float]]:
     return json.loads((Path(train_dir) / TRAIN_METRICS_FILE).read_text(encoding="utf-8"))
 
 
+TRAIN_STARTS_FILE = "train_starts.json"  # the step each start of the worker group began at: [0, 40, ...]
+
+
+def write_train_starts(out_dir: Path, starts: list[int]) -> None:
+    """Rank 0 records where training started and where each restart resumed (from a checkpoint)."""
+    write_json_atomic(Path(out_dir) / TRAIN_STARTS_FILE, starts)
+
+
+def read_train_starts(train_dir: Path) -> list[int]:
+    """The steps the worker group (re)started at, first start first."""
+    return json.loads((Path(train_dir) / TRAIN_STARTS_FILE).read_text(encoding="utf-8"))
+
+
 # ---- evaluate: metrics, samples and reference numbers -------------------------------------------------
 EVAL_METRICS_FILE = "metrics.json"
 

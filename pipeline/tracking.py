@@ -57,6 +57,37 @@ def client(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast, before any compute, when an MLflow server is down (a local store always answers).
+
+    Raises:
+        TrackingUnavailable: an ``http(s)://`` URI whose ``/health`` does not answer 200 in ``timeout_s``.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        status = requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).status_code
+    except requests.RequestException as e:
+        raise TrackingUnavailable(
+            f"the MLflow tracking server at {uri} does not answer ({type(e).__name__}); start it, or point "
+            "tracking.uri / MLFLOW_TRACKING_URI at one that runs. Nothing was run.") from e
+    if status != 200:
+        raise TrackingUnavailable(f"the MLflow tracking server at {uri} answers /health with HTTP {status}. "
+                                  "Nothing was run.")
+
+
+def search_runs(uri: str, experiment_id: str, filter_string: str) -> list[tuple[str, dict[str, str]]]:
+    """``(run id, tags)`` of every run of the experiment that matches MLflow's ``filter_string``."""
+    runs = client(uri).search_runs([experiment_id], filter_string=filter_string, max_results=1000)
+    return [(r.info.run_id, dict(r.data.tags)) for r in runs]
+
+
 def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
     """Return the id of experiment ``name``, creating it (with local artifacts where given) if needed."""
     c = client(uri)
@@ -105,6 +136,9 @@ class StageTracker:
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         client(self.uri).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        client(self.uri).log_text(self.run_id, text, artifact_file)
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         client(self.uri).log_artifact(self.run_id, str(local_path), artifact_path)
@@ -263,7 +297,7 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "StageTracker", "VersionInfo", "client", "download_model", "end_run", "ensure_experiment",
-    "env_for_workers", "get_version", "load_registered_model", "log_and_register_model", "model_aliases",
-    "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
+    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_reachable", "client", "download_model", "end_run",
+    "ensure_experiment", "env_for_workers", "get_version", "load_registered_model", "log_and_register_model",
+    "model_aliases", "search_runs", "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
 ]

@@ -40,6 +40,8 @@ class Resources:
 # The body: (resolved config, upstream artifacts by stage name, empty output folder, tracker) -> counts.
 StageBody = Callable[[RunConfig, Mapping[str, Artifact], Path, Any], dict[str, Any]]
 ResourceRule = Callable[[RunConfig, Mapping[str, Artifact]], Resources]
+# (resolved config, the stage's artifact hash): state a stage keeps outside its folder to resume.
+StateHook = Callable[[RunConfig, str], None]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class Stage:
         resources: what the stage's task reserves, when that does not depend on the run.
         resources_for: for a stage whose task's needs depend on the config and the inputs (tokenize
             encodes in its own process or in Ray Data actors): returns them, in place of ``resources``.
+        discard_state: for a stage that keeps resumable state outside its artifact folder, keyed by
+            its hash (train: its checkpoints), so that a rerun after a crash continues where the
+            crashed attempt was: removes that state; the runner calls it when the stage is forced.
+        after_seal: prunes that state once the artifact is sealed (train keeps its final checkpoint).
 
     Raises:
         ValueError: an empty name, a version below 1, or a stage that lists itself as an input.
@@ -67,6 +73,8 @@ class Stage:
     run: StageBody
     resources: Resources = Resources()
     resources_for: ResourceRule | None = None
+    discard_state: StateHook | None = None
+    after_seal: StateHook | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.version < 1 or self.name in self.inputs:
@@ -109,10 +117,13 @@ class Stage:
         started = time.time()
         prepare_dir(out_dir)
         counts = self.run(cfg, inputs, out_dir, tracker)
-        return write_manifest(
+        artifact = write_manifest(
             out_dir, stage=self.name, hash_=hash_, stage_config=self.hash_config(cfg), run_config=cfg.to_dict(),
             inputs={i: inputs[i].hash for i in self.inputs}, counts=counts, started_at=started,
         )
+        if self.after_seal is not None:
+            self.after_seal(cfg, hash_)
+        return artifact
 
 
 def in_order(stages: Iterable[Stage]) -> dict[str, Stage]:

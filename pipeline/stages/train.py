@@ -1,16 +1,28 @@
 """train: token blocks -> a trained model (``model.safetensors``), via Ray Train + DeepSpeed.
 
 Ray Train's ``TorchTrainer`` starts ``parallel.num_workers`` workers and their process group
-(gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``. DeepSpeed checkpoints are
-reported to Ray Train under ``<out_dir>/ray`` so that a failed worker restarts from the latest one.
+(gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``.
+
+Checkpoints live outside the artifact folder, in the Ray Train run ``train-<artifact hash>`` under
+``train.checkpoint_storage`` (default ``<artifact_root>/checkpoints``). So:
+- a failed worker group restarts from the latest one (``FailureConfig``);
+- a rerun after the driver died (the runner clears the unsealed artifact folder) finds them, since
+  Ray Train restores a run it finds at ``storage/name``, and continues instead of starting at step 0;
+- two configs (or a config and its ``--force``d rerun) sharing one storage never see each other's;
+- once the artifact is sealed only the final checkpoint is kept (``train.resume_from`` can continue
+  from it), and ``--force train`` removes them all first.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from pipeline.config import RunConfig, hash_view
-from pipeline.stage_io import read_train_metrics
+from pipeline.data.fs import filesystem_for
+from pipeline.stage_io import read_train_metrics, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
 
@@ -24,6 +36,41 @@ def hash_config(cfg: RunConfig) -> dict:
     }
 
 
+CHECKPOINTS_DIR = "checkpoints"  # under the artifact root, beside the stage folders
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it kept
+
+
+def checkpoint_location(cfg: RunConfig, hash_: str) -> tuple[str, str]:
+    """Ray Train's ``(storage_path, name)`` for the train artifact ``hash_`` of ``cfg``."""
+    storage = cfg.train.checkpoint_storage or f"{cfg.artifact_root().rstrip('/')}/{CHECKPOINTS_DIR}"
+    return storage, f"train-{hash_}"
+
+
+def _run_dir(cfg: RunConfig, hash_: str) -> tuple[pafs.FileSystem, str]:
+    storage, name = checkpoint_location(cfg, hash_)
+    fs, path = filesystem_for(storage)
+    return fs, f"{path.rstrip('/')}/{name}"
+
+
+def discard_checkpoints(cfg: RunConfig, hash_: str) -> None:
+    """``--force train``: start from step 0, so remove every checkpoint of this hash."""
+    fs, run_dir = _run_dir(cfg, hash_)
+    if fs.get_file_info(run_dir).type != pafs.FileType.NotFound:
+        fs.delete_dir(run_dir)
+
+
+def keep_final_checkpoint(cfg: RunConfig, hash_: str) -> None:
+    """After sealing: delete every checkpoint folder of this run but the latest one Ray Train kept."""
+    fs, run_dir = _run_dir(cfg, hash_)
+    with fs.open_input_stream(f"{run_dir}/{SNAPSHOT_FILE}") as f:
+        kept = json.loads(f.read().decode("utf-8"))["checkpoint_results"]
+    final = max(kept, key=lambda r: r["metrics"]["step"])["checkpoint_dir_name"]
+    for info in fs.get_file_info(pafs.FileSelector(run_dir)):
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        if info.type == pafs.FileType.Directory and name.startswith("checkpoint_") and name != final:
+            fs.delete_dir(info.path)
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
@@ -34,7 +81,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
     precision = resolve_precision(cfg.train.precision, device)
-    tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device)})
+    storage, name = checkpoint_location(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
+    tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
+                      "checkpoints": f"{storage}/{name}"})
     trainer = TorchTrainer(
         main,
         train_loop_config={
@@ -49,8 +98,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
                                                placement_strategy=cfg.parallel.placement_strategy),
         run_config=ray.train.RunConfig(
-            name="train",
-            storage_path=cfg.train.checkpoint_storage or str(out_dir / "ray"),
+            name=name,
+            storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
         ),
@@ -59,7 +108,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if result.error:
         raise RuntimeError(f"training failed: {result.error}") from result.error
     history = read_train_metrics(out_dir)
+    starts = read_train_starts(out_dir)
     return {
+        "starts": starts,  # [0] for a run that never restarted; a rerun after a crash begins past 0
         "steps": cfg.train.steps,
         "tokens": cfg.train.steps * cfg.train.global_batch_size * cfg.tokenize.seq_len,
         "first_loss": history[0]["loss"],
@@ -72,4 +123,5 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 
 # Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
 STAGE = Stage(name="train", version=1, inputs=("tokenize",),
-              hash_config=hash_config, run=run, resources=Resources(cpus=0))
+              hash_config=hash_config, run=run, resources=Resources(cpus=0),
+              discard_state=discard_checkpoints, after_seal=keep_final_checkpoint)

@@ -9,7 +9,12 @@
     precision      "fp32" / "bf16" / "fp16" (resolved)
 
 Checkpoints (every ``train.checkpoint_every`` steps and at the end) are reported to Ray Train, so
-``FailureConfig(max_failures)`` restarts the workers from the latest one, exactly.
+``FailureConfig(max_failures)`` restarts the workers from the latest one, exactly. A checkpoint also
+carries rank 0's metric history and the steps the group (re)started at, so that after a restart
+``train_metrics.json`` is whole and ``train_starts.json`` says where each start began.
+
+Rank 0 hands its live metrics to an ``Outbox``: training never waits for MLflow and never dies from
+it; what a server that is down could not take is delivered when it answers again.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ import torch.distributed as dist
 from models.accounting import flops_per_token
 from models.export import save_safetensors
 from pipeline.config import config_from_dict
-from pipeline.stage_io import WEIGHTS_FILE, tokens_file, write_train_metrics
+from pipeline.stage_io import WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
+from pipeline.training.outbox import Outbox
 from pipeline.training.parallel import ParallelDims
 
 LAYOUT_FILE = "layout.json"
+RUN_LOG_FILE = "run_log.json"  # in a checkpoint: rank 0's metric history and the steps training started at
+FLUSH_TIMEOUT_S = 300.0  # at the end, how long to wait for MLflow to take what is still queued
 
 
 def main(config: dict) -> None:
@@ -56,6 +64,8 @@ def main(config: dict) -> None:
                                      seed=cfg.run.seed)
     loader = BlockLoader(Path(config["tokens_dir"]) / tokens_file("train"), dims, rank, seed=cfg.run.seed)
     start_step = 0
+    history: list[dict] = []  # rank 0's logged metrics, one dict per logged step
+    starts: list[int] = []  # the step each start of this training began at
     layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": t.zero_stage}
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
     if resume is None and t.resume_from:  # continue another run, on this run's layout
@@ -67,9 +77,15 @@ def main(config: dict) -> None:
                 start_step, loader_state = load_state(engine, ckpt_dir)
             else:  # another world size, ZeRO stage or ep_size: the layout-independent one
                 start_step, loader_state = load_canonical(engine, ckpt_dir, scheduler=scheduler)
+            run_log = Path(ckpt_dir) / RUN_LOG_FILE
+            if run_log.is_file():  # absent in checkpoints written before it existed
+                saved_log = json.loads(run_log.read_text())
+                history = [h for h in saved_log["history"] if h["step"] <= start_step]
+                starts = saved_log["starts"]
         loader.load_state_dict(loader_state)
+    starts.append(start_step)
 
-    tracker = config["tracker"] if rank == 0 else None
+    tracker = Outbox(config["tracker"]) if rank == 0 else None
     flops_tok = flops_per_token(model_cfg, cfg.tokenize.seq_len)["total"]
     peak, peak_source = peak_flops_per_worker(device, config["precision"])
     cluster_peak = torch.tensor(peak, dtype=torch.float64, device=device)
@@ -78,16 +94,23 @@ def main(config: dict) -> None:
         tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
                           "mfu.flops_per_token": flops_tok, "mfu.formula": "6N + 12*L*H*Q*T (PaLM app. B)"})
     moe_stats = MoEStats() if model_cfg.is_moe else None
-    history: list[dict] = []
     bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
                disable=rank != 0 or not t.progress_bar, mininterval=1.0)
     window_t0, window_tokens = time.perf_counter(), 0
+    last_checkpoint = time.monotonic()
     for step in range(start_step, t.steps):
         loss = train_step(engine, loader.next_step(), device, moe_stats)
         window_tokens += dims.global_batch_tokens
         done = step + 1
+        due_by_time = False
         if done % t.log_every == 0 or done == t.steps:
-            dist.all_reduce(loss)  # the global batch's loss: the mean over ranks
+            # One all-reduce: the global batch's loss (the mean over ranks) and rank 0's word on whether
+            # train.checkpoint_every_s has passed (the ranks' clocks differ; all must agree).
+            late = (rank == 0 and t.checkpoint_every_s > 0
+                    and time.monotonic() - last_checkpoint >= t.checkpoint_every_s)
+            reduced = torch.stack([loss.detach().float(), torch.tensor(float(late), device=loss.device)])
+            dist.all_reduce(reduced)
+            loss, due_by_time = reduced[0], bool(reduced[1].item())
             elapsed = time.perf_counter() - window_t0
             metrics = {
                 "loss": loss.item() / world,
@@ -107,8 +130,9 @@ def main(config: dict) -> None:
                 history.append({"step": done, **metrics})
                 tracker.log_metrics(metrics, step=done)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-        if done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
-            _checkpoint(engine, scheduler, done, loader.state_dict(), layout)
+        if done == t.steps or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
+            last_checkpoint = time.monotonic()
+            _checkpoint(engine, scheduler, done, loader.state_dict(), layout, {"history": history, "starts": starts})
         bar.update(1)
     bar.close()
 
@@ -117,9 +141,15 @@ def main(config: dict) -> None:
         out_dir = Path(config["out_dir"])
         save_safetensors(state, model_cfg, out_dir / WEIGHTS_FILE)
         write_train_metrics(out_dir, history)
+        write_train_starts(out_dir, starts)
+        undelivered = tracker.close(timeout_s=FLUSH_TIMEOUT_S)
+        if undelivered:
+            print(f"warning: MLflow at {config['tracker'].uri} did not answer for {FLUSH_TIMEOUT_S:.0f} s; "
+                  f"{undelivered} logged steps are not in the run but are in {out_dir / 'train_metrics.json'}",
+                  flush=True)
 
 
-def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict) -> None:
+def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict, run_log: dict) -> None:
     """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint.
 
     Beside DeepSpeed's checkpoint (resumes bit-exactly onto the same layout) rank 0 writes the
@@ -133,4 +163,5 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict) 
         save_canonical(engine, tmp, step=step, scheduler=scheduler, loader_state=loader_state)
         if dist.get_rank() == 0:
             (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(layout))
+            (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps(run_log))
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

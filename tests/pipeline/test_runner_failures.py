@@ -47,9 +47,15 @@ def run_c(cfg, inputs, out_dir, tracker):
     return toy_body("c", cfg, inputs, out_dir)
 
 
+def discard_b(cfg, hash_):
+    """b's resumable state (as train's checkpoints are): the runner discards it only when b is forced."""
+    with open(cfg.workdir() / "discarded.log", "a", encoding="utf-8") as log:
+        log.write(f"b {hash_}\n")
+
+
 TOY = in_order([
     Stage(name="a", version=1, inputs=(), hash_config=toy_hash_config, run=run_a),
-    Stage(name="b", version=1, inputs=("a",), hash_config=toy_hash_config, run=run_b),
+    Stage(name="b", version=1, inputs=("a",), hash_config=toy_hash_config, run=run_b, discard_state=discard_b),
     Stage(name="c", version=1, inputs=("b",), hash_config=toy_hash_config, run=run_c),
 ])
 
@@ -88,6 +94,11 @@ def test_a_failed_stage_is_redone_and_force_reruns_what_follows(tmp_path, ray_cl
     assert parent.info.status == "FAILED"
     first = runs_by_stage(uri, parent.info.run_id)
     assert {k: [r.info.status for r in v] for k, v in first.items()} == {"a": ["FINISHED"], "b": ["FAILED"]}
+    failed = first["b"][0]
+    assert failed.data.tags["conduit.error"] == "RuntimeError: b broke on purpose"
+    error_txt = c.download_artifacts(failed.info.run_id, "error.txt", str(tmp_path))
+    trace = Path(error_txt).read_text()
+    assert ", in run_b\n" in trace and trace.endswith("RuntimeError: b broke on purpose") and "\x1b" not in trace
 
     (work / "fail_b").unlink()
     lines = []
@@ -108,3 +119,5 @@ def test_a_failed_stage_is_redone_and_force_reruns_what_follows(tmp_path, ray_cl
     assert {n: a.hash for n, a in forced.artifacts.items()} == {n: a.hash for n, a in result.artifacts.items()}
     assert forced.artifacts["b"].manifest["finished_at"] > result.artifacts["b"].manifest["finished_at"]
     assert (work / "ran.log").read_text().split() == ["a", "b", "c", "b", "c"]  # b's failed try logs nothing
+    # Only the forced run discarded b's resumable state; the rerun after the failure kept it to resume.
+    assert (work / "discarded.log").read_text().split() == ["b", b_dir.name]

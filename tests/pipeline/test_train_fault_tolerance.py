@@ -1,22 +1,31 @@
-"""A training worker killed mid-run: Ray Train restarts the group from the latest checkpoint and
-the run ends with exactly the weights of an uninterrupted run."""
+"""Faults during training, each really injected, each ending with exactly the weights of an
+uninterrupted run: a training worker SIGKILLed (Ray Train restarts the group from the latest
+checkpoint), the driver SIGKILLed (the rerun of the same command continues from that checkpoint and
+marks the dead attempt's MLflow runs FAILED), and two configs sharing one checkpoint storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
 from pipeline import tracking
-from pipeline.config import load_config
+from pipeline.config import config_from_dict, load_config
 from pipeline.runner import make_plan, resolve
+from pipeline.stage_io import read_train_starts
 from pipeline.stages import STAGES
+from pipeline.stages.train import checkpoint_location
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -59,14 +68,25 @@ def kill_a_worker_after_checkpoints(ray_dir: Path, killed: list[int], done: thre
     killed.append(pid)
 
 
-def train_once(tmp: Path, name: str, overrides: list[str], kill: bool):
+# adam_eps 1e-4: the resume on another world size is compared to 1e-5, and a tiny eps turns rounding
+# differences of near-zero gradients into lr-sized steps (see dist_checks.py).
+TRAIN = ["train.steps=200", "train.checkpoint_every=20", "train.log_every=10", "train.progress_bar=false",
+         "train.adam_eps=0.0001"]
+
+
+def ray_run_dir(cfg, hash_: str) -> Path:
+    storage, name = checkpoint_location(cfg, hash_)
+    return Path(storage) / name
+
+
+def artifact_run_dir(art) -> Path:
+    """Where the checkpoints of a sealed train artifact are, from the config in its manifest."""
+    return ray_run_dir(config_from_dict(art.manifest["run_config"]), art.hash)
+
+
+def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, prune: bool = True):
     work = tmp / name
-    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [
-        f"run.workdir={work}", "train.steps=200", "train.checkpoint_every=20", "train.log_every=10",
-        # adam_eps 1e-4: the resume on another world size is compared to 1e-5, and a tiny eps turns
-        # rounding differences of near-zero gradients into lr-sized steps (see dist_checks.py).
-        "train.progress_bar=false", "train.adam_eps=0.0001", *overrides,
-    ]))
+    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}", *TRAIN, *overrides]))
     uri = cfg.tracking_uri()
     work.mkdir(parents=True)
     exp = tracking.ensure_experiment(uri, "fault", artifact_location=str(work / "mlartifacts"))
@@ -78,33 +98,121 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool):
         killer, done = None, threading.Event()
         if stage == "train" and kill:
             killer = threading.Thread(target=kill_a_worker_after_checkpoints,
-                                      args=(plan["train"].path / "ray" / "train", killed, done))
+                                      args=(ray_run_dir(cfg, plan["train"].hash), killed, done))
             killer.start()
+        # prune=False keeps every checkpoint Ray Train kept (not just the final one) for a test to resume from
+        record = STAGES[stage] if prune else dataclasses.replace(STAGES[stage], after_seal=None)
         try:
-            arts[stage] = STAGES[stage].execute(cfg, plan[stage].hash, plan[stage].path, arts, tracker)
+            arts[stage] = record.execute(cfg, plan[stage].hash, plan[stage].path, arts, tracker)
         finally:
             done.set()
             if killer:
                 killer.join()
     history = json.loads((arts["train"].path / "train_metrics.json").read_text())
-    return load_file(arts["train"].path / "model.safetensors"), history, killed, arts["train"].path
+    return load_file(arts["train"].path / "model.safetensors"), history, killed, arts["train"]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, ray_cluster):
-    return train_once(tmp_path_factory.mktemp("straight"), "straight", [], kill=False)
+    return train_once(tmp_path_factory.mktemp("straight"), "straight", [], kill=False, prune=False)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a), "the weights differ from the uninterrupted run's"
 
 
 def test_killed_worker_resumes_from_checkpoint_exactly(tmp_path, straight):
     straight, straight_history, _, _ = straight
-    resumed, resumed_history, killed, _ = train_once(tmp_path, "killed", ["train.max_failures=1"], kill=True)
+    resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["train.max_failures=1"], kill=True)
     assert len(killed) == 1
-    # Rank 0's history restarts with the restored run: its first logged step is past a checkpoint.
-    assert resumed_history[0]["step"] > 20
-    assert resumed_history[-1]["step"] == straight_history[-1]["step"] == 200
-    assert resumed_history[-1]["loss"] == straight_history[-1]["loss"]
-    assert straight.keys() == resumed.keys()
-    assert all((straight[k] == resumed[k]).all() for k in straight)
+    # The group restarted past a checkpoint, and the history is whole: every logged step once, as
+    # in the uninterrupted run, with the same losses.
+    starts = read_train_starts(art.path)
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 20 and starts[1] % 20 == 0, starts
+    assert art.manifest["counts"]["starts"] == starts
+    assert [h["step"] for h in resumed_history] == [h["step"] for h in straight_history]
+    assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]
+    assert art.manifest["counts"]["first_loss"] == straight_history[0]["loss"]
+    assert_same_weights(straight, resumed)
+    # Sealed: only the final checkpoint is left (train.resume_from can continue from it).
+    left = sorted(p.name for p in artifact_run_dir(art).glob("checkpoint_*") if p.is_dir())
+    assert len(left) == 1 and Path(art.manifest["counts"]["checkpoint"]).name == left[0], left
+
+
+def run_cli(work: Path, *extra: str) -> subprocess.Popen:
+    """``python -m jobs.run configs/smoke.yaml`` as a user starts it (its own embedded Ray)."""
+    cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", *TRAIN,
+           "eval.max_batches=2", "eval.max_text_tokens=512", "eval.lambada_max_examples=16",
+           "eval.max_new_tokens=4", *extra]
+    log = open(work.parent / f"{work.name}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight):
+    weights, _, _, straight_art = straight
+    work = tmp_path / "driver"
+    work.mkdir()
+    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}", *TRAIN]))
+    train_hash = {p.stage: p for p in make_plan(cfg)}["train"].hash
+    assert train_hash == straight_art.hash  # evaluate's settings are outside the train hash
+    run_dir = ray_run_dir(cfg, train_hash)
+    driver = run_cli(work)
+    deadline = time.monotonic() + 600
+    while registered_checkpoints(run_dir) < 2:
+        assert driver.poll() is None, "the pipeline ended before two checkpoints: nothing to kill"
+        assert time.monotonic() < deadline, "no two checkpoints within 10 minutes"
+        time.sleep(0.05)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    # The killed driver's embedded Ray goes with it: nothing of its session (named after the driver's
+    # pid) keeps running.
+    session = re.compile(rf"/session_[0-9_.-]+_{driver.pid}/")
+    deadline = time.monotonic() + 60
+    while left := [p.pid for p in psutil.process_iter(["cmdline"]) if session.search(" ".join(p.info["cmdline"] or []))]:
+        assert time.monotonic() < deadline, f"processes of the killed driver's Ray still run: {left}"
+        time.sleep(1)
+
+    rerun = run_cli(work)
+    assert rerun.wait(timeout=900) == 0, "the rerun failed: see its log beside the workdir"
+    train_dir = work / "artifacts" / "train" / train_hash
+    starts = read_train_starts(train_dir)
+    # The first attempt started at 0; the rerun began past its two checkpoints, not at step 0.
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 40 and starts[1] % 20 == 0, starts
+    assert_same_weights(weights, load_file(train_dir / "model.safetensors"))
+    # MLflow: the dead attempt's parent and train runs are FAILED, the rerun's FINISHED.
+    uri = cfg.tracking_uri()
+    exp = tracking.ensure_experiment(uri, cfg.tracking.experiment)
+    runs = tracking.client(uri).search_runs([exp], max_results=100)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(r.info.status for r in parents) == ["FAILED", "FINISHED"], [r.info.status for r in parents]
+    dead = next(r for r in parents if r.info.status == "FAILED")
+    dead_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == dead.info.run_id]
+    assert "RUNNING" not in [r.info.status for r in dead_children]
+    assert any(r.data.tags.get("conduit.stage") == "train" and r.info.status == "FAILED" for r in dead_children)
+
+
+def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_path, ray_cluster):
+    """Config A, then config B (another learning rate) on one ``train.checkpoint_storage``: B trains
+    from step 0 on its own (it used to restore A's final step and fail); ``--force train`` on A
+    removes exactly A's checkpoints (the runner calls the stage's ``discard_state``, checked with
+    toy stages in test_runner_failures.py)."""
+    storage = tmp_path / "shared-ckpt"
+    short = [f"train.checkpoint_storage={storage}", "train.steps=30", "train.checkpoint_every=0"]
+    # A checkpoints only at the end; B also whenever train.checkpoint_every_s has passed at a log step
+    # (every 10 steps): here always, so at 10, 20 and 30.
+    _, a_history, _, a = train_once(tmp_path, "a", [*short, "train.checkpoint_every_s=0"], kill=False)
+    _, b_history, _, b = train_once(tmp_path, "b", [*short, "train.checkpoint_every_s=0.000001", "train.lr=0.002"],
+                                    kill=False)
+    reports = {art.hash: json.loads((storage / f"train-{art.hash}" / "checkpoint_manager_snapshot.json").read_text())
+               ["current_report_index"] for art in (a, b)}
+    assert reports == {a.hash: 1, b.hash: 3}
+    assert a.hash != b.hash
+    assert read_train_starts(a.path) == read_train_starts(b.path) == [0]
+    assert b_history[-1]["loss"] != a_history[-1]["loss"]
+    assert sorted(p.name for p in storage.iterdir()) == sorted([f"train-{a.hash}", f"train-{b.hash}"])
+    STAGES["train"].discard_state(config_from_dict(a.manifest["run_config"]), a.hash)
+    assert [p.name for p in storage.iterdir()] == [f"train-{b.hash}"]
 
 
 def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s3):
@@ -114,8 +222,9 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s
     reported to ``train.checkpoint_storage=s3://...``."""
     import pyarrow.fs as pafs
 
-    weights, _, _, train_dir = straight
-    first_kept = sorted((train_dir / "ray" / "train").glob("checkpoint_*"))[0]  # keep_checkpoints=2: 180, 200
+    weights, _, _, train_art = straight
+    first_kept = sorted(p for p in artifact_run_dir(train_art).glob("checkpoint_*") if p.is_dir())[0]
+    assert first_kept.name.startswith("checkpoint_")  # keep_checkpoints=2 (not pruned here): 180, 200
     assert json.loads((first_kept / "layout.json").read_text()) == {"world_size": 2, "ep_size": 1, "zero_stage": 1}
     query = f"endpoint_override={moto_s3}&scheme=http"
     fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)

@@ -1,0 +1,64 @@
+"""How a run ends when its surroundings fail: a tracking server that does not answer stops the run
+before anything computes; SIGTERM (``ray job stop``, ``kill``) ends the MLflow runs KILLED."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import tracking
+from pipeline.config import load_config
+from pipeline.runner import run_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_tracking_server_stops_the_run_before_any_compute(tmp_path):
+    uri = f"http://127.0.0.1:{closed_port()}"
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={tmp_path / 'work'}", f"tracking.uri={uri}"])
+    t0 = time.monotonic()
+    with pytest.raises(tracking.TrackingUnavailable, match=f"the MLflow tracking server at {uri} does not answer"):
+        run_pipeline(cfg, echo=print)
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "work").exists()  # nothing was written, nothing started
+    done = subprocess.run([sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={tmp_path / 'w'}",
+                           f"tracking.uri={uri}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: the MLflow tracking server at {uri} does not answer" in done.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_marks_the_runs_killed(tmp_path):
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", "train.steps=100000",
+           "train.progress_bar=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # the stages print "<stage>: running (<hash>)" as they start
+        seen.append(line)
+        if line.startswith("train: running"):
+            time.sleep(5)  # inside the Ray task now
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, out[-3000:]
+    assert "interrupted (SIGTERM)" in out and "Traceback" not in out.split("interrupted (SIGTERM)")[-1]
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])
+    uri = cfg.tracking_uri()
+    exp = tracking.ensure_experiment(uri, cfg.tracking.experiment)
+    runs = {r.data.tags["mlflow.runName"]: r.info.status for r in tracking.client(uri).search_runs([exp])}
+    assert runs["train"] == "KILLED" and runs["smoke"] == "KILLED", runs
+    assert runs["tokenize"] == "FINISHED", runs
