@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -24,6 +25,7 @@ import yaml
 
 from models import PRESETS, ModelConfig
 from pipeline import limits
+from pipeline.yaml_read import DuplicateKeyError, load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
@@ -244,13 +246,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Args:
         path: YAML file; None starts from the defaults.
-        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``true``, ``[a, b]``).
+        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``3e-4``, ``true``,
+            ``[a, b]``) in the dialect of ``pipeline.yaml_read``, like the file.
 
     Returns:
         The validated RunConfig.
 
     Raises:
-        ConfigError: naming the file, key or field and what is allowed.
+        ConfigError: naming the file, key or field and what is allowed; a key given twice in one
+            mapping, naming both lines.
     """
     raw: dict = {}
     source = "<defaults>"
@@ -261,7 +265,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}: {e}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(raw, dict):
@@ -290,7 +296,10 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[parts[-1]] = load_yaml(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
 def _unknown(key: str, valid: list[str], where: str, source: str) -> ConfigError:
@@ -341,12 +350,16 @@ def _coerce(value: Any, hint: Any, name: str, source: str) -> Any:
             raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
         return value
     if hint is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # ``steps: 1e4``: a whole number written in scientific notation
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {name} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

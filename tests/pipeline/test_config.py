@@ -93,3 +93,32 @@ def test_hash_view_drops_logging_fields():
     assert hash_view(a.train) == hash_view(b.train)
     assert "log_every" not in hash_view(a.train)
     assert hash_view(a.train) != hash_view(load_config(None, ["train.steps=21"]).train)
+
+
+def test_numbers_load_as_people_write_them(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 3e-4\n  adam_eps: 1E-8\n  steps: 1e2\n  warmup_steps: 10\n"
+                 "model:\n  rope_base: 1e4\n")
+    cfg = load_config(f)
+    assert (cfg.train.lr, cfg.train.adam_eps, cfg.train.steps) == (3e-4, 1e-8, 100)
+    assert isinstance(cfg.train.steps, int)
+    assert cfg.model_config().rope_base == 1e4
+    cfg = load_config(None, ["train.lr=3e-4", "train.beta2=+9.9e-1", "train.steps=2e1"])
+    assert (cfg.train.lr, cfg.train.beta2, cfg.train.steps) == (3e-4, 0.99, 20)
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer, got 2\.5"):
+        load_config(None, ["train.steps=2.5"])
+    with pytest.raises(ConfigError, match=r"train\.lr must be a finite number, got inf"):
+        load_config(None, ["train.lr=.inf"])
+    assert load_config(None, ["run.name=1e3x"]).run.name == "1e3x"  # not a number: stays a string
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  steps: 7\nparallel:\n  num_workers: 1\ntrain:\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: key 'train' is given twice in one mapping \(lines 1 and 5\)"):
+        load_config(f)
+    f.write_text("train:\n  steps: 7\n  steps: 8\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' is given twice in one mapping \(lines 2 and 3\)"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"override 'data\.train_paths=\{a: 1, a: 2\}'.*given twice"):
+        load_config(None, ["data.train_paths={a: 1, a: 2}"])
