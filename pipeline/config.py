@@ -25,6 +25,7 @@ import yaml
 
 from models import PRESETS, ModelConfig
 from pipeline import limits
+from pipeline.config_ranges import out_of_range
 from pipeline.yaml_read import DuplicateKeyError, load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -412,6 +413,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
             raise ConfigError(f"{source}: {problem}")
 
     d, t, tr, p = cfg.data, cfg.tokenizer, cfg.train, cfg.parallel
+    within(out_of_range(cfg))
     need(bool(d.train_paths), "data.train_paths must name at least one file, directory or glob")
     need(0.0 < d.validation_fraction < 1.0, f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
     need(d.num_shards >= 1, f"data.num_shards={d.num_shards} must be >= 1")
@@ -465,6 +467,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
+    need(cfg.register.alias != "champion",
+         "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
+         "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")
     mc = cfg.model_config()
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,
