@@ -76,6 +76,10 @@ class DataSection:
     target_shard_bytes: int | None = None  # set: every split gets ceil(bytes / target) shards
     max_documents: int | None = None  # cap after the split-independent ordering; None: all
     encoding_errors: Literal["error", "replace"] = "error"
+    # A malformed .jsonl line (bad JSON, no text field, a non-string text) or an undecodable text file
+    # (invalid UTF-8 under encoding_errors=error, NUL bytes): error stops the run naming the file and
+    # place; skip leaves it out and counts it by reason (the shard manifest's counts.skipped).
+    on_bad_document: Literal["error", "skip"] = "error"
 
 
 @dataclass
