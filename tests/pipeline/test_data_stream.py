@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tracemalloc
 
 import numpy as np
@@ -155,3 +156,57 @@ def test_undecodable_file_survives_pickling():
     e = pickle.loads(pickle.dumps(stream.utf8_error("x.txt", 5)))
     assert isinstance(e, stream.UndecodableFile) and e.reason == "invalid_utf8"
     assert str(e).startswith("x.txt: invalid UTF-8 at byte offset 5 ")
+
+
+MEMORY_LIMITED_READ = r'''
+import json, os, resource, sys
+import pyarrow as pa, pyarrow.parquet as pq
+from pipeline.data.clean import CleanOptions
+from pipeline.data.fs import InputFile
+from pipeline.data.readers import read_and_clean
+
+path, headroom = sys.argv[1], int(sys.argv[2])
+pq.write_table(pa.table({"x": ["warm"]}), path + ".warm.parquet")  # arrow's one-time set-up (thread pools)
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, vm + headroom))
+table, stats = read_and_clean(InputFile(path, "txt", os.path.getsize(path), 0), "text", "\n\n", "error",
+                              CleanOptions(max_doc_chars=100))
+kept = table.column("text").to_pylist()
+try:
+    whole = len(open(path, "rb").read().decode("utf-8"))  # what the reader did before: the file at once
+except MemoryError:
+    whole = None
+print(json.dumps({"stats": stats, "kept": kept, "whole_file_read": whole}))
+'''
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="measures the address space in /proc (Linux)")
+def test_a_file_larger_than_the_read_tasks_memory_limit_is_read(tmp_path):
+    """The shard stage's read task (``read_and_clean``), in a process whose address space may grow by
+    64 MiB, reads and cleans a 96 MiB file; reading the file whole fails under the same limit."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    para = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"], size=60)) for _ in range(63)]
+    path = tmp_path / "big.txt"
+    short = 0
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        while f.tell() < 96 << 20:
+            f.write("\r\n\r\n".join(para) + f"\r\n\r\nshort document {short}\r\n\r\n")
+            short += 1
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system"}  # jemalloc reserves address space up front
+    try:
+        out = subprocess.run([sys.executable, "-c", MEMORY_LIMITED_READ, str(path), str(64 << 20)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        path.unlink()
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    stats = result["stats"]
+    assert result["whole_file_read"] is None  # the limit is real: the file does not fit whole
+    assert stats["sha256"] == digest and stats["bytes"] >= 96 << 20
+    assert stats["documents"] == 64 * short + 1  # the last separator leaves one empty piece
+    assert stats["removed"]["too_long"] == 63 * short and stats["removed"]["empty"] == 1
+    assert result["kept"] == [f"short document {i}" for i in range(short)]  # CRLF gone, in order
