@@ -11,6 +11,7 @@ Kept free of ``pipeline.config`` (it raises YAML errors; the config loader names
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from typing import Any
 
 import yaml
@@ -37,6 +38,8 @@ class ConfigLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue  # ``<<: *base`` may be overridden by design
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML's own construct_mapping refuses it, naming the place
             line = key_node.start_mark.line + 1
             if key in first_line:
                 raise DuplicateKeyError(
