@@ -13,10 +13,12 @@ cluster's totals instead of waiting for the train stage to find out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from pipeline.config import ConfigError, RunConfig
 from pipeline.training.device import resolve_device, resolve_precision
+
+TRAIN_STAGE = "train"  # the stage whose Ray Train workers this module judges
 
 
 def worker_resources(device: str) -> dict[str, float]:
@@ -24,18 +26,24 @@ def worker_resources(device: str) -> dict[str, float]:
     return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
 
 
-def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float]) -> None:
+def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
+                            stages_to_run: Collection[str] | None = None) -> None:
     """Refuse a config that asks for more than the cluster has.
 
     Args:
         cfg: the run's config.
         resources: the cluster's total resources, as ``ray.cluster_resources()`` returns them.
+        stages_to_run: the stages this run will execute (not cached); None: all. Only the train
+            stage starts workers, so a run without it (``--only shard``, or train cached) is not
+            judged by them.
 
     Raises:
         ConfigError: ``parallel.device=cuda`` on a cluster without GPUs; ``train.precision=fp16``
             where training runs on CPU; more CPUs or GPUs for ``parallel.num_workers`` workers than
             the cluster has. Each message names the fields, what they ask for and what is there.
     """
+    if stages_to_run is not None and TRAIN_STAGE not in stages_to_run:
+        return
     p = cfg.parallel
     have = {"CPU": float(resources.get("CPU", 0.0)), "GPU": float(resources.get("GPU", 0.0))}
     available = f"the Ray cluster has {have['CPU']:g} CPUs and {have['GPU']:g} GPUs"

@@ -216,7 +216,7 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
     started_ray = connect_ray(cfg)
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
-        check_cluster_resources(cfg, ray.cluster_resources())
+        check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run])
         return _run_stages(cfg, plan, uri, echo, stages)
     finally:
         if started_ray:

@@ -46,6 +46,14 @@ def test_what_does_not_fit_names_asked_and_available(overrides, resources, patte
         check_cluster_resources(cfg_with(*overrides), resources)
 
 
+def test_only_a_run_that_trains_is_judged_by_its_workers():
+    too_many = cfg_with("parallel.num_workers=8", "train.global_batch_size=32", "parallel.device=cuda")
+    check_cluster_resources(too_many, {"CPU": 2.0}, ["shard", "tokenizer"])  # --only tokenizer, say
+    check_cluster_resources(too_many, {"CPU": 2.0}, [])  # everything cached
+    with pytest.raises(ConfigError, match=r"parallel\.device=cuda but the Ray cluster has 2 CPUs and 0 GPUs"):
+        check_cluster_resources(too_many, {"CPU": 2.0}, ["tokenize", "train", "evaluate"])
+
+
 def test_against_the_session_ray(ray_cluster):
     have = ray_cluster.cluster_resources()
     cpus = int(have["CPU"])
@@ -64,7 +72,7 @@ def test_run_pipeline_refuses_before_the_first_stage(tmp_path, ray_cluster):
     cpus = int(ray_cluster.cluster_resources()["CPU"])
     cfg = load_config(None, [f"run.workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
                              f"parallel.num_workers={2 * cpus}", f"train.global_batch_size={8 * cpus}"])
-    stages = in_order([Stage(name="only", version=1, inputs=(), hash_config=lambda c: {}, run=never_run)])
+    stages = in_order([Stage(name="train", version=1, inputs=(), hash_config=lambda c: {}, run=never_run)])
     with pytest.raises(ConfigError, match=rf"need {2 * cpus} CPUs"):
         run_pipeline(cfg, stages=stages, echo=lambda s: None)
     assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
