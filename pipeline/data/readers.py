@@ -198,6 +198,12 @@ def _read_with_builder(src: InputFile, raw: bytes, builder: str, text_field: str
     return docs, replaced, bom
 
 
+def _first_stats(src: InputFile, builder: str | None) -> dict:
+    """An input's stats before it is read (see the module docstring for the rest)."""
+    return {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0, "bom_removed": 0,
+            "skipped": dict.fromkeys(SKIP_REASONS, 0)}
+
+
 def iter_input(src: InputFile, text_field: str, separator: str | None, encoding_errors: str,
                reader: str = "native", on_bad_document: str = "error") -> tuple[Iterator[str | None], dict]:
     """The documents of one input, as an iterator (native .txt and .jsonl: read in bounded memory).
@@ -221,8 +227,7 @@ def iter_input(src: InputFile, text_field: str, separator: str | None, encoding_
             non-string text value. Native .txt/.jsonl inputs raise while their documents are read.
     """
     builder = builder_for(src.kind, reader)
-    stats = {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0, "bom_removed": 0,
-             "skipped": dict.fromkeys(SKIP_REASONS, 0)}
+    stats = _first_stats(src, builder)
     if builder is None and src.kind in ("txt", "jsonl"):
         docs = stream_documents(src, text_field, separator, encoding_errors, on_bad_document, stats)
         return docs, stats
@@ -278,9 +283,9 @@ def read_and_clean(src: InputFile, text_field: str, separator: str | None, encod
         if on_bad_document != "skip":
             raise
         table, clean_counts = clean_documents([], src.uri, opts)
-        stats = {"uri": src.uri, "kind": src.kind, "builder": builder_for(src.kind, reader), "replaced_chars": 0,
-                 "bom_removed": 0, "skipped": {**dict.fromkeys(SKIP_REASONS, 0), e.reason: 1},
-                 "bytes": src.size, "sha256": None, "documents": 0}
+        stats = _first_stats(src, builder_for(src.kind, reader))
+        stats["skipped"][e.reason] = 1
+        stats.update(bytes=src.size, sha256=None, documents=0)
     stats["empty_file"] = stats["bytes"] == 0
     stats.update(clean_counts)
     return table, stats
