@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -24,6 +25,8 @@ import yaml
 
 from models import PRESETS, ModelConfig
 from pipeline import limits
+from pipeline.config_ranges import out_of_range
+from pipeline.yaml_read import DuplicateKeyError, load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
@@ -73,6 +76,10 @@ class DataSection:
     target_shard_bytes: int | None = None  # set: every split gets ceil(bytes / target) shards
     max_documents: int | None = None  # cap after the split-independent ordering; None: all
     encoding_errors: Literal["error", "replace"] = "error"
+    # A malformed .jsonl line (bad JSON, no text field, a non-string text) or an undecodable text file
+    # (invalid UTF-8 under encoding_errors=error, NUL bytes): error stops the run naming the file and
+    # place; skip leaves it out and counts it by reason (the shard manifest's counts.skipped).
+    on_bad_document: Literal["error", "skip"] = "error"
 
 
 @dataclass
@@ -251,13 +258,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Args:
         path: YAML file; None starts from the defaults.
-        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``true``, ``[a, b]``).
+        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``3e-4``, ``true``,
+            ``[a, b]``) in the dialect of ``pipeline.yaml_read``, like the file.
 
     Returns:
         The validated RunConfig.
 
     Raises:
-        ConfigError: naming the file, key or field and what is allowed.
+        ConfigError: naming the file, key or field and what is allowed; a key given twice in one
+            mapping, naming both lines.
     """
     raw: dict = {}
     source = "<defaults>"
@@ -268,7 +277,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}: {e}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(raw, dict):
@@ -297,7 +308,10 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[parts[-1]] = load_yaml(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from e
 
 
 def _unknown(key: str, valid: list[str], where: str, source: str) -> ConfigError:
@@ -348,12 +362,16 @@ def _coerce(value: Any, hint: Any, name: str, source: str) -> Any:
             raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
         return value
     if hint is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # ``steps: 1e4``: a whole number written in scientific notation
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {name} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -406,6 +424,7 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
             raise ConfigError(f"{source}: {problem}")
 
     d, t, tr, p = cfg.data, cfg.tokenizer, cfg.train, cfg.parallel
+    within(out_of_range(cfg))
     need(bool(d.train_paths), "data.train_paths must name at least one file, directory or glob")
     need(0.0 < d.validation_fraction < 1.0, f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
     need(d.num_shards >= 1, f"data.num_shards={d.num_shards} must be >= 1")
@@ -460,6 +479,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
     need(tr.checkpoint_every_s >= 0, f"train.checkpoint_every_s={tr.checkpoint_every_s} must be >= 0")
+    need(cfg.register.alias != "champion",
+         "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
+         "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")
     mc = cfg.model_config()
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,

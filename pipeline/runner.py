@@ -21,6 +21,7 @@ from typing import Callable
 from pipeline import cluster, tracking
 from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
+from pipeline.preflight import check_cluster_resources
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
 
 
@@ -221,6 +222,7 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
     started_ray = connect_ray(cfg)
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
+        check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run])
         return _run_stages(cfg, plan, uri, echo, stages)
     finally:
         if started_ray:

@@ -19,21 +19,69 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 NUM_SPECIAL = 5  # the four above plus the newline piece
 
 
-def training_lines(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
+# The longest training sentence, in UTF-8 bytes, that sentencepiece's trainer takes (its
+# ``max_sentence_length``, passed explicitly). It skips longer ones without a word (its log is off);
+# ``training_lines`` splits lines so that none is longer, and counts the splits.
+MAX_SENTENCE_BYTES = 4192
+
+
+def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> list[str]:
+    """Cut ``line`` into pieces of at most ``max_bytes`` UTF-8 bytes, in order, losing nothing.
+
+    A cut falls before the last space or tab that leaves a non-empty piece (the whitespace starts the
+    next piece, as it starts a word's piece in sentencepiece), else at the last character that fits.
+
+    Returns:
+        ``[line]`` when it fits, else the pieces (``"".join`` gives ``line`` back).
+    """
+    data = line.encode("utf-8")
+    if len(data) <= max_bytes:
+        return [line]
+    pieces = []
+    start = 0
+    while len(data) - start > max_bytes:
+        end = start + max_bytes
+        while data[end] & 0xC0 == 0x80:  # a UTF-8 continuation byte: back off to the character's start
+            end -= 1
+        cut = max(data.rfind(b" ", start + 1, end), data.rfind(b"\t", start + 1, end))
+        cut = cut if cut > start else end
+        pieces.append(data[start:cut].decode("utf-8"))
+        start = cut
+    pieces.append(data[start:].decode("utf-8"))
+    return pieces
+
+
+def training_lines(docs: Iterable[str], max_bytes: int, tally: dict | None = None) -> Iterator[str]:
     """Lines of ``docs`` in order until ``max_bytes`` of UTF-8 have been yielded.
 
     Sentencepiece trains on "sentences"; a line is ours, so merges never span a newline, and the
-    newline itself is a user-defined symbol.
+    newline itself is a user-defined symbol. A line longer than ``MAX_SENTENCE_BYTES`` is split
+    (``split_long_line``), where sentencepiece would skip it.
+
+    Args:
+        docs: documents.
+        max_bytes: UTF-8 bytes of training text to yield at most.
+        tally: when given, gets ``sentences`` (yielded), ``long_lines_split`` (lines over
+            ``MAX_SENTENCE_BYTES``) and ``sentences_from_splits`` (the pieces they became) added.
     """
+    tally = {} if tally is None else tally
+    for key in ("sentences", "long_lines_split", "sentences_from_splits"):
+        tally.setdefault(key, 0)
     seen = 0
     for doc in docs:
         for line in doc.split("\n"):
             if not line:
                 continue
-            seen += len(line.encode("utf-8"))
-            if seen > max_bytes:
-                return
-            yield line
+            pieces = split_long_line(line)
+            if len(pieces) > 1:
+                tally["long_lines_split"] += 1
+                tally["sentences_from_splits"] += len(pieces)
+            for piece in pieces:
+                seen += len(piece.encode("utf-8"))
+                if seen > max_bytes:
+                    return
+                tally["sentences"] += 1
+                yield piece
 
 
 def train_sentencepiece(lines: Iterable[str], *, vocab_size: int, model_type: str,
@@ -67,6 +115,7 @@ def train_sentencepiece(lines: Iterable[str], *, vocab_size: int, model_type: st
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
         user_defined_symbols=["\n", *user_defined_symbols],
         hard_vocab_limit=False,
+        max_sentence_length=MAX_SENTENCE_BYTES,
         num_threads=num_threads,
         minloglevel=2,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -17,6 +18,7 @@ import pyarrow as pa
 # C0 and C1 controls, DEL, but not tab, newline or carriage return (those are layout, not noise).
 CONTROL_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 REMOVAL_RULES = ("null", "empty", "too_short", "too_long")  # per-document rules, in the order applied
+BATCH_DOCUMENTS = 1024  # kept documents per arrow batch of the cleaned table
 DOCUMENT_SCHEMA = pa.schema([("text", pa.string()), ("doc_id", pa.string()), ("source", pa.string())])
 
 
@@ -35,11 +37,14 @@ def doc_id(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def clean_documents(docs: list[str | None], source: str, opts: CleanOptions) -> tuple[pa.Table, dict]:
-    """Clean and filter one input's documents.
+def clean_documents(docs: Iterable[str | None], source: str, opts: CleanOptions) -> tuple[pa.Table, dict]:
+    """Clean and filter one input's documents as they come.
+
+    Kept documents go into the table ``BATCH_DOCUMENTS`` at a time, so what is held besides the
+    table is one batch (and the document being read), whatever the length of ``docs``.
 
     Args:
-        docs: raw documents in input order (``None``: a record without text).
+        docs: raw documents in input order (``None``: a record without text); any iterable.
         source: the input's URI, stored with every kept document.
         opts: cleaning options.
 
@@ -50,7 +55,8 @@ def clean_documents(docs: list[str | None], source: str, opts: CleanOptions) -> 
     """
     removed = dict.fromkeys(REMOVAL_RULES, 0)
     changed = stripped = 0
-    texts, ids = [], []
+    texts: list[str] = []
+    batches: list[pa.RecordBatch] = []
     form = {"nfc": "NFC", "nfkc": "NFKC"}.get(opts.normalize)
     min_chars = max(opts.min_doc_chars, 1)
     for doc in docs:
@@ -73,6 +79,14 @@ def clean_documents(docs: list[str | None], source: str, opts: CleanOptions) -> 
             removed["too_long"] += 1
         else:
             texts.append(doc)
-            ids.append(doc_id(doc))
-    table = pa.table({"text": texts, "doc_id": ids, "source": [source] * len(texts)}, schema=DOCUMENT_SCHEMA)
+            if len(texts) == BATCH_DOCUMENTS:
+                batches.append(_batch(texts, source))
+                texts = []
+    batches.append(_batch(texts, source))
+    table = pa.Table.from_batches(batches, schema=DOCUMENT_SCHEMA)
     return table, {"removed": removed, "normalized_changed": changed, "control_chars_removed": stripped}
+
+
+def _batch(texts: list[str], source: str) -> pa.RecordBatch:
+    return pa.record_batch({"text": texts, "doc_id": [doc_id(t) for t in texts], "source": [source] * len(texts)},
+                           schema=DOCUMENT_SCHEMA)

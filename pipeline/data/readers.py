@@ -4,9 +4,12 @@ Every reader returns the raw documents (``None`` where a record has no text: a n
 JSON or a dataset) and a stats dict: ``uri``, ``kind``, ``builder`` (the ``datasets`` builder that
 read it, or None), ``bytes`` read, ``sha256`` of the content, ``documents`` (records, nulls
 included), ``replaced_chars`` (invalid UTF-8 under policy ``replace``), ``bom_removed`` (1 when the
-text began with a UTF-8 byte-order mark, which is dropped) and ``empty_file``. Problems
+text began with a UTF-8 byte-order mark, which is dropped), ``empty_file`` and ``skipped`` (malformed
+lines and undecodable files left out under ``data.on_bad_document=skip``, by reason). Problems
 that make the rest of a file meaningless raise ``DataError`` naming the file and the byte offset or
-line number; nothing is skipped silently.
+line number, unless ``data.on_bad_document=skip`` says to skip and count them; nothing is skipped
+silently. Conduit's own .txt and .jsonl reader streams the file (``pipeline.data.stream``): memory
+stays bounded by a chunk plus a document, whatever the file's size.
 
 Text (.txt, .jsonl, .json, .csv) is read with universal newlines, as Python's ``open`` and the
 ``datasets`` builders read it: CRLF and a lone CR become LF before documents are split, so a CRLF
@@ -32,9 +35,9 @@ handed to the builder as a temporary copy. Rows come in file order. Builder spec
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -43,6 +46,7 @@ import pyarrow.parquet as pq
 from pipeline.data import DataError
 from pipeline.data.clean import CleanOptions, clean_documents
 from pipeline.data.fs import InputFile, filesystem_for
+from pipeline.data.stream import SKIP_REASONS, UndecodableFile, nul_error, stream_documents, utf8_error
 
 STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 # The datasets builder of each kind of data file; kinds Conduit has no reader for always use it.
@@ -71,16 +75,13 @@ def decode_utf8(raw: bytes, uri: str, policy: str) -> tuple[str, int]:
         (text, replaced_chars): the count of U+FFFD that policy ``replace`` put in.
 
     Raises:
-        DataError: invalid UTF-8 under policy ``error``, with the byte offset.
+        UndecodableFile: invalid UTF-8 under policy ``error``, with the byte offset.
     """
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError as e:
         if policy == "error":
-            raise DataError(
-                f"{uri}: invalid UTF-8 at byte offset {e.start} (set data.encoding_errors=replace to "
-                "replace bad bytes with U+FFFD and count them)"
-            ) from e
+            raise utf8_error(uri, e.start) from e
         text = raw.decode("utf-8", errors="replace")
         return text, text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
 
@@ -98,27 +99,7 @@ def normalize_text(text: str) -> tuple[str, int]:
 def _refuse_nul(raw: bytes, uri: str) -> None:
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise DataError(f"{uri}: contains NUL bytes (first at byte offset {nul}); is it a binary file?")
-
-
-def _text_documents(text: str, kind: str, uri: str, text_field: str, separator: str | None) -> list[str | None]:
-    if kind == "txt":
-        return [text] if separator is None else text.split(separator)
-    docs: list[str | None] = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{uri}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from e
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise DataError(f"{uri}:{lineno}: no field {text_field!r} in this JSON line (set data.text_field)")
-        value = obj[text_field]
-        if value is not None and not isinstance(value, str):
-            raise DataError(f"{uri}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
-        docs.append(value)
-    return docs
+        raise nul_error(uri, nul)
 
 
 def _column_documents(table: pa.Table, uri: str, text_field: str) -> list[str | None]:
@@ -217,9 +198,15 @@ def _read_with_builder(src: InputFile, raw: bytes, builder: str, text_field: str
     return docs, replaced, bom
 
 
-def read_input(src: InputFile, text_field: str, separator: str | None,
-               encoding_errors: str, reader: str = "native") -> tuple[list[str | None], dict]:
-    """Read one input into documents.
+def _first_stats(src: InputFile, builder: str | None) -> dict:
+    """An input's stats before it is read (see the module docstring for the rest)."""
+    return {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0, "bom_removed": 0,
+            "skipped": dict.fromkeys(SKIP_REASONS, 0)}
+
+
+def iter_input(src: InputFile, text_field: str, separator: str | None, encoding_errors: str,
+               reader: str = "native", on_bad_document: str = "error") -> tuple[Iterator[str | None], dict]:
+    """The documents of one input, as an iterator (native .txt and .jsonl: read in bounded memory).
 
     Args:
         src: the input.
@@ -227,16 +214,23 @@ def read_input(src: InputFile, text_field: str, separator: str | None,
         separator: .txt files are split on it; None keeps a whole file as one document.
         encoding_errors: ``error`` or ``replace`` for invalid UTF-8 in .txt/.jsonl/.json/.csv.
         reader: ``native`` or ``datasets`` (``data.reader``): who reads .txt/.jsonl/.parquet.
+        on_bad_document: ``error`` or ``skip``: malformed .jsonl lines (native reader) stop the read
+            or are counted in ``stats["skipped"]``.
 
     Returns:
-        (documents, stats) as the module docstring describes.
+        (documents, stats): the stats as the module docstring describes, complete once the
+        documents are exhausted.
 
     Raises:
-        DataError: invalid UTF-8 (policy ``error``), NUL bytes in a text file, malformed JSON or CSV, a
-            missing field or column, or a non-string text value.
+        UndecodableFile: invalid UTF-8 (policy ``error``) or NUL bytes in a text file.
+        DataError: malformed JSON (policy ``error``) or CSV, a missing field or column, or a
+            non-string text value. Native .txt/.jsonl inputs raise while their documents are read.
     """
     builder = builder_for(src.kind, reader)
-    stats = {"uri": src.uri, "kind": src.kind, "builder": builder, "replaced_chars": 0, "bom_removed": 0}
+    stats = _first_stats(src, builder)
+    if builder is None and src.kind in ("txt", "jsonl"):
+        docs = stream_documents(src, text_field, separator, encoding_errors, on_bad_document, stats)
+        return docs, stats
     if src.kind == "datasets":
         docs, extra = _read_datasets(src.uri, text_field)
         stats.update(extra)
@@ -246,29 +240,52 @@ def read_input(src: InputFile, text_field: str, separator: str | None,
         if builder is not None:
             docs, stats["replaced_chars"], stats["bom_removed"] = _read_with_builder(
                 src, raw, builder, text_field, separator, encoding_errors)
-        elif src.kind == "parquet":
-            docs = _column_documents(pq.read_table(pa.BufferReader(raw)), src.uri, text_field) if raw else []
         else:
-            _refuse_nul(raw, src.uri)
-            text, stats["replaced_chars"] = decode_utf8(raw, src.uri, encoding_errors)
-            text, stats["bom_removed"] = normalize_text(text)
-            docs = _text_documents(text, src.kind, src.uri, text_field, separator) if raw else []
-    stats["empty_file"] = stats["bytes"] == 0
+            docs = _column_documents(pq.read_table(pa.BufferReader(raw)), src.uri, text_field) if raw else []
     stats["documents"] = len(docs)
+    return iter(docs), stats
+
+
+def read_input(src: InputFile, text_field: str, separator: str | None, encoding_errors: str,
+               reader: str = "native", on_bad_document: str = "error") -> tuple[list[str | None], dict]:
+    """Read one input into a list of documents (``iter_input``, all read).
+
+    Returns:
+        (documents, stats) as the module docstring describes.
+
+    Raises:
+        DataError: see ``iter_input``.
+    """
+    docs, stats = iter_input(src, text_field, separator, encoding_errors, reader, on_bad_document)
+    docs = list(docs)
+    stats["empty_file"] = stats["bytes"] == 0
     return docs, stats
 
 
 def read_and_clean(src: InputFile, text_field: str, separator: str | None, encoding_errors: str,
-                   opts: CleanOptions, reader: str = "native") -> tuple[pa.Table, dict]:
-    """Read one input and clean its documents: the unit of parallel work of the shard stage.
+                   opts: CleanOptions, reader: str = "native",
+                   on_bad_document: str = "error") -> tuple[pa.Table, dict]:
+    """Read one input and clean its documents as they are read: the unit of parallel work of the shard stage.
+
+    Under ``on_bad_document=skip`` an undecodable text file (``UndecodableFile``) is left out whole:
+    no documents, ``skipped[reason] = 1``, its listed size as ``bytes`` and no ``sha256``.
 
     Returns:
         (kept documents as a ``DOCUMENT_SCHEMA`` table, the input's stats with the cleaning counts).
 
     Raises:
-        DataError: see ``read_input``.
+        DataError: see ``iter_input``.
     """
-    docs, stats = read_input(src, text_field, separator, encoding_errors, reader)
-    table, clean_counts = clean_documents(docs, src.uri, opts)
+    try:
+        docs, stats = iter_input(src, text_field, separator, encoding_errors, reader, on_bad_document)
+        table, clean_counts = clean_documents(docs, src.uri, opts)
+    except UndecodableFile as e:
+        if on_bad_document != "skip":
+            raise
+        table, clean_counts = clean_documents([], src.uri, opts)
+        stats = _first_stats(src, builder_for(src.kind, reader))
+        stats["skipped"][e.reason] = 1
+        stats.update(bytes=src.size, sha256=None, documents=0)
+    stats["empty_file"] = stats["bytes"] == 0
     stats.update(clean_counts)
     return table, stats

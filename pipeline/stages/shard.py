@@ -16,7 +16,11 @@ Sharding: the train split is cut into ``data.num_shards`` contiguous shards of a
 (validation and test: one shard each), or, when ``data.target_shard_bytes`` is set, every split into
 ``ceil(bytes / target)`` shards. A split never gets more shards than documents; shards keep input
 order. Every document read is counted, and every one left out is counted under the rule that
-removed it (``counts.removed``); an input file's bytes and sha256 are in ``counts.inputs``.
+removed it (``counts.removed``); an input file's bytes and sha256 are in ``counts.inputs``. Under
+``data.on_bad_document=skip``, malformed .jsonl lines and undecodable files are left out and counted
+by reason in ``counts.skipped`` (and each input's ``skipped``); they are not documents, so they are
+not in ``documents_read``. Native .txt and .jsonl inputs are read in bounded memory
+(``pipeline.data.stream``); version 3 added ``skipped``.
 
 Output: ``train-NNNNN.parquet``, ``validation-00000.parquet`` (``test-00000.parquet`` when
 ``data.test_fraction > 0``), columns ``text`` (string), ``doc_id`` (sha256 hex of the text) and
@@ -40,6 +44,7 @@ from pipeline.data import DataError, ray_running
 from pipeline.data.clean import DOCUMENT_SCHEMA, REMOVAL_RULES, CleanOptions
 from pipeline.data.fs import InputFile
 from pipeline.data.readers import read_and_clean
+from pipeline.data.stream import SKIP_REASONS
 from pipeline.data.sources import resolve_inputs as _resolve
 from pipeline.stage_io import SPLITS, SplitSizes, shard_file_name, shard_files
 from pipeline.stages.stage import Resources, Stage
@@ -75,7 +80,7 @@ def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[pa.Table
     """Read and clean every input, in input order: in parallel Ray tasks when Ray is running."""
     d = cfg.data
     opts = CleanOptions(d.normalize, d.strip_control_chars, d.min_doc_chars, d.max_doc_chars)
-    args = (d.text_field, d.separator, d.encoding_errors, opts, d.reader)
+    args = (d.text_field, d.separator, d.encoding_errors, opts, d.reader, d.on_bad_document)
     if not ray_running():
         for src in tqdm(files, desc="shard: read", unit="file", disable=None):
             yield read_and_clean(src, *args)
@@ -154,6 +159,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "replaced_chars": sum(s["replaced_chars"] for s in per_input),
         "normalized_changed": sum(s["normalized_changed"] for s in per_input),
         "control_chars_removed": sum(s["control_chars_removed"] for s in per_input),
+        "skipped": {r: sum(s["skipped"][r] for s in per_input) for r in SKIP_REASONS},
     }
     for s in splits:
         table = tables[s]
@@ -179,6 +185,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         **{f"documents_{s}": n for s, n in sizes_by_split.documents.items()},
         **{f"bytes_{s}": n for s, n in sizes_by_split.bytes.items()},
         **{f"removed_{k}": v for k, v in removed.items()},
+        **{f"skipped_{k}": v for k, v in counts["skipped"].items()},
     })
     return counts
 
@@ -189,4 +196,4 @@ def read_texts(artifact_path: Path, split: str) -> list[str]:
 
 
 # Holds no CPU itself: each input is read in a Ray task of its own (1 CPU each).
-STAGE = Stage(name="shard", version=2, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0))
+STAGE = Stage(name="shard", version=3, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0))

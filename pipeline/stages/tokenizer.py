@@ -6,6 +6,11 @@ a training document is in the sample when bytes 8-16 of its id (sha256), read as
 use), and the lines of the sampled documents are taken in shard order until
 ``tokenizer.max_training_bytes``. The sample depends on the documents alone and spreads over the
 whole corpus instead of its first files. Special ids are fixed (see ``pipeline.text``).
+
+Sentencepiece skips a training sentence longer than its ``max_sentence_length`` without a word, so
+a corpus of long lines would train on almost nothing: lines longer than ``MAX_SENTENCE_BYTES`` are
+split instead, and the manifest's counts and the stage's metrics say how many (``long_lines_split``,
+``sentences_from_splits``, ``training_sentences``). Version 3: that split (version 2 skipped them).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pyarrow.parquet as pq
 from pipeline.config import RunConfig, hash_view
 from pipeline.stage_io import TOKENIZER_FILE, SplitSizes, shard_files
 from pipeline.stages.stage import Stage
-from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
+from pipeline.text import MAX_SENTENCE_BYTES, load_sentencepiece, train_sentencepiece, training_lines
 
 READ_BATCH_ROWS = 4096
 
@@ -54,8 +59,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     train_bytes = SplitSizes.of(inputs["shard"]).bytes["train"]
     rate = min(1.0, t.max_training_bytes / max(1, train_bytes))
     tally = {"documents": 0, "bytes": 0}
+    lines: dict = {}  # sentences, long_lines_split, sentences_from_splits (see training_lines)
     model = train_sentencepiece(
-        training_lines(sample_docs(inputs["shard"].path, rate, tally), t.max_training_bytes),
+        training_lines(sample_docs(inputs["shard"].path, rate, tally), t.max_training_bytes, lines),
         vocab_size=t.vocab_size, model_type=t.model_type, character_coverage=t.character_coverage,
         byte_fallback=t.byte_fallback, normalization=t.normalization, num_threads=t.num_threads,
         user_defined_symbols=t.user_defined_symbols,
@@ -68,9 +74,13 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "vocab_size": sp.get_piece_size(), "sample_pieces": pieces[-20:],
         "sample_rate": rate, "sample_documents_seen": tally["documents"], "sample_bytes_seen": tally["bytes"],
         "user_defined_symbols": {s: sp.piece_to_id(s) for s in t.user_defined_symbols},
+        "training_sentences": lines["sentences"], "max_sentence_bytes": MAX_SENTENCE_BYTES,
+        "long_lines_split": lines["long_lines_split"], "sentences_from_splits": lines["sentences_from_splits"],
     }
-    tracker.log_metrics({"vocab_size": sp.get_piece_size(), "sample_bytes_seen": tally["bytes"]})
+    tracker.log_metrics({"vocab_size": sp.get_piece_size(), "sample_bytes_seen": tally["bytes"],
+                         "training_sentences": lines["sentences"], "long_lines_split": lines["long_lines_split"],
+                         "sentences_from_splits": lines["sentences_from_splits"]})
     return counts
 
 
-STAGE = Stage(name="tokenizer", version=2, inputs=("shard",), hash_config=hash_config, run=run)
+STAGE = Stage(name="tokenizer", version=3, inputs=("shard",), hash_config=hash_config, run=run)

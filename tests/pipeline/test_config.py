@@ -63,6 +63,28 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("tokenize.engine=spark", r"tokenize\.engine='spark' is not allowed"),
     ("train.steps=10 train.warmup_steps=10", r"train\.schedule=cosine decays after warmup, so train\.warmup_steps=10 must be below train\.steps=10"),
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
+    # the ranges of pipeline.config_ranges: each fails at load, not stages later
+    ("train.global_batch_size=0", r"train\.global_batch_size=0 must be >= 1"),
+    ("train.global_batch_size=-8", r"train\.global_batch_size=-8 must be >= 1"),
+    ("train.min_lr_ratio=1.5", r"train\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
+    ("train.weight_decay=-0.1", r"train\.weight_decay=-0\.1 must be >= 0"),
+    ("train.beta1=1.0", r"train\.beta1=1\.0 must be in \[0, 1\)"),
+    ("train.beta2=-0.5", r"train\.beta2=-0\.5 must be in \[0, 1\)"),
+    ("train.adam_eps=0", r"train\.adam_eps=0\.0 must be > 0"),
+    ("train.grad_clip=-1", r"train\.grad_clip=-1\.0 must be >= 0"),
+    ("tokenizer.num_threads=0", r"tokenizer\.num_threads=0 must be >= 1"),
+    ("tokenizer.max_training_bytes=0", r"tokenizer\.max_training_bytes=0 must be >= 1"),
+    ("parallel.threads_per_worker=0", r"parallel\.threads_per_worker=0 must be >= 1"),
+    ("eval.max_batches=0", r"eval\.max_batches=0 must be >= 1"),
+    ("eval.batch_size=-1", r"eval\.batch_size=-1 must be >= 1"),
+    ("eval.prompts=['ok','']", r"eval\.prompts=\['ok', ''\] must be a list of non-empty strings"),
+    ("eval.max_new_tokens=0", r"eval\.max_new_tokens=0 must be >= 1"),
+    ("eval.temperature=-0.5", r"eval\.temperature=-0\.5 must be >= 0"),
+    ("eval.heldout_paths=['']", r"eval\.heldout_paths=\[''\] must be a list of non-empty strings"),
+    ("eval.max_text_tokens=0", r"eval\.max_text_tokens=0 must be >= 1"),
+    ("eval.lambada_max_examples=0", r"eval\.lambada_max_examples=0 must be >= 1"),
+    ("eval.attention_sentence=''", r"eval\.attention_sentence='' must be non-empty"),
+    ("cluster.num_cpus=0", r"cluster\.num_cpus=0 must be >= 1"),
 ])
 def test_bad_values_name_the_field(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -93,3 +115,47 @@ def test_hash_view_drops_logging_fields():
     assert hash_view(a.train) == hash_view(b.train)
     assert "log_every" not in hash_view(a.train)
     assert hash_view(a.train) != hash_view(load_config(None, ["train.steps=21"]).train)
+
+
+def test_numbers_load_as_people_write_them(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 3e-4\n  adam_eps: 1E-8\n  steps: 1e2\n  warmup_steps: 10\n"
+                 "model:\n  rope_base: 1e4\n")
+    cfg = load_config(f)
+    assert (cfg.train.lr, cfg.train.adam_eps, cfg.train.steps) == (3e-4, 1e-8, 100)
+    assert isinstance(cfg.train.steps, int)
+    assert cfg.model_config().rope_base == 1e4
+    cfg = load_config(None, ["train.lr=3e-4", "train.beta2=+9.9e-1", "train.steps=2e1"])
+    assert (cfg.train.lr, cfg.train.beta2, cfg.train.steps) == (3e-4, 0.99, 20)
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer, got 2\.5"):
+        load_config(None, ["train.steps=2.5"])
+    with pytest.raises(ConfigError, match=r"train\.lr must be a finite number, got inf"):
+        load_config(None, ["train.lr=.inf"])
+    assert load_config(None, ["run.name=1e3x"]).run.name == "1e3x"  # not a number: stays a string
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  steps: 7\nparallel:\n  num_workers: 1\ntrain:\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: key 'train' is given twice in one mapping \(lines 1 and 5\)"):
+        load_config(f)
+    f.write_text("train:\n  steps: 7\n  steps: 8\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' is given twice in one mapping \(lines 2 and 3\)"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"override 'data\.train_paths=\{a: 1, a: 2\}'.*given twice"):
+        load_config(None, ["data.train_paths={a: 1, a: 2}"])
+
+
+def test_every_range_names_a_real_field():
+    from pipeline.config_ranges import RANGES
+
+    cfg = RunConfig()
+    for path in RANGES:
+        section, name = path.split(".")
+        assert hasattr(getattr(cfg, section), name), path
+
+
+def test_register_alias_champion_is_refused():
+    with pytest.raises(ConfigError, match=r"register\.alias=champion would skip the promotion gates.*jobs\.promote"):
+        load_config(None, ["register.alias=champion"])
+    assert load_config(None, ["register.alias=candidate"]).register.alias == "candidate"

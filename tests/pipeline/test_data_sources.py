@@ -63,6 +63,7 @@ def test_csv_through_datasets_gives_the_documents_of_the_file_in_order(tmp_path,
         "uri": str(d / "x.csv"), "kind": "csv", "builder": "csv", "replaced_chars": 0, "bom_removed": 0,
         "bytes": len(raw),
         "sha256": hashlib.sha256(raw).hexdigest(), "empty_file": False, "documents": len(docs),
+        "skipped": {"malformed_json": 0, "missing_field": 0, "not_a_string": 0, "invalid_utf8": 0, "nul_bytes": 0},
         **{k: v for k, v in n["inputs"][0].items() if k in ("removed", "normalized_changed", "control_chars_removed")},
     }]
 

@@ -344,3 +344,43 @@ def test_block_writer_streams_the_blocks_of_the_whole_stream(tmp_path, monkeypat
         w = packing.BlockWriter(tmp_path, "validation", seq_len=7, dtype=np.uint16)
         w.append(*packing.segment([[9, 9]], False, np.dtype(np.uint16)))
         w.finish()
+
+
+def test_split_long_line_cuts_at_whitespace_and_character_boundaries():
+    from pipeline.text import split_long_line
+
+    assert split_long_line("short line", 100) == ["short line"]
+    line = "alpha beta gamma delta"
+    pieces = split_long_line(line, 12)
+    assert "".join(pieces) == line and pieces == ["alpha beta", " gamma delta"]  # 10 and 12 bytes
+    wide = "é" * 10 + "\u4e2d" * 5  # 2-byte and 3-byte characters, no whitespace
+    pieces = split_long_line(wide, 7)
+    assert "".join(pieces) == wide and all(len(p.encode("utf-8")) <= 7 for p in pieces)
+    assert all(p for p in pieces)
+
+
+def test_tokenizer_splits_and_counts_lines_sentencepiece_would_skip(tmp_path):
+    from pipeline.text import MAX_SENTENCE_BYTES
+
+    d = tmp_path / "data"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["river", "stone", "castle", "morning", "silver", "lantern", "harbour", "winter"]
+    # 40 documents, each one line of about 3 x MAX_SENTENCE_BYTES: sentencepiece alone skips them all.
+    docs = [" ".join(rng.choice(words, size=3 * MAX_SENTENCE_BYTES // 6)) for _ in range(40)]
+    assert all(len(doc.encode()) > MAX_SENTENCE_BYTES for doc in docs)
+    (d / "long.txt").write_text("\n\n".join(docs))
+    cfg = cfg_for(tmp_path, d, "data.train_paths=[long.txt]", "data.validation_fraction=0.1",
+                  "tokenizer.vocab_size=400")
+    shard_art = run_stages(cfg, ["shard"])["shard"]
+    p = {p.stage: p for p in make_plan(resolve(cfg))}["tokenizer"]
+    tracker = RecordingTracker()
+    art = STAGES["tokenizer"].execute(resolve(cfg), p.hash, p.path, {"shard": shard_art}, tracker)
+    c = art.manifest["counts"]
+    n_train = shard_art.manifest["counts"]["documents"]["train"]
+    assert c["long_lines_split"] == n_train and c["max_sentence_bytes"] == MAX_SENTENCE_BYTES
+    assert c["sentences_from_splits"] >= 3 * n_train and c["training_sentences"] == c["sentences_from_splits"]
+    assert tracker.metrics["long_lines_split"] == n_train
+    assert tracker.metrics["sentences_from_splits"] == c["sentences_from_splits"]
+    sp = load_sentencepiece(str(art.path / "tokenizer.model"))
+    assert all(len(sp.encode(w)) == 1 for w in words)  # it learned the words of the long lines

@@ -1,0 +1,65 @@
+"""Resource preflight: does the Ray cluster have what the config asks for, before the first stage?
+
+Ray Train waits for the resources of its worker group without a deadline, so a run that asks for
+more workers than the cluster has CPUs (or GPUs) would shard, train a tokenizer and tokenize, then
+hang in the train stage. ``check_cluster_resources`` is called by the runner right after it connects
+to Ray and turns that into an error with the numbers asked for and available.
+
+What a training worker reserves is Ray Train's default for ``ScalingConfig(use_gpu=...)``, which the
+train stage uses: one CPU per worker on CPU, one GPU per worker on GPU (and no CPU). The device and
+precision rules themselves are ``pipeline.training.device``'s; this module applies them to the
+cluster's totals instead of waiting for the train stage to find out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from pipeline.config import ConfigError, RunConfig
+from pipeline.training.device import resolve_device, resolve_precision
+
+TRAIN_STAGE = "train"  # the stage whose Ray Train workers this module judges
+
+
+def worker_resources(device: str) -> dict[str, float]:
+    """What one Ray Train worker reserves on ``device`` ("cpu" or "cuda")."""
+    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+
+
+def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
+                            stages_to_run: Collection[str] | None = None) -> None:
+    """Refuse a config that asks for more than the cluster has.
+
+    Args:
+        cfg: the run's config.
+        resources: the cluster's total resources, as ``ray.cluster_resources()`` returns them.
+        stages_to_run: the stages this run will execute (not cached); None: all. Only the train
+            stage starts workers, so a run without it (``--only shard``, or train cached) is not
+            judged by them.
+
+    Raises:
+        ConfigError: ``parallel.device=cuda`` on a cluster without GPUs; ``train.precision=fp16``
+            where training runs on CPU; more CPUs or GPUs for ``parallel.num_workers`` workers than
+            the cluster has. Each message names the fields, what they ask for and what is there.
+    """
+    if stages_to_run is not None and TRAIN_STAGE not in stages_to_run:
+        return
+    p = cfg.parallel
+    have = {"CPU": float(resources.get("CPU", 0.0)), "GPU": float(resources.get("GPU", 0.0))}
+    available = f"the Ray cluster has {have['CPU']:g} CPUs and {have['GPU']:g} GPUs"
+    if p.device == "cuda" and have["GPU"] < 1:
+        raise ConfigError(f"parallel.device=cuda but {available}; use parallel.device=cpu or auto, "
+                          "or a cluster with GPUs")
+    device = resolve_device(p.device, gpus_in_cluster=have["GPU"])
+    try:
+        resolve_precision(cfg.train.precision, device)
+    except ValueError as e:  # the rule's own message, with the cluster that made the device cpu
+        raise ConfigError(f"{e} (parallel.device={p.device} trains on {device}: {available})") from e
+    for name, per_worker in worker_resources(device).items():
+        asked = per_worker * p.num_workers
+        if asked > have[name]:
+            raise ConfigError(
+                f"parallel.num_workers={p.num_workers} training workers on {device} need {asked:g} {name}s "
+                f"({per_worker:g} each) but {available}; Ray Train would wait for them forever. Lower "
+                "parallel.num_workers (and train.global_batch_size with it) or add nodes"
+            )

@@ -1,0 +1,78 @@
+"""The resource preflight: a config that asks for more than the Ray cluster has fails before any stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.preflight import check_cluster_resources
+from pipeline.runner import run_pipeline
+from pipeline.stages import Stage, in_order
+
+
+def cfg_with(*overrides):
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize("overrides,resources", [
+    ((), {"CPU": 2.0}),
+    (("parallel.num_workers=4", "train.global_batch_size=16"), {"CPU": 4.0, "memory": 1e9}),
+    (("parallel.device=cuda", "parallel.num_workers=2"), {"CPU": 1.0, "GPU": 2.0}),  # GPU workers hold no CPU
+    (("train.precision=fp16",), {"CPU": 8.0, "GPU": 2.0}),  # auto resolves to cuda
+    (("train.precision=bf16",), {"CPU": 2.0}),
+])
+def test_what_fits_passes(overrides, resources):
+    check_cluster_resources(cfg_with(*overrides), resources)
+
+
+@pytest.mark.parametrize("overrides,resources,pattern", [
+    (("parallel.num_workers=4", "train.global_batch_size=16"), {"CPU": 2.0},
+     r"parallel\.num_workers=4 training workers on cpu need 4 CPUs \(1 each\) but the Ray cluster has 2 CPUs "
+     r"and 0 GPUs; Ray Train would wait for them forever"),
+    (("parallel.device=cuda", "parallel.num_workers=4", "train.global_batch_size=16"), {"CPU": 64.0, "GPU": 2.0},
+     r"parallel\.num_workers=4 training workers on cuda need 4 GPUs \(1 each\) but the Ray cluster has 64 CPUs "
+     r"and 2 GPUs"),
+    (("parallel.device=cuda",), {"CPU": 64.0},
+     r"parallel\.device=cuda but the Ray cluster has 64 CPUs and 0 GPUs"),
+    (("train.precision=fp16",), {"CPU": 64.0},
+     r"train\.precision=fp16 needs a GPU.*\(parallel\.device=auto trains on cpu: the Ray cluster has 64 CPUs and 0 GPUs\)"),
+    (("train.precision=fp16", "parallel.device=cpu"), {"CPU": 64.0, "GPU": 8.0},
+     r"train\.precision=fp16 needs a GPU.*parallel\.device=cpu trains on cpu"),
+])
+def test_what_does_not_fit_names_asked_and_available(overrides, resources, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        check_cluster_resources(cfg_with(*overrides), resources)
+
+
+def test_only_a_run_that_trains_is_judged_by_its_workers():
+    too_many = cfg_with("parallel.num_workers=8", "train.global_batch_size=32", "parallel.device=cuda")
+    check_cluster_resources(too_many, {"CPU": 2.0}, ["shard", "tokenizer"])  # --only tokenizer, say
+    check_cluster_resources(too_many, {"CPU": 2.0}, [])  # everything cached
+    with pytest.raises(ConfigError, match=r"parallel\.device=cuda but the Ray cluster has 2 CPUs and 0 GPUs"):
+        check_cluster_resources(too_many, {"CPU": 2.0}, ["tokenize", "train", "evaluate"])
+
+
+def test_against_the_session_ray(ray_cluster):
+    have = ray_cluster.cluster_resources()
+    cpus = int(have["CPU"])
+    check_cluster_resources(cfg_with("parallel.num_workers=2"), have)
+    too_many = cpus + 1
+    with pytest.raises(ConfigError, match=rf"need {too_many} CPUs \(1 each\) but the Ray cluster has {cpus} CPUs"):
+        check_cluster_resources(cfg_with(f"parallel.num_workers={too_many}",
+                                         f"train.global_batch_size={4 * too_many}"), have)
+
+
+def never_run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    raise AssertionError("the preflight should have stopped the run before any stage")
+
+
+def test_run_pipeline_refuses_before_the_first_stage(tmp_path, ray_cluster):
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    cfg = load_config(None, [f"run.workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                             f"parallel.num_workers={2 * cpus}", f"train.global_batch_size={8 * cpus}"])
+    stages = in_order([Stage(name="train", version=1, inputs=(), hash_config=lambda c: {}, run=never_run)])
+    with pytest.raises(ConfigError, match=rf"need {2 * cpus} CPUs"):
+        run_pipeline(cfg, stages=stages, echo=lambda s: None)
+    assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
