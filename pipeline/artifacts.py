@@ -5,6 +5,11 @@ code version, the config fields that change its output and the hashes of its inp
 mean equal content and a finished artifact can be reused by any later run. ``manifest.json`` is
 written last, atomically (temp file + rename): no manifest means the stage did not finish, and the
 folder is cleared and the stage redone.
+
+Before the manifest is written every file of the folder is flushed to disk (fsync), and the manifest
+lists each one with its size and sha256 (``files``). ``verify`` checks a sealed folder against that
+list, so a truncated or altered file in a cached artifact is found and the stage rebuilt rather than
+trusted forever.
 """
 
 from __future__ import annotations
@@ -103,7 +108,9 @@ def write_manifest(
     started_at: float,
     extra: dict[str, Any] | None = None,
 ) -> Artifact:
-    """Seal an artifact: write its manifest last, atomically, and return it."""
+    """Seal an artifact: flush its files to disk, record their sizes and sha256, then write its
+    manifest last, atomically, and return it."""
+    files = file_records(path)
     manifest = {
         "stage": stage,
         "hash": hash_,
@@ -115,10 +122,51 @@ def write_manifest(
         "started_at": started_at,
         "finished_at": time.time(),
         "seconds": round(time.time() - started_at, 3),
+        "files": files,
         **(extra or {}),
     }
     write_json_atomic(path / MANIFEST, manifest)
     return Artifact(stage=stage, hash=hash_, path=path, manifest=manifest)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``path`` but the manifest, fsynced, as ``relative path -> {bytes, sha256}``."""
+    records = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        with open(f, "rb") as handle:
+            os.fsync(handle.fileno())  # the data is on disk before the manifest says it is done
+        records[f.relative_to(path).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256_of(f)}
+    return records
+
+
+def verify(artifact: Artifact) -> str | None:
+    """Check a sealed artifact's files against its manifest.
+
+    Returns:
+        None when every listed file is there with its size and sha256 (or the manifest predates file
+        lists); else what is wrong, naming the first bad file.
+    """
+    listed = artifact.manifest.get("files")
+    if listed is None:
+        return None  # sealed before manifests listed their files: nothing to check against
+    for rel, want in listed.items():
+        f = artifact.path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{f} has {size} bytes, the manifest says {want['bytes']}"
+        if _sha256_of(f) != want["sha256"]:
+            return f"{f} does not match its sha256 in the manifest"
+    return None
 
 
 _CODE_VERSION: str | None = None

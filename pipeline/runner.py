@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import cluster, tracking
-from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete
+from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, verify
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.preflight import check_cluster_resources
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
@@ -253,10 +253,15 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
             stage = stages[item.stage]
-            if not item.run:
-                if item.cached:
-                    result.artifacts[item.stage] = Artifact.load(item.path)
+            if not item.run and item.cached:
+                cached = Artifact.load(item.path)
+                damage = verify(cached)
+                if damage is None:
+                    result.artifacts[item.stage] = cached
                     echo(f"{item.stage}: cached ({item.hash})")
+                    continue
+                echo(f"{item.stage}: the cached artifact is damaged ({damage}); rebuilding it")
+            elif not item.run:
                 continue
             inputs = {i: result.artifacts[i] for i in stage.inputs}
             child = tracking.start_run(uri, exp_id, item.stage, parent_id=parent, tags={
@@ -265,7 +270,7 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             })
             tracker = tracking.StageTracker(uri, child)
             if item.path.exists():
-                shutil.rmtree(item.path)  # forced, or left unsealed by an earlier attempt
+                shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
             if item.forced and stage.discard_state is not None:
                 stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
             echo(f"{item.stage}: running ({item.hash})")

@@ -121,3 +121,16 @@ def test_a_failed_stage_is_redone_and_force_reruns_what_follows(tmp_path, ray_cl
     assert (work / "ran.log").read_text().split() == ["a", "b", "c", "b", "c"]  # b's failed try logs nothing
     # Only the forced run discarded b's resumable state; the rerun after the failure kept it to resume.
     assert (work / "discarded.log").read_text().split() == ["b", b_dir.name]
+
+    # A cached artifact whose file was truncated behind the manifest's back is found and rebuilt
+    # (alone: c's cached artifact still matches its own manifest).
+    listed = forced.artifacts["b"].manifest["files"]
+    assert set(listed) == {"out.txt"} and listed["out.txt"]["bytes"] == 2
+    (b_dir / "out.txt").write_text("a")
+    lines = []
+    healed = run_pipeline(cfg, echo=lines.append, stages=TOY)
+    assert any(ln.startswith(f"b: the cached artifact is damaged ({b_dir / 'out.txt'} has 1 bytes, the manifest "
+                             "says 2)") for ln in lines), lines
+    assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ["b"]
+    assert (healed.artifacts["b"].path / "out.txt").read_text() == "ab"
+    assert (work / "ran.log").read_text().split() == ["a", "b", "c", "b", "c", "b"]
