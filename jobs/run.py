@@ -27,8 +27,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
+_SIGNALS: list[str] = []  # the signals that ended the run (Ray may re-raise KeyboardInterrupt without its text)
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    _SIGNALS.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(_SIGNALS[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
     except (ConfigError, ClusterError, StageFailed, TrackingUnavailable) as e:
         return main_exit_code(e)
-    except KeyboardInterrupt as e:
-        print(f"interrupted ({e or 'SIGINT'}): the MLflow runs are KILLED; finished stages stay cached, and a "
-              "rerun of this command continues training from its latest checkpoint", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"interrupted ({_SIGNALS[-1] if _SIGNALS else 'SIGINT'}): the MLflow runs are KILLED; finished "
+              "stages stay cached, and a rerun of this command continues training from its latest checkpoint",
+              file=sys.stderr)
         return 130
     if not args.dry_run:
         print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")

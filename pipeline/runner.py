@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import re
+import shutil
+import signal
+import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -134,11 +136,25 @@ def connect_ray(cfg: RunConfig) -> bool:
         ClusterError: the cluster at the address does not answer or refuses this client's token.
     """
     import ray
-    from ray.exceptions import AuthenticationError
 
     if ray.is_initialized():
         return False
     os.environ.update(worker_env())  # a local cluster's workers inherit the driver's environment
+    # Ray's core worker replaces the process's SIGTERM handler with a crash logger that aborts; a
+    # caller's own handler (jobs.run turns SIGTERM into Ctrl-C, so runs end KILLED) is put back after.
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        _init_ray(cfg)
+    finally:
+        if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def _init_ray(cfg: RunConfig) -> None:
+    import ray
+    from ray.exceptions import AuthenticationError
+
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
@@ -153,7 +169,6 @@ def connect_ray(cfg: RunConfig) -> bool:
             dashboard_host=cfg.cluster.dashboard_host,
             runtime_env={"env_vars": worker_env()},
         )
-    return True
 
 
 def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:

@@ -231,10 +231,13 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s
     fs.create_dir("conduit-ckpt")
     pafs.copy_files(str(first_kept), f"conduit-ckpt/from/{first_kept.name}",
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    resumed, history, _, _ = train_once(tmp_path, "s3", [
+    resumed, history, _, art = train_once(tmp_path, "s3", [
         "parallel.num_workers=1", f"train.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
         f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False)
-    assert history[0]["step"] == 190
+    # Continued at 180 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
+    # history), so the history runs whole from the first logged step to 200.
+    assert read_train_starts(art.path) == [0, 180]
+    assert [h["step"] for h in history] == list(range(10, 201, 10))
     assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
     written = [i.path for i in fs.get_file_info(pafs.FileSelector("conduit-ckpt/runs", recursive=True))]
     final = [p for p in written if p.endswith("/layout.json")]
