@@ -101,12 +101,14 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
     logits_BV = model(ids_BT, attention_mask_BT=mask_BT, kv_cache=cache).logits[:, -1, :]
     while True:
         next_B = torch.zeros(B, dtype=torch.long)  # finished rows feed token 0, masked as a pad
+        logits_BV = logits_BV.float().cpu()
+        greedy_B = logits_BV.argmax(dim=-1).tolist()  # one op for every greedy row
         for i, r in enumerate(requests):
             if not active[i]:
                 continue
-            # Rows sample one at a time so that each uses its own generator (batch-independent output).
-            tok = int(sample_next(logits_BV[i:i + 1].float().cpu(), r.temperature,
-                                  top_p=None if r.top_p >= 1.0 else r.top_p, generator=gens[i])[0])
+            # Sampled rows draw one at a time, each from its own generator (batch-independent output).
+            tok = greedy_B[i] if r.temperature == 0 else int(sample_next(
+                logits_BV[i:i + 1], r.temperature, top_p=None if r.top_p >= 1.0 else r.top_p, generator=gens[i])[0])
             if tok == eos_id:
                 active[i] = False
                 continue
