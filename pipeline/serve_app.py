@@ -16,6 +16,7 @@ FastAPI must see the ``Request`` annotation as the class, not a string, through 
 
 
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -174,4 +175,40 @@ def build(target: ServeTarget, *, num_replicas: int, num_cpus: float, num_gpus: 
     ).bind(target, max_batch_size, batch_wait_timeout_s)
 
 
-__all__ = ["ConduitServer", "ServeTarget", "VERSION_HEADER", "build", "load_target", "text_pieces"]
+def app_builder(args: dict):
+    """The application for a declarative Serve config (KubeRay's ``serveConfigV2``, ``serve deploy``):
+    ``import_path: pipeline.serve_app:app_builder``. Replicas and resources come from the config's
+    ``deployments`` section, as Serve applies them over the code's defaults.
+
+    Args:
+        args: ``model`` (``NAME@ALIAS``, resolved now, or ``NAME/VERSION``); ``tracking_uri`` (default
+            ``$MLFLOW_TRACKING_URI``); optional ``max_batch_size`` (16) and ``batch_wait_timeout_s`` (0.01);
+            ``revision``, unused: a counter to bump so that KubeRay sees a new config (a new champion).
+
+    Raises:
+        ValueError: a missing or unknown argument, or no tracking URI.
+        LookupError: the model, alias or version does not exist.
+    """
+    known = {"model", "tracking_uri", "max_batch_size", "batch_wait_timeout_s", "revision"}
+    if "model" not in args or set(args) - known:
+        raise ValueError(f"app_builder args need 'model' and take only {sorted(known)}; got {sorted(args)}")
+    uri = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ValueError("app_builder needs args.tracking_uri or $MLFLOW_TRACKING_URI (the MLflow server)")
+    model = str(args["model"])
+    if "@" in model:
+        name, alias = model.rsplit("@", 1)
+        held = tracking.version_by_alias(uri, name, alias)
+        if held is None:
+            raise LookupError(f"model {name!r} has no alias {alias!r} (at {uri})")
+        version = held.version
+    else:
+        name, _, number = model.rpartition("/")
+        if not name or not number.isdigit():
+            raise ValueError(f"app_builder args.model={model!r} must look like NAME@ALIAS or NAME/VERSION")
+        version = tracking.get_version(uri, name, int(number)).version
+    return ConduitServer.bind(ServeTarget(uri, name, version), int(args.get("max_batch_size", 16)),
+                              float(args.get("batch_wait_timeout_s", 0.01)))
+
+
+__all__ = ["app_builder", "ConduitServer", "ServeTarget", "VERSION_HEADER", "build", "load_target", "text_pieces"]
