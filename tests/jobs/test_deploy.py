@@ -16,21 +16,16 @@ import requests
 from jobs import deploy as deploy_cli
 from jobs import promote
 from pipeline import deploy, tracking
-from tests.jobs.conftest import MODEL_NAME, _artifact, free_port
+from tests.jobs.conftest import MODEL_NAME, free_port
+from tests.jobs.test_promote_serve import _register_with
 
 pytestmark = pytest.mark.slow
 
 
 def _register_better(tiny_run, label: str) -> int:
     """The same weights registered again with a better held-out metric (passes the default gates)."""
-    data = json.loads((tiny_run.arts["evaluate"].path / "metrics.json").read_text())
-    data["metrics"]["heldout_bits_per_byte"] -= 0.5
-    folder = tiny_run.work / "fake_evaluate" / label
-    folder.mkdir(parents=True)
-    (folder / "metrics.json").write_text(json.dumps(data))
-    art = tiny_run.stage("register", {**tiny_run.arts, "evaluate": _artifact("evaluate", folder, {})},
-                         tiny_run.work / "register" / label)
-    return art.manifest["counts"]["version"]
+    base = json.loads((tiny_run.arts["evaluate"].path / "metrics.json").read_text())["metrics"]
+    return _register_with(tiny_run, label, heldout_bits_per_byte=base["heldout_bits_per_byte"] - 0.5)
 
 
 @pytest.fixture(scope="module")
