@@ -2,7 +2,7 @@
 
     python -m jobs.deploy NAME[@ALIAS] [--address HOST:PORT] [--replicas N] [--cpus C] [--gpus G]
                           [--port P] [--host H] [--config configs/x.yaml] [--tracking-uri URI]
-    python -m jobs.deploy NAME --down [--address HOST:PORT]
+    python -m jobs.deploy NAME --down [--address HOST:PORT]   (default: the cluster its tags name)
 
 ALIAS defaults to ``champion``. Settings come from the config's ``deploy`` section; the flags override
 it. The deployment follows the alias: ``jobs.promote`` rolls it over to a new champion. Prints the
@@ -69,13 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         uri = args.tracking_uri or cfg.tracking_uri()
         section = dataclasses.replace(cfg.deploy, **{field: getattr(args, flag) for flag, field in FLAGS.items()
                                                      if getattr(args, flag) is not None})
-        gcs, started_here = deploy.connect(args.address)
-        if args.down:
+        if args.down:  # on the given cluster, else on the one the registry says serves the model
+            address = args.address or deploy.resolve_address(None) or deploy.recorded_address(uri, name)
+            if address is None:
+                raise LookupError(f"no cluster to take {name!r} down from: no --address, RAY_ADDRESS or infra env "
+                                  f"file, and no version of it is tagged deploy.status=running at {uri}")
+            deploy.connect(address)
             served = deploy.served_version(uri, name)
             removed = deploy.down(uri, name)
             print(f"{deploy.app_name(name)}: " + ("removed" if removed else "not deployed on this cluster")
-                  + ("" if served is None else f"; v{served} tagged deploy.status=down"))
+                  + ("" if served is None or not removed else f"; v{served} tagged deploy.status=down"))
             return 0
+        gcs, started_here = deploy.connect(args.address)
         d = deploy.deploy(section, uri, name, alias or "champion", gcs)
     except (ConfigError, LookupError, ValueError, ClusterError, deploy.DeployError) as e:
         print(f"error: {e}", file=sys.stderr)

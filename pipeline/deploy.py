@@ -172,17 +172,24 @@ def down(uri: str, name: str) -> bool:
     (per the registry's ``deploy.status=running``) ``down``.
 
     Returns:
-        Whether an application was deleted (False: none was deployed on this cluster).
+        Whether an application was deleted (False: none is deployed on this cluster; no tag changes).
     """
     from ray import serve
 
-    served = served_version(uri, name)
-    if served is not None:
-        tracking.set_version_tags(uri, name, served, {TAG + "status": "down", TAG + "at": _now()})
     if app_status(name) == "NOT_DEPLOYED":
         return False
+    served = served_version(uri, name)
     serve.delete(app_name(name))
+    if served is not None:
+        tracking.set_version_tags(uri, name, served, {TAG + "status": "down", TAG + "at": _now()})
     return True
+
+
+def recorded_address(uri: str, name: str) -> str | None:
+    """The GCS address of the cluster that the registry says serves the model (its running version's
+    ``deploy.ray_address``), or None when no version is tagged running."""
+    served = served_version(uri, name)
+    return None if served is None else tracking.get_version(uri, name, served).tags[TAG + "ray_address"]
 
 
 def served_version(uri: str, name: str) -> int | None:

@@ -67,3 +67,13 @@ def test_rayservice_manifest_serves_the_champion_with_the_clusters_token():
         assert env["MLFLOW_TRACKING_URI"]["value"].startswith("http://mlflow")
     readme = (ROOT / "infra" / "README.md").read_text()
     assert "rayservice.yaml" in readme
+
+
+def test_jobs_deploy_refuses_bad_references_and_settings_before_connecting(capsys):
+    from jobs import deploy as deploy_cli
+
+    for argv, needle in [(["a@b@c"], "must look like NAME or NAME@ALIAS"), (["name@"], "must look like NAME"),
+                         (["name", "--replicas", "0"], "deploy.num_replicas=0 must be >= 1"),
+                         (["name", "--port", "99999"], "deploy.port=99999")]:
+        assert deploy_cli.main(argv) == 2
+        assert needle in capsys.readouterr().err
