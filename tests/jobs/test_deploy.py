@@ -37,7 +37,10 @@ def served(tiny_run, ray_cluster):
     assert deploy_cli.main([f"{MODEL_NAME}@champion", "--tracking-uri", uri, "--port", str(port),
                             "--replicas", "1", "--cpus", "1"]) == 0
     yield f"http://127.0.0.1:{port}/v1"
-    deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", uri])
+    from ray import serve
+
+    deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", uri])  # if a test failed before test_down
+    serve.shutdown()  # the session's Ray goes on without Serve's controller and proxy
 
 
 def _complete(base: str, **body) -> requests.Response:
@@ -154,6 +157,22 @@ def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, t
     assert tags[1]["deploy.status"] == "running" and tags[v2]["deploy.status"] == "replaced"
     assert tags[1]["promotion.champion.rollback_from"] == str(v2)
     assert tracking.model_aliases(uri, MODEL_NAME)["champion"] == 1
+
+
+def test_app_builder_resolves_the_alias_for_declarative_configs(served, tiny_run):
+    from ray.serve import Application
+
+    from pipeline import serve_app
+
+    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}@champion", "tracking_uri": tiny_run.uri,
+                                             "revision": 3}), Application)
+    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}/1", "tracking_uri": tiny_run.uri}), Application)
+    for args, error, needle in [({"model": f"{MODEL_NAME}@nope", "tracking_uri": tiny_run.uri}, LookupError, "no alias"),
+                                ({"model": f"{MODEL_NAME}/99", "tracking_uri": tiny_run.uri}, LookupError, "no version 99"),
+                                ({"model": MODEL_NAME, "tracking_uri": tiny_run.uri}, ValueError, "NAME@ALIAS or"),
+                                ({"model": "m", "replicas": 2}, ValueError, "take only")]:
+        with pytest.raises(error, match=needle):
+            serve_app.app_builder(args)
 
 
 def test_down_removes_the_application_and_tags_the_version(served, tiny_run, capsys):
