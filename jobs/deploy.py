@@ -55,8 +55,10 @@ def _serve_until_stopped(uri: str, d: deploy.Deployment) -> None:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        deploy.mark_stopped(uri, d.model_name, d.version)
-        print(f"stopped; {d.model_name} v{d.version} tagged deploy.status=stopped", flush=True)
+        served = deploy.served_version(uri, d.model_name)  # a promotion may have rolled it meanwhile
+        if served is not None:
+            deploy.mark_stopped(uri, d.model_name, served)
+        print(f"stopped; {d.model_name} v{served} tagged deploy.status=stopped", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 from pipeline import cluster, tracking
@@ -80,13 +81,21 @@ def connect(address: str | None) -> tuple[str, bool]:
         (the deployment then lives as long as the process).
 
     Raises:
-        DeployError: this process is connected to another cluster, or the cluster cannot be reached
-            or refuses the token.
+        DeployError: this process is already connected to another cluster.
+        ClusterError: the cluster cannot be reached or refuses the token (``cluster.connection_error``).
     """
-    import ray
-
     resolved = resolve_address(address)
-    if ray.is_initialized():
+    already = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    if resolved is not None and not already:
+        # Before ray is imported: Ray reads its auth settings once. Ray 2.60 clusters (ray.init's
+        # embedded one included) require a token by default, and a client sends it only under
+        # RAY_AUTH_MODE=token; a cluster started with auth disabled says so itself.
+        cluster.apply_auth(resolved)
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    if already:
         current = ray.get_runtime_context().gcs_address
         if address is not None and address not in (current, "auto"):
             raise DeployError(f"this process is connected to the Ray cluster at {current}, not {address}")
@@ -94,9 +103,6 @@ def connect(address: str | None) -> tuple[str, bool]:
     if resolved is None:
         ray.init(include_dashboard=False, runtime_env={"env_vars": tracking.env_for_workers()})
         return ray.get_runtime_context().gcs_address, True
-    cluster.apply_auth(resolved)
-    from ray.exceptions import AuthenticationError
-
     try:
         ray.init(address=resolved, runtime_env={"env_vars": tracking.env_for_workers()})
     except (AuthenticationError, ConnectionError) as e:
