@@ -20,7 +20,7 @@ INFRA_ENV ?= outputs/infra/env
 USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
 	echo "using $(INFRA_ENV): Ray $$RAY_ADDRESS, MLflow $$MLFLOW_TRACKING_URI"; fi
 
-.PHONY: install run submit up down test test-fast bench clean
+.PHONY: install run submit deploy up down test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,12 @@ run: install
 
 submit: install
 	@$(USE_INFRA); $(PY) -m jobs.submit $(CONFIG) $(ARGS) --follow
+
+# Serve MODEL (NAME or NAME@ALIAS, default alias champion) on Ray Serve; on the infra cluster while
+# outputs/infra/env exists, else on a Ray started here that serves until Ctrl-C.
+MODEL ?= conduit-demo@champion
+deploy: install
+	@$(USE_INFRA); $(PY) -m jobs.deploy $(MODEL) --config $(CONFIG) $(ARGS)
 
 up: install
 	infra/local/up $(UP_ARGS)
@@ -58,6 +64,7 @@ bench: install
 	$(PY) benchmarks/tokenize_throughput.py --scale 8 --repeats 2
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/serve.py --batch-wait-s 0.05
 	$(PY) benchmarks/report.py
 
 clean:

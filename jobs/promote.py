@@ -2,11 +2,15 @@
 
     python -m jobs.promote NAME [--from challenger] [--to champion] [--version N]
                            [--force --reason "..."] [--config configs/demo.yaml] [--tracking-uri URI]
+    python -m jobs.promote NAME --rollback [--to champion] [--reason "..."]
 
 Gates come from the config's ``promote`` section (``pipeline.promotion``). A failed gate prints the
 comparison table and exits 1 unless ``--force --reason`` is given, which is recorded on the version.
 Every promotion tags the version with who, when and the previous holder; promoting the version that
-already holds the alias changes nothing. Exit status: 0 promoted or already there, 1 refused, 2 usage.
+already holds the alias changes nothing. ``--rollback`` moves the alias back to the version it replaced
+(the holder's ``promotion.<alias>.previous_version`` tag; no gates). After the alias moves, a Ray Serve
+deployment that follows it (``jobs.deploy``) is rolled over to the new holder (``pipeline.deploy.follow``).
+Exit status: 0 promoted or already there, 1 refused or the deployment could not follow, 2 usage.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import datetime
 import getpass
 import sys
 
-from pipeline import promotion, tracking
+from pipeline import deploy, promotion, tracking
+from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 
 
@@ -27,7 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--to", dest="to_alias", default="champion", help="alias to move")
     p.add_argument("--version", type=int, help="promote this version number instead of --from's")
     p.add_argument("--force", action="store_true", help="promote even when a gate fails (needs --reason)")
-    p.add_argument("--reason", help="why the gates are overridden; recorded as a tag")
+    p.add_argument("--reason", help="why the gates are overridden (or why the rollback); recorded as a tag")
+    p.add_argument("--rollback", action="store_true",
+                   help="move --to back to the version its holder replaced (no gates)")
     p.add_argument("--config", help="YAML config whose promote section holds the gates (default: built-in)")
     p.add_argument("--tracking-uri", help="MLflow tracking/registry URI (default: the config's)")
     return p.parse_args(argv)
@@ -35,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rollback:
+        return rollback(args)
     if args.force and not (args.reason and args.reason.strip()):
         print("error: --force needs --reason \"...\" (it is recorded on the version)", file=sys.stderr)
         return 2
@@ -76,6 +85,45 @@ def main(argv: list[str] | None = None) -> int:
     forced = " (forced: gates failed)" if failed else ""
     print(f"promoted {ref} to @{args.to_alias}{forced}; previous: "
           f"{'none' if current is None else 'v' + str(current.version)}")
+    return 0 if current is None else follow(uri, args.name, args.to_alias, current.version, candidate.version)
+
+
+def rollback(args: argparse.Namespace) -> int:
+    """Move ``--to`` back to the version its holder replaced; the deployment follows."""
+    try:
+        uri = args.tracking_uri or load_config(args.config).tracking_uri()
+        current = tracking.version_by_alias(uri, args.name, args.to_alias)
+        if current is None:
+            raise LookupError(f"model {args.name!r} has no alias {args.to_alias!r} to roll back (at {uri})")
+        previous = current.tags.get(f"promotion.{args.to_alias}.previous_version", "none")
+        if not previous.isdigit():
+            raise LookupError(f"{args.name} v{current.version} holds @{args.to_alias} but replaced no version "
+                              f"(promotion.{args.to_alias}.previous_version={previous!r}): nothing to roll back to")
+        target = tracking.get_version(uri, args.name, int(previous))
+    except (ConfigError, LookupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    tracking.set_version_tags(uri, args.name, target.version, promotion.rollback_tags(
+        args.to_alias, who=getpass.getuser(), when=when, from_version=current.version, reason=args.reason))
+    tracking.set_version_tags(uri, args.name, current.version,
+                              promotion.replaced_tags(args.to_alias, by_version=target.version, when=when))
+    tracking.set_alias(uri, args.name, args.to_alias, target.version)
+    print(f"rolled @{args.to_alias} back from {args.name} v{current.version} to v{target.version}")
+    return follow(uri, args.name, args.to_alias, current.version, target.version)
+
+
+def follow(uri: str, name: str, alias: str, previous: int, new: int) -> int:
+    """Roll a deployment that served ``previous`` under ``alias`` over to ``new``; 0 when done or when
+    there is none, 1 (with what to run) when it could not follow."""
+    try:
+        d = deploy.follow(uri, name, alias, previous, new)
+    except (ClusterError, deploy.DeployError) as e:
+        print(f"error: @{alias} now points at v{new}, but the deployment that served v{previous} did not "
+              f"follow: {e}. Redeploy with: python -m jobs.deploy {name}@{alias} --address ADDRESS", file=sys.stderr)
+        return 1
+    if d is not None:
+        print(f"deployment {d.app} rolled over to v{d.version} ({d.status}) at {d.endpoint}")
     return 0
 
 

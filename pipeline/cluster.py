@@ -101,12 +101,13 @@ AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 
 def apply_auth(address: str) -> None:
-    """Token auth for ``address``: when it is the env file's cluster, take ``RAY_AUTH_MODE`` and
+    """Token auth for ``address``: when it is the env file's cluster (its Jobs API or, for
+    ``pipeline.deploy``, its GCS address), take ``RAY_AUTH_MODE`` and
     ``RAY_AUTH_TOKEN_PATH`` from that file unless the environment sets them (or ``RAY_AUTH_TOKEN``)
     itself. Another address never gets the env file's token. Ray reads these variables once, on its
     first use, so this must run before that."""
     values = read_env_file(env_file_path())
-    if values.get("RAY_ADDRESS") != address:
+    if address not in (values.get("RAY_ADDRESS"), values.get("CONDUIT_RAY_GCS_ADDRESS")):
         return
     own_token = "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ
     for key in AUTH_VARS:

@@ -209,6 +209,33 @@ class ClusterSection:
 
 
 @dataclass
+class DeploySection:
+    """The Ray Serve deployment of ``jobs.deploy`` (``pipeline.deploy``); no field changes an artifact."""
+
+    num_replicas: int = _unhashed(1)
+    num_cpus_per_replica: float = _unhashed(1.0)
+    num_gpus_per_replica: float = _unhashed(0.0)
+    host: str = _unhashed("127.0.0.1")  # where Serve's HTTP proxy listens (set once per Ray cluster)
+    port: int = _unhashed(8000)
+    route_prefix: str = _unhashed("/")  # the OpenAI API is under <route_prefix>v1/
+    max_batch_size: int = _unhashed(16)  # concurrent requests generated as one batch
+    batch_wait_timeout_s: float = _unhashed(0.01)  # how long a batch waits to fill
+    max_ongoing_requests: int = _unhashed(64)  # per replica; more wait in Serve's queue
+
+    def __post_init__(self):
+        for name in ("num_replicas", "max_batch_size", "max_ongoing_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"deploy.{name}={getattr(self, name)} must be >= 1")
+        for name in ("num_cpus_per_replica", "num_gpus_per_replica", "batch_wait_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"deploy.{name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"deploy.port={self.port} must be in 1..65535")
+        if not self.route_prefix.startswith("/"):
+            raise ConfigError(f"deploy.route_prefix={self.route_prefix!r} must start with '/'")
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
@@ -222,6 +249,7 @@ class RunConfig:
     promote: PromoteSection = field(default_factory=PromoteSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    deploy: DeploySection = field(default_factory=DeploySection)
 
     # ---- derived values -------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:

@@ -125,3 +125,13 @@ def promotion_tags(alias: str, *, who: str, when: str, previous: int | None, for
 def replaced_tags(alias: str, *, by_version: int, when: str) -> dict[str, str]:
     """Tags recorded on the version that loses ``alias``."""
     return {f"promotion.{alias}.replaced_by": str(by_version), f"promotion.{alias}.replaced_at": when}
+
+
+def rollback_tags(alias: str, *, who: str, when: str, from_version: int, reason: str | None) -> dict[str, str]:
+    """Tags recorded on the version that gets ``alias`` back by a rollback. Its own
+    ``previous_version`` stays, so a second rollback walks one promotion further back."""
+    prefix = f"promotion.{alias}."
+    tags = {prefix + "rollback_from": str(from_version), prefix + "rollback_by": who, prefix + "rollback_at": when}
+    if reason:
+        tags[prefix + "rollback_reason"] = reason
+    return tags

@@ -11,6 +11,7 @@ that import mlflow.
 from __future__ import annotations
 
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -83,3 +84,27 @@ def input_example():
 def pinned_requirements() -> list[str]:
     """``package==version`` of what serving imports, as installed here."""
     return [f"{p}=={version(p)}" for p in PINNED_PACKAGES]
+
+
+def generator_from_model_dir(model_dir: str | Path):
+    """The ``TextGenerator`` of a registered model downloaded to ``model_dir`` (its ``MLmodel`` names
+    the weights and tokenizer files), without importing the model's own copy of the code: what a Ray
+    Serve replica loads (``pipeline.serve_app``).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` holds no ``MLmodel``.
+        KeyError: the model is not a Conduit pyfunc (no ``weights`` or ``tokenizer`` artifact).
+    """
+    from mlflow.models import Model
+
+    from pipeline.generation import TextGenerator
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "MLmodel").is_file():
+        raise FileNotFoundError(f"{model_dir} holds no MLmodel file: not a downloaded MLflow model")
+    artifacts = Model.load(str(model_dir)).flavors["python_function"].get("artifacts", {})
+    missing = [k for k in ("weights", "tokenizer") if k not in artifacts]
+    if missing:
+        raise KeyError(f"the model in {model_dir} has no {missing} artifact(s); is it a Conduit model?")
+    return TextGenerator.from_files(model_dir / artifacts["weights"]["path"],
+                                    model_dir / artifacts["tokenizer"]["path"])

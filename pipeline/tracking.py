@@ -262,6 +262,12 @@ def version_by_alias(uri: str, name: str, alias: str) -> VersionInfo | None:
     return None if version is None else get_version(uri, name, version)
 
 
+def versions_with_tag(uri: str, name: str, key: str, value: str) -> list[int]:
+    """The versions of model ``name`` whose tag ``key`` is ``value``, ascending."""
+    found = client(uri).search_model_versions(f"name = '{name}'")
+    return sorted(int(mv.version) for mv in found if mv.tags.get(key) == value)
+
+
 def set_version_tags(uri: str, name: str, version: int, tags: dict[str, Any]) -> None:
     c = client(uri)
     for k, v in tags.items():
@@ -300,4 +306,5 @@ __all__ = [
     "StageTracker", "TrackingUnavailable", "VersionInfo", "check_reachable", "client", "download_model", "end_run",
     "ensure_experiment", "env_for_workers", "get_version", "load_registered_model", "log_and_register_model",
     "model_aliases", "search_runs", "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
+    "versions_with_tag",
 ]

@@ -1,0 +1,183 @@
+"""jobs.deploy on real Ray Serve (the session's Ray), a real MLflow server and real HTTP: the OpenAI API
+with the openai client, batching, and promotion / rollback rolling the deployment with no failed
+request. One deployment is shared by the module's tests, in file order; the last takes it down."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from jobs import deploy as deploy_cli
+from jobs import promote
+from pipeline import deploy, tracking
+from tests.jobs.conftest import MODEL_NAME, free_port
+from tests.jobs.test_promote_serve import _register_with
+
+pytestmark = pytest.mark.slow
+
+
+def _register_better(tiny_run, label: str) -> int:
+    """The same weights registered again with a better held-out metric (passes the default gates)."""
+    base = json.loads((tiny_run.arts["evaluate"].path / "metrics.json").read_text())["metrics"]
+    return _register_with(tiny_run, label, heldout_bits_per_byte=base["heldout_bits_per_byte"] - 0.5)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_run, ray_cluster):
+    """v1 promoted to champion and deployed with jobs.deploy; yields the OpenAI base URL."""
+    uri = tiny_run.uri
+    assert promote.main([MODEL_NAME, "--tracking-uri", uri]) == 0
+    port = free_port()
+    assert deploy_cli.main([f"{MODEL_NAME}@champion", "--tracking-uri", uri, "--port", str(port),
+                            "--replicas", "1", "--cpus", "1"]) == 0
+    yield f"http://127.0.0.1:{port}/v1"
+    from ray import serve
+
+    deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", uri])  # if a test failed before test_down
+    serve.shutdown()  # the session's Ray goes on without Serve's controller and proxy
+
+
+def _complete(base: str, **body) -> requests.Response:
+    return requests.post(f"{base}/completions", json={"model": MODEL_NAME, **body}, timeout=60)
+
+
+def test_deploy_serves_the_champion_and_records_it_on_the_version(served, tiny_run):
+    r = requests.get(f"{served}/models", timeout=30)
+    assert r.status_code == 200 and r.headers["x-conduit-version"] == "1"
+    assert r.json()["data"][0]["id"] == MODEL_NAME and r.json()["data"][0]["conduit_version"] == 1
+    tags = tracking.get_version(tiny_run.uri, MODEL_NAME, 1).tags
+    assert tags["deploy.status"] == "running" and tags["deploy.endpoint"] == served
+    assert tags["deploy.alias"] == "champion" and tags["deploy.app"] == f"conduit-{MODEL_NAME}"
+    assert json.loads(tags["deploy.settings"])["num_replicas"] == 1 and tags["deploy.ray_address"]
+    assert deploy.app_status(MODEL_NAME) == "RUNNING"
+
+
+def test_openai_client_completions_streaming_and_models(served):
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    out = client.completions.create(model=MODEL_NAME, prompt=["KING:", "The old man said"], max_tokens=8,
+                                    temperature=0.0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text and out.choices[0].text  # greedy: n copies
+    assert 0 < out.usage.completion_tokens <= 32 and out.usage.prompt_tokens > 0
+    assert out.model_extra["conduit_version"] == 1
+    seeded = [client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=12, temperature=1.0,
+                                        top_p=0.9, seed=7).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    full = out.choices[0].text
+    stop = full[2:4]
+    cut = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=8, temperature=0.0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=8, temperature=0.0, stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 2 and "".join(c.choices[0].text for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+    raw = requests.post(f"{served}/completions", json={"prompt": "KING:", "max_tokens": 3, "stream": True},
+                        timeout=60, stream=True)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL_NAME, prompt="KING:", temperature=5.0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="KING:")
+    for body, param in [({"max_tokens": 0, "prompt": "x"}, "max_tokens"), ({"prompt": 3}, "prompt"),
+                        ({}, "prompt"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+                        ({"prompt": "to be or not " * 40}, "prompt"), ({"prompt": "x", "max_tokens": 63}, "max_tokens"),
+                        ({"prompt": "x", "n": 99}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop")]:
+        r = _complete(served, **body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = requests.post(f"{served}/completions", data="{not json", timeout=30,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert _complete(served, prompt="KING:", max_tokens=2).status_code == 200
+
+
+def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
+    prompts = ["KING:", "The old man said", "O", "What light through yonder window", "First Citizen:", "Ay"]
+    alone = [_complete(served, prompt=p, max_tokens=10 + i, temperature=0.0).json()["choices"][0]["text"]
+             for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ip: _complete(served, prompt=ip[1], max_tokens=10 + ip[0],
+                                                      temperature=0.0).json()["choices"][0]["text"],
+                                 enumerate(prompts)))
+    assert together == alone
+
+
+def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, tiny_run, capsys):
+    uri = tiny_run.uri
+    v2 = _register_better(tiny_run, "deploy-v2")
+    seen: list[tuple[float, int]] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client_loop():
+        while not stop.is_set():
+            try:
+                r = _complete(served, prompt="KING:", max_tokens=4, temperature=0.0)
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+                else:
+                    seen.append((time.monotonic(), r.json()["conduit_version"]))
+            except requests.RequestException as e:
+                failures.append(repr(e))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        assert promote.main([MODEL_NAME, "--tracking-uri", uri]) == 0  # challenger v2 beats v1: rolls over
+        assert "rolled over to v2" in capsys.readouterr().out
+        assert requests.get(f"{served}/models", timeout=30).json()["data"][0]["conduit_version"] == v2
+        time.sleep(1.0)
+        assert promote.main([MODEL_NAME, "--rollback", "--tracking-uri", uri, "--reason", "test"]) == 0
+        assert "rolled over to v1" in capsys.readouterr().out
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert failures == []
+    versions = [v for _, v in sorted(seen)]
+    changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+    assert changes[0] == 1 and v2 in changes and changes[-1] == 1, changes
+    assert len(versions) > 20
+    tags = {v: tracking.get_version(uri, MODEL_NAME, v).tags for v in (1, v2)}
+    assert tags[1]["deploy.status"] == "running" and tags[v2]["deploy.status"] == "replaced"
+    assert tags[1]["promotion.champion.rollback_from"] == str(v2)
+    assert tracking.model_aliases(uri, MODEL_NAME)["champion"] == 1
+
+
+def test_app_builder_resolves_the_alias_for_declarative_configs(served, tiny_run):
+    from ray.serve import Application
+
+    from pipeline import serve_app
+
+    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}@champion", "tracking_uri": tiny_run.uri,
+                                             "revision": 3}), Application)
+    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}/1", "tracking_uri": tiny_run.uri}), Application)
+    for args, error, needle in [({"model": f"{MODEL_NAME}@nope", "tracking_uri": tiny_run.uri}, LookupError, "no alias"),
+                                ({"model": f"{MODEL_NAME}/99", "tracking_uri": tiny_run.uri}, LookupError, "no version 99"),
+                                ({"model": MODEL_NAME, "tracking_uri": tiny_run.uri}, ValueError, "NAME@ALIAS or"),
+                                ({"model": "m", "replicas": 2}, ValueError, "take only")]:
+        with pytest.raises(error, match=needle):
+            serve_app.app_builder(args)
+
+
+def test_down_removes_the_application_and_tags_the_version(served, tiny_run, capsys):
+    assert deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", tiny_run.uri]) == 0
+    assert "removed; v1 tagged deploy.status=down" in capsys.readouterr().out
+    assert deploy.app_status(MODEL_NAME) == "NOT_DEPLOYED"
+    assert tracking.get_version(tiny_run.uri, MODEL_NAME, 1).tags["deploy.status"] == "down"
+    assert deploy_cli.main([f"{MODEL_NAME}@nope", "--tracking-uri", tiny_run.uri]) == 2
