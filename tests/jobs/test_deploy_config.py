@@ -30,7 +30,8 @@ def test_the_gcs_address_comes_from_the_flag_the_environment_or_the_env_file(tmp
                         "RAY_AUTH_MODE=token\nRAY_AUTH_TOKEN_PATH=/secret/token\n")
     monkeypatch.setenv(cluster.ENV_FILE_VAR, str(env_file))
     for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # so that monkeypatch removes what apply_auth sets below, afterwards
+        monkeypatch.delenv(var)
     assert deploy.resolve_address("10.0.0.1:6379") == "10.0.0.1:6379"
     assert deploy.resolve_address(None) == "127.0.0.1:6390"
     monkeypatch.setenv("RAY_ADDRESS", "http://elsewhere:8265")  # a Jobs API URL is not a GCS address
