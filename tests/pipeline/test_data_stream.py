@@ -180,7 +180,6 @@ print(json.dumps({"stats": stats, "kept": kept, "whole_file_read": whole}))
 '''
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="measures the address space in /proc (Linux)")
 def test_a_file_larger_than_the_read_tasks_memory_limit_is_read(tmp_path):
     """The shard stage's read task (``read_and_clean``), in a process whose address space may grow by
     64 MiB, reads and cleans a 96 MiB file; reading the file whole fails under the same limit."""

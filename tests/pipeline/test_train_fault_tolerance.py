@@ -145,8 +145,8 @@ def run_cli(work: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", *TRAIN,
            "eval.max_batches=2", "eval.max_text_tokens=512", "eval.lambada_max_examples=16",
            "eval.max_new_tokens=4", *extra]
-    log = open(work.parent / f"{work.name}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(work.parent / f"{work.name}-{time.monotonic_ns()}.log", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight):
