@@ -51,7 +51,7 @@ down:
 	infra/local/down
 
 test: install
-	$(PY) -m pytest -q --timeout=1500 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=1500 --durations=40 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

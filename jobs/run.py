@@ -9,11 +9,10 @@ import argparse
 import signal
 import sys
 
-from pipeline.cluster import ClusterError
-from pipeline.config import ConfigError, load_config
-from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
+from pipeline.config import load_config
+from pipeline.runner import EXPECTED_ERRORS, ORDER, main_exit_code, run_pipeline
 from pipeline.stage_io import RegisteredModel
-from pipeline.tracking import TrackingUnavailable, ui_command
+from pipeline.tracking import ui_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
-    except (ConfigError, ClusterError, StageFailed, TrackingUnavailable) as e:
+    except EXPECTED_ERRORS as e:
         return main_exit_code(e)
     except KeyboardInterrupt:
         print(f"interrupted ({_SIGNALS[-1] if _SIGNALS else 'SIGINT'}): the MLflow runs are KILLED; finished "

@@ -48,6 +48,9 @@ class RunSection:
     workdir: str = "outputs"  # relative paths resolve against the current directory
     artifact_root: str | None = None  # None: <workdir>/artifacts; or any pyarrow.fs URI
     seed: int = 1234
+    # Another driver holding a stage's lock (the same config, running now): wait this long for it, then
+    # stop naming it. 0 stops at once. Waiting ends early when it finishes: its artifact is then used.
+    lock_wait_s: float = 0.0
 
 
 @dataclass

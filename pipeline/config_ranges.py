@@ -23,6 +23,9 @@ NON_EMPTY: Range = ("non-empty", lambda v: len(v) > 0)
 NON_EMPTY_ITEMS: Range = ("a list of non-empty strings", lambda v: all(v))
 
 RANGES: dict[str, Range] = {
+    "run.lock_wait_s": AT_LEAST_0,
+    # MLflow filter strings (finding an earlier attempt's runs) quote the name: keep quotes out of it.
+    "run.name": ("non-empty, without quotes or backslashes", lambda v: bool(v) and not set(v) & set("'\"\\`")),
     "tokenizer.max_training_bytes": AT_LEAST_1,
     "tokenizer.num_threads": AT_LEAST_1,
     "train.global_batch_size": AT_LEAST_1,

@@ -63,3 +63,64 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
                 f"({per_worker:g} each) but {available}; Ray Train would wait for them forever. Lower "
                 "parallel.num_workers (and train.global_batch_size with it) or add nodes"
             )
+
+
+class DiskError(RuntimeError):
+    """A stage's output location is not writable or has less free space than the stage needs."""
+
+
+MIN_FREE_BYTES = 64 * 2**20  # what any stage writes at least (manifests, plots, small files)
+
+
+def check_disk(cfg: RunConfig, item, stage, inputs: Mapping) -> None:
+    """Before a stage runs: can it write its outputs, and is there room for them?
+
+    Every local location the stage writes (its artifact folder, and for train the checkpoint storage)
+    must be writable (a probe file is created and removed) and its filesystem must have the free space
+    the stage's ``disk_need`` estimates, summed over locations on one filesystem. Object-store
+    locations (``s3://``...) have no free space to check and are left to the store.
+
+    Args:
+        cfg: the resolved run config.
+        item: the runner's plan item (stage name, hash, artifact path).
+        stage: the Stage record.
+        inputs: its upstream artifacts by stage name.
+
+    Raises:
+        DiskError: naming the path, the bytes needed (and what they are for) and the bytes free.
+    """
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    needs = list(stage.disk_need(cfg, inputs, item.hash)) if stage.disk_need else []
+    needs.append((None, MIN_FREE_BYTES, "manifest and small files"))
+    by_device: dict[int, list[tuple[Path, int, str]]] = {}
+    for location, need, what in needs:
+        location = str(item.path) if location is None else location
+        if "://" in location:
+            continue
+        path = Path(location)
+        probe_dir = path if path.exists() else path.parent
+        try:
+            probe_dir.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".conduit-probe-", dir=probe_dir)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise DiskError(f"stage {item.stage} cannot write to {probe_dir}: {e.strerror or e}. Point "
+                            "run.artifact_root (or train.checkpoint_storage) at a writable folder") from e
+        by_device.setdefault(os.stat(probe_dir).st_dev, []).append((probe_dir, need, what))
+    for places in by_device.values():
+        need = sum(n for _, n, _ in places)
+        free = shutil.disk_usage(places[0][0]).free
+        if need > free:
+            where = "; ".join(f"{_gib(n)} at {p} for {what}" for p, n, what in places)
+            raise DiskError(f"stage {item.stage} needs about {_gib(need)} of free disk ({where}) but that "
+                            f"filesystem has {_gib(free)} free; free some space or point run.artifact_root / "
+                            "train.checkpoint_storage elsewhere")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

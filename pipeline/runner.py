@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline import cluster, tracking
+from pipeline import cluster, locks, tracking
 from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, verify
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
-from pipeline.preflight import check_cluster_resources
+from pipeline.preflight import DiskError, check_cluster_resources, check_disk
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
 
 
@@ -246,8 +246,6 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
 
 def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[str], None],
                 stages: dict[str, Stage]) -> PipelineResult:
-    import ray
-
     cfg.workdir().mkdir(parents=True, exist_ok=True)
     local_store = uri.startswith("sqlite:")
     exp_id = tracking.ensure_experiment(
@@ -263,50 +261,28 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()),
     })
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
-    task = ray.remote(_stage_task)
     try:
         tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
             stage = stages[item.stage]
             if not item.run and item.cached:
-                cached = Artifact.load(item.path)
-                damage = verify(cached)
-                if damage is None:
-                    result.artifacts[item.stage] = cached
-                    echo(f"{item.stage}: cached ({item.hash})")
+                if _use_cached(item, result, echo):
                     continue
-                echo(f"{item.stage}: the cached artifact is damaged ({damage}); rebuilding it")
             elif not item.run:
                 continue
-            inputs = {i: result.artifacts[i] for i in stage.inputs}
-            child = tracking.start_run(uri, exp_id, item.stage, parent_id=parent, tags={
-                "conduit.stage": item.stage, "conduit.hash": item.hash,
-                **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
-            })
-            tracker = tracking.StageTracker(uri, child)
-            if item.path.exists():
-                shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
-            if item.forced and stage.discard_state is not None:
-                stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
-            echo(f"{item.stage}: running ({item.hash})")
-            res = stage.task_resources(cfg, inputs)
-            ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
-                stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
-            )
+            # Held from clearing the folder until the stage is sealed or has failed: another driver of
+            # this config waits (run.lock_wait_s) or stops, naming this one.
+            lock = locks.acquire(cfg.artifact_root(), item.stage, item.hash, wait_s=cfg.run.lock_wait_s,
+                                 run_id=parent, on_wait=lambda line, s=item.stage: echo(f"{s}: {line}"))
             try:
-                path = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:
-                record_failure(tracker, e.cause, str(e))
-                tracking.end_run(uri, child, "FAILED")
-                raise StageFailed(f"stage {item.stage} failed: {e.cause!r}") from e.cause
-            except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
-                tracking.end_run(uri, child, end_status(e))
-                raise
-            art = Artifact.load(path)
-            result.artifacts[item.stage] = art
-            tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
-            tracking.end_run(uri, child)
-            echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash})")
+                if lock.took_over:
+                    echo(f"{item.stage}: took over the lock left by {locks.describe(lock.took_over)}, "
+                         "which is no longer running")
+                if not item.forced and is_complete(item.path) and _use_cached(item, result, echo):
+                    continue  # the driver this one waited for finished it
+                _run_one(cfg, item, stage, result, uri, exp_id, parent, echo)
+            finally:
+                lock.release()
         tracking.StageTracker(uri, parent).set_tags(
             {f"conduit.artifact.{k}": a.hash for k, a in result.artifacts.items()}
         )
@@ -315,6 +291,55 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         tracking.end_run(uri, parent, end_status(e))
         raise
     return result
+
+
+def _use_cached(item: PlanItem, result: PipelineResult, echo: Callable[[str], None]) -> bool:
+    """Take a sealed artifact as this run's, after checking its files; False when it is damaged."""
+    cached = Artifact.load(item.path)
+    damage = verify(cached)
+    if damage is None:
+        result.artifacts[item.stage] = cached
+        echo(f"{item.stage}: cached ({item.hash})")
+        return True
+    echo(f"{item.stage}: the cached artifact is damaged ({damage}); rebuilding it")
+    return False
+
+
+def _run_one(cfg: RunConfig, item: PlanItem, stage: Stage, result: PipelineResult, uri: str, exp_id: str,
+             parent: str, echo: Callable[[str], None]) -> None:
+    """Run one stage as a Ray task under its own nested MLflow run (the caller holds its lock)."""
+    import ray
+
+    inputs = {i: result.artifacts[i] for i in stage.inputs}
+    check_disk(cfg, item, stage, inputs)
+    child = tracking.start_run(uri, exp_id, item.stage, parent_id=parent, tags={
+        "conduit.stage": item.stage, "conduit.hash": item.hash,
+        **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
+    })
+    tracker = tracking.StageTracker(uri, child)
+    if item.path.exists():
+        shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
+    if item.forced and stage.discard_state is not None:
+        stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
+    echo(f"{item.stage}: running ({item.hash})")
+    res = stage.task_resources(cfg, inputs)
+    ref = ray.remote(_stage_task).options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
+        stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
+    )
+    try:
+        path = ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        record_failure(tracker, e.cause, str(e))
+        tracking.end_run(uri, child, "FAILED")
+        raise StageFailed(f"stage {item.stage} failed: {e.cause!r}") from e.cause
+    except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
+        tracking.end_run(uri, child, end_status(e))
+        raise
+    art = Artifact.load(path)
+    result.artifacts[item.stage] = art
+    tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
+    tracking.end_run(uri, child)
+    echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash})")
 
 
 DRIVER_TAG = "conduit.driver"  # JSON: host, pid and process start time of the driver that owns the run
@@ -384,7 +409,13 @@ def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_
     tracker.log_text(re.sub(r"\x1b\[[0-9;]*m", "", remote_traceback), "error.txt")
 
 
+# Failures a user can act on from a one-paragraph message (jobs.run prints no traceback for them).
+EXPECTED_ERRORS = (ConfigError, cluster.ClusterError, StageFailed, tracking.TrackingUnavailable, locks.StageLocked,
+                   DiskError)
+
+
 def main_exit_code(exc: BaseException) -> int:
     """Exit status for a failed run, printed for people rather than as a traceback."""
     print(f"error: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable)) else 1
+    expected = (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable, locks.StageLocked, DiskError)
+    return 2 if isinstance(exc, expected) else 1

@@ -108,5 +108,11 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 
 
 # Holds no CPU: it writes files and talks to the MLflow registry.
+def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
+    """The Hugging Face export: a copy of the weights (the MLflow store's copy is the server's to hold)."""
+    weights = (inputs["train"].path / WEIGHTS_FILE).stat().st_size
+    return [(None, weights, "the Hugging Face export of the weights")]
+
+
 STAGE = Stage(name="register", version=2, inputs=("tokenizer", "train", "evaluate"),
-              hash_config=hash_config, run=run, resources=Resources(cpus=0))
+              hash_config=hash_config, run=run, resources=Resources(cpus=0), disk_need=disk_need)

@@ -196,4 +196,11 @@ def read_texts(artifact_path: Path, split: str) -> list[str]:
 
 
 # Holds no CPU itself: each input is read in a Ray task of its own (1 CPU each).
-STAGE = Stage(name="shard", version=3, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0))
+def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
+    """The shards hold the corpus's text as compressed parquet: at most about its size, twice for slack."""
+    corpus = sum(f.size for f in resolve_inputs(cfg))
+    return [(None, 2 * corpus, f"parquet shards of {corpus / 2**20:.1f} MiB of input")]
+
+
+STAGE = Stage(name="shard", version=3, inputs=(), hash_config=hash_config, run=run, resources=Resources(cpus=0),
+              disk_need=disk_need)

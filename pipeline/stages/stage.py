@@ -8,6 +8,7 @@ with the manifest; it needs no Ray, so tests and benchmarks call it directly.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ from typing import Any
 
 from pipeline.artifacts import Artifact, prepare_dir, write_manifest
 from pipeline.config import RunConfig
+
+
+# A write that failed because the disk is full, a quota or file size limit was hit, or the place is read-only.
+_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ StageBody = Callable[[RunConfig, Mapping[str, Artifact], Path, Any], dict[str, A
 ResourceRule = Callable[[RunConfig, Mapping[str, Artifact]], Resources]
 # (resolved config, the stage's artifact hash): state a stage keeps outside its folder to resume.
 StateHook = Callable[[RunConfig, str], None]
+# (resolved config, upstream artifacts, the stage's hash) -> [(location, bytes, what for)]: an upper
+# estimate of what the stage writes; location None is its own artifact folder.
+DiskRule = Callable[[RunConfig, Mapping[str, Artifact], str], list[tuple[str | None, int, str]]]
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,8 @@ class Stage:
             its hash (train: its checkpoints), so that a rerun after a crash continues where the
             crashed attempt was: removes that state; the runner calls it when the stage is forced.
         after_seal: prunes that state once the artifact is sealed (train keeps its final checkpoint).
+        disk_need: what the stage will write and where, estimated before it runs; the runner checks
+            that each place is writable and has the room (``pipeline.preflight.check_disk``).
 
     Raises:
         ValueError: an empty name, a version below 1, or a stage that lists itself as an input.
@@ -75,6 +85,7 @@ class Stage:
     resources_for: ResourceRule | None = None
     discard_state: StateHook | None = None
     after_seal: StateHook | None = None
+    disk_need: DiskRule | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.version < 1 or self.name in self.inputs:
@@ -116,13 +127,23 @@ class Stage:
             raise ValueError(f"stage {self.name} needs inputs {missing}")
         started = time.time()
         prepare_dir(out_dir)
-        counts = self.run(cfg, inputs, out_dir, tracker)
+        try:
+            counts = self.run(cfg, inputs, out_dir, tracker)
+        except OSError as e:
+            if e.errno in _FULL_OR_READ_ONLY and not e.filename:
+                # numpy, pyarrow and torch often drop the path; the folder tells the user where to look
+                raise OSError(e.errno, f"{e.strerror} while stage {self.name} wrote into {out_dir}") from e
+            raise
         artifact = write_manifest(
             out_dir, stage=self.name, hash_=hash_, stage_config=self.hash_config(cfg), run_config=cfg.to_dict(),
             inputs={i: inputs[i].hash for i in self.inputs}, counts=counts, started_at=started,
         )
         if self.after_seal is not None:
-            self.after_seal(cfg, hash_)
+            try:
+                self.after_seal(cfg, hash_)
+            except Exception as e:  # the artifact is sealed and good: pruning state is housekeeping
+                print(f"warning: stage {self.name} ({hash_}) is done, but cleaning up its resumable state "
+                      f"failed: {type(e).__name__}: {e}", flush=True)
         return artifact
 
 

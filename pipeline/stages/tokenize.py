@@ -164,5 +164,11 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     return {**index.to_dict(), "engine": engine}
 
 
+def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
+    """At most one token per UTF-8 byte of text, each 4 bytes (uint32, the wider token dtype)."""
+    n = text_bytes(inputs["shard"])
+    return [(None, 4 * n, f"token files of {n / 2**20:.1f} MiB of text")]
+
+
 STAGE = Stage(name="tokenize", version=2, inputs=("shard", "tokenizer"),
-              hash_config=hash_config, run=run, resources_for=task_resources)
+              hash_config=hash_config, run=run, resources_for=task_resources, disk_need=disk_need)

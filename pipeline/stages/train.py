@@ -16,6 +16,7 @@ Checkpoints live outside the artifact folder, in the Ray Train run ``train-<arti
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -25,6 +26,10 @@ from pipeline.data.fs import filesystem_for
 from pipeline.stage_io import read_train_metrics, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
+
+# Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
+# the training loop gets as its ``failpoints`` (see pipeline.training.loop).
+FAILPOINTS_ENV = "CONDUIT_FAILPOINTS"
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -71,6 +76,25 @@ def keep_final_checkpoint(cfg: RunConfig, hash_: str) -> None:
             fs.delete_dir(info.path)
 
 
+# Bytes per parameter of one checkpoint: DeepSpeed's (fp32 weights, Adam's two moments, ~16) and the
+# layout-independent canonical.pt (weights and moments, 12), plus DeepSpeed's scripts and the run log.
+CHECKPOINT_BYTES_PER_PARAM = 28
+CHECKPOINT_FIXED_BYTES = 2**20
+
+
+def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
+    """The fp32 weights in the artifact folder; ``keep_checkpoints`` checkpoints plus the one being
+    written (Ray Train deletes the oldest after the new one is reported) in the checkpoint storage."""
+    from models.accounting import param_counts
+
+    params = param_counts(cfg.model_config())["total"]
+    storage, name = checkpoint_location(cfg, hash_)
+    kept = cfg.train.keep_checkpoints + 1
+    return [(None, 4 * params, f"fp32 weights of {params:,} parameters"),
+            (f"{storage.rstrip('/')}/{name}", (CHECKPOINT_BYTES_PER_PARAM * params + CHECKPOINT_FIXED_BYTES) * kept,
+             f"{kept} checkpoints x {CHECKPOINT_BYTES_PER_PARAM} B x {params:,} parameters")]
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
@@ -93,6 +117,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             "tracker": tracker,
             "device": device,
             "precision": precision,
+            # Fault tests widen a moment to SIGKILL a worker in.
+            "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
         },
         torch_config=TorchConfig(backend=backend_for(device)),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
@@ -124,4 +150,4 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 # Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
 STAGE = Stage(name="train", version=1, inputs=("tokenize",),
               hash_config=hash_config, run=run, resources=Resources(cpus=0),
-              discard_state=discard_checkpoints, after_seal=keep_final_checkpoint)
+              discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need)

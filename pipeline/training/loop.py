@@ -7,6 +7,8 @@
     tracker        a StageTracker for live metrics (rank 0 only logs)
     device         "cpu" or "cuda" (resolved by the stage)
     precision      "fp32" / "bf16" / "fp16" (resolved)
+    failpoints     tests only: {"pause_after_final_checkpoint_s": s} holds every rank still for s seconds
+                   right after the final checkpoint of a first start, for a test to SIGKILL one there
 
 Checkpoints (every ``train.checkpoint_every`` steps and at the end) are reported to Ray Train, so
 ``FailureConfig(max_failures)`` restarts the workers from the latest one, exactly. A checkpoint also
@@ -133,6 +135,8 @@ def main(config: dict) -> None:
         if done == t.steps or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
             last_checkpoint = time.monotonic()
             _checkpoint(engine, scheduler, done, loader.state_dict(), layout, {"history": history, "starts": starts})
+            if done == t.steps:
+                time.sleep(config.get("failpoints", {}).get("pause_after_final_checkpoint_s", 0))
         bar.update(1)
     bar.close()
 

@@ -65,6 +65,8 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
     # the ranges of pipeline.config_ranges: each fails at load, not stages later
     ("train.global_batch_size=0", r"train\.global_batch_size=0 must be >= 1"),
+    ("run.lock_wait_s=-1", r"run\.lock_wait_s=-1\.0 must be >= 0"),
+    ("run.name=it's", r"run\.name=\"it's\" must be non-empty, without quotes or backslashes"),
     ("train.global_batch_size=-8", r"train\.global_batch_size=-8 must be >= 1"),
     ("train.min_lr_ratio=1.5", r"train\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
     ("train.weight_decay=-0.1", r"train\.weight_decay=-0\.1 must be >= 0"),

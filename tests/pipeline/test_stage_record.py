@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.artifacts import is_complete, verify
 from pipeline.config import load_config
 from pipeline.stages import ORDER, STAGES, Resources, Stage, in_order
 
@@ -43,3 +44,14 @@ def test_the_table_refuses_duplicates_and_stages_before_their_inputs():
         in_order([stage("a"), stage("a")])
     with pytest.raises(ValueError, match="inputs other than itself"):
         stage("a", "a")
+
+
+def test_a_failing_after_seal_leaves_the_stage_done_with_a_warning(tmp_path, capsys):
+    def prune(cfg, hash_):
+        raise OSError("the checkpoint store is gone")
+
+    cfg = load_config(None, [f"run.workdir={tmp_path}"])
+    art = stage("a", after_seal=prune).execute(cfg, "0" * 16, tmp_path / "a" / ("0" * 16), {}, None)
+    assert is_complete(art.path) and verify(art) is None
+    assert "warning: stage a (0000000000000000) is done, but cleaning up its resumable state failed: " \
+           "OSError: the checkpoint store is gone" in capsys.readouterr().out
