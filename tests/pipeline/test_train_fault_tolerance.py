@@ -77,7 +77,8 @@ def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_
 
 # adam_eps 1e-4: the resume on another world size is compared to 1e-5, and a tiny eps turns rounding
 # differences of near-zero gradients into lr-sized steps (see dist_checks.py).
-TRAIN = ["train.steps=200", "train.checkpoint_every=20", "train.log_every=10", "train.progress_bar=false",
+STEPS, EVERY = 120, 20  # six checkpoints: room to kill between them
+TRAIN = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.log_every=10", "train.progress_bar=false",
          "train.adam_eps=0.0001"]
 
 
@@ -139,8 +140,8 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, monk
     # The group restarted past a checkpoint, then at the final one; the history is whole: every
     # logged step once, as in the uninterrupted run, with the same losses.
     starts = read_train_starts(art.path)
-    assert len(starts) == 3 and starts[0] == 0 and 20 <= starts[1] < 200 and starts[1] % 20 == 0, starts
-    assert starts[2] == 200, starts
+    assert len(starts) == 3 and starts[0] == 0 and EVERY <= starts[1] < STEPS and starts[1] % EVERY == 0, starts
+    assert starts[2] == STEPS, starts
     assert art.manifest["counts"]["starts"] == starts
     assert [h["step"] for h in resumed_history] == [h["step"] for h in straight_history]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]
@@ -200,7 +201,7 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
     train_dir = work / "artifacts" / "train" / train_hash
     starts = read_train_starts(train_dir)
     # The first attempt started at 0; the rerun began past its two checkpoints, not at step 0.
-    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 40 and starts[1] % 20 == 0, starts
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 2 * EVERY and starts[1] % EVERY == 0, starts
     assert_same_weights(weights, load_file(train_dir / "model.safetensors"))
     # MLflow: the dead attempt's parent and train runs are FAILED, the rerun's FINISHED.
     uri = cfg.tracking_uri()
@@ -238,15 +239,15 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
 
 
 def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s3):
-    """2 workers trained to step 180; that checkpoint, copied to S3 (a moto server), is continued by
+    """2 workers trained to step 100; that checkpoint, copied to S3 (a moto server), is continued by
     1 worker (``train.resume_from=s3://...``, through the layout-independent canonical.pt since the
-    world size differs) to step 200: same weights as the 2-worker run, and its own checkpoint is
+    world size differs) to step 120: same weights as the 2-worker run, and its own checkpoint is
     reported to ``train.checkpoint_storage=s3://...``."""
     import pyarrow.fs as pafs
 
     weights, _, _, train_art = straight
     first_kept = sorted(p for p in artifact_run_dir(train_art).glob("checkpoint_*") if p.is_dir())[0]
-    assert first_kept.name.startswith("checkpoint_")  # keep_checkpoints=2 (not pruned here): 180, 200
+    assert first_kept.name.startswith("checkpoint_")  # keep_checkpoints=2 (not pruned here): 100, 120
     assert json.loads((first_kept / "layout.json").read_text()) == {"world_size": 2, "ep_size": 1, "zero_stage": 1}
     query = f"endpoint_override={moto_s3}&scheme=http"
     fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
@@ -256,10 +257,10 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s
     resumed, history, _, art = train_once(tmp_path, "s3", [
         "parallel.num_workers=1", f"train.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
         f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False)
-    # Continued at 180 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
-    # history), so the history runs whole from the first logged step to 200.
-    assert read_train_starts(art.path) == [0, 180]
-    assert [h["step"] for h in history] == list(range(10, 201, 10))
+    # Continued at 100 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
+    # history), so the history runs whole from the first logged step to the last.
+    assert read_train_starts(art.path) == [0, STEPS - EVERY]
+    assert [h["step"] for h in history] == list(range(10, STEPS + 1, 10))
     assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
     written = [i.path for i in fs.get_file_info(pafs.FileSelector("conduit-ckpt/runs", recursive=True))]
     final = [p for p in written if p.endswith("/layout.json")]
