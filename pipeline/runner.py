@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -21,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import cluster, tracking
-from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, verify
+from pipeline.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.preflight import check_cluster_resources
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
+from pipeline.storage import Transfer, is_uri, store_for
 
 
 class StageFailed(RuntimeError):
@@ -35,7 +35,7 @@ class StageFailed(RuntimeError):
 class PlanItem:
     stage: str
     hash: str
-    path: Path
+    path: Path | str  # the artifact's folder, or its URI in an object store (pipeline.storage)
     cached: bool
     run: bool  # False: skipped because cached, or outside --only
     forced: bool = False  # --force (or downstream of it): state kept to resume an attempt is discarded
@@ -47,6 +47,7 @@ class PipelineResult:
     tracking_uri: str
     plan: list[PlanItem]
     artifacts: dict[str, Artifact] = field(default_factory=dict)
+    transfers: dict[str, Transfer] = field(default_factory=dict)  # stages that ran: bytes to/from the store
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -84,13 +85,14 @@ def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = 
         if name not in stages:
             raise ConfigError(f"unknown stage {name!r}; stages are {list(stages)}")
     forced = downstream(set(force), stages)
+    store = store_for(cfg.artifact_root())
     hashes: dict[str, str] = {}
     plan = []
     for name, stage in stages.items():
         h = content_hash(name, stage.version, stage.hash_config(cfg), {i: hashes[i] for i in stage.inputs})
         hashes[name] = h
-        path = artifact_dir(cfg.artifact_root(), name, h)
-        cached = is_complete(path)
+        path = store.location(name, h)
+        cached = store.is_complete(name, h)
         selected = only is None or name == only
         plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached),
                              forced=selected and name in forced))
@@ -205,10 +207,16 @@ def ray_job_submission_id() -> str | None:
     return json.loads(raw).get("metadata", {}).get("job_submission_id")
 
 
-def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
+def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:
+    """A stage's Ray task: its inputs on this node, its body into a node-local folder, sealed and
+    published to the artifact store (``pipeline.storage``; in place for a local root)."""
     cfg = config_from_dict(cfg_dict, source="<resolved>")
-    inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
-    return str(stage.execute(cfg, hash_, Path(out_dir), inputs, tracker).path)
+    store = store_for(cfg.artifact_root())
+    local_inputs = {k: store.fetch(a) for k, a in inputs.items()}
+    store.publish(stage.execute(cfg, hash_, store.prepare_build(stage.name, hash_), local_inputs, tracker))
+    if is_uri(store.root):
+        tracker.set_tags(store.transfer.as_tags())
+    return store.transfer
 
 
 def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, ...] = (),
@@ -264,13 +272,14 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
     })
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
     task = ray.remote(_stage_task)
+    store = store_for(cfg.artifact_root())
     try:
         tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
             stage = stages[item.stage]
             if not item.run and item.cached:
-                cached = Artifact.load(item.path)
-                damage = verify(cached)
+                cached = store.load(item.stage, item.hash)
+                damage = store.check(cached)
                 if damage is None:
                     result.artifacts[item.stage] = cached
                     echo(f"{item.stage}: cached ({item.hash})")
@@ -284,17 +293,16 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
             })
             tracker = tracking.StageTracker(uri, child)
-            if item.path.exists():
-                shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
+            store.clear(item.stage, item.hash)  # forced, damaged, or left unsealed by an earlier attempt
             if item.forced and stage.discard_state is not None:
                 stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
             echo(f"{item.stage}: running ({item.hash})")
             res = stage.task_resources(cfg, inputs)
             ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
-                stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
+                stage, cfg.to_dict(), item.hash, inputs, tracker
             )
             try:
-                path = ray.get(ref)
+                transfer = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 record_failure(tracker, e.cause, str(e))
                 tracking.end_run(uri, child, "FAILED")
@@ -302,11 +310,16 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
                 tracking.end_run(uri, child, end_status(e))
                 raise
-            art = Artifact.load(path)
+            art = store.load(item.stage, item.hash)
             result.artifacts[item.stage] = art
+            result.transfers[item.stage] = transfer
             tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
             tracking.end_run(uri, child)
-            echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash})")
+            moved = ""
+            if is_uri(store.root):
+                moved = (f"; fetched {transfer.fetched_bytes / 1e6:.1f} MB in {transfer.fetch_seconds:.1f}s, "
+                         f"uploaded {transfer.uploaded_bytes / 1e6:.1f} MB in {transfer.upload_seconds:.1f}s")
+            echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash}{moved})")
         tracking.StageTracker(uri, parent).set_tags(
             {f"conduit.artifact.{k}": a.hash for k, a in result.artifacts.items()}
         )
