@@ -210,6 +210,10 @@ class ClusterSection:
     # A Ray cluster of several nodes needs an artifact_root every node sees. A URI (s3://...) is
     # shared by nature; a path is shared only if it is a shared-filesystem mount, which you assert here.
     shared_storage: bool = False
+    # Custom Ray resources (``ray start --resources '{"stages": 100}'``) that every stage task asks
+    # for a sliver of, so that stage tasks run only on the nodes that have them (the CPU nodes of a
+    # GPU cluster, say); Ray Train workers are placed by parallel.placement_strategy. []: anywhere.
+    stage_resources: list[str] = field(default_factory=list)
 
 
 @dataclass

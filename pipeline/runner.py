@@ -207,6 +207,9 @@ def ray_job_submission_id() -> str | None:
     return json.loads(raw).get("metadata", {}).get("job_submission_id")
 
 
+STAGE_RESOURCE_SHARE = 0.001  # of each cluster.stage_resources name, per stage task: a label, not a limit
+
+
 def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:
     """A stage's Ray task: its inputs on this node, its body into a node-local folder, sealed and
     published to the artifact store (``pipeline.storage``; in place for a local root)."""
@@ -298,7 +301,8 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
             echo(f"{item.stage}: running ({item.hash})")
             res = stage.task_resources(cfg, inputs)
-            ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
+            ref = task.options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}",
+                               resources={r: STAGE_RESOURCE_SHARE for r in cfg.cluster.stage_resources}).remote(
                 stage, cfg.to_dict(), item.hash, inputs, tracker
             )
             try:
