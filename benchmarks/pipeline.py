@@ -330,6 +330,29 @@ def print_storage(result: dict) -> None:
                   f"{b['cold_fetch_s']:>7.2f} {moved / max(b['body_s'], 1e-9):>15.3f}")
 
 
+COMPUTING_STAGES = ("tokenize", "train", "evaluate")  # the stages whose bodies compute (not just copy or register)
+MAX_TRANSFER_SHARE = 0.10  # upload + cold fetch against the body of a computing stage
+
+
+def storage_rows_and_checks(result: dict) -> dict:
+    """Flat ``rows`` (one per config and stage) and ``checks`` (transfers against the body of each
+    computing stage) for benchmarks/report.py."""
+    rows, checks = [], []
+    for name, r in result["storage"].items():
+        for stage, b in r["s3"]["stages"].items():
+            share = (b["upload_s"] + b["cold_fetch_s"]) / max(b["body_s"], 1e-9)
+            rows.append({"config": name, "stage": stage, "body s (local root)": r["local"]["stages"][stage]["body_s"],
+                         "body s (S3 root)": b["body_s"], "MB uploaded": b["upload_bytes"] / 1e6,
+                         "upload s": b["upload_s"], "MB fetched (cold)": b["cold_fetch_bytes"] / 1e6,
+                         "fetch s": b["cold_fetch_s"], "(upload + fetch) / body": share})
+            if stage in COMPUTING_STAGES:
+                checks.append({"name": f"{name} {stage}: (upload + cold fetch) / body", "measured": share,
+                               "target": MAX_TRANSFER_SHARE, "op": "<", "format": "percent"})
+        checks.append({"name": f"{name}: wall on S3 / wall on a local root",
+                       "measured": r["s3"]["wall_s"] / r["local"]["wall_s"], "target": None, "op": "<"})
+    return {"rows": rows, "checks": checks}
+
+
 def fmt(s: dict) -> str:
     return f"{s['median']:>8.2f} {s['min']:>7.2f}-{s['max']:<7.2f}"
 
@@ -355,6 +378,7 @@ def main() -> None:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         print_storage(result)
+        result.update(storage_rows_and_checks(result))
         print(f"wrote {write_result('pipeline_storage', result)}")
         return
     args.ext_dir = worker_env()["TORCH_EXTENSIONS_DIR"]

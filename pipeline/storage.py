@@ -290,15 +290,34 @@ def store_for(root: str | Path) -> Store:
     return ObjectStore(str(root)) if is_uri(root) else LocalStore(root)
 
 
+def _store_of(artifact: Artifact) -> ObjectStore:
+    """The object store an artifact with a ``uri`` lives in (``<root>/<stage>/<hash>?q`` -> ``<root>?q``)."""
+    base, sep, query = artifact.uri.partition("?")
+    return ObjectStore(base.rsplit("/", 2)[0] + sep + query)
+
+
 def on_this_node(artifact: Artifact) -> Path:
     """The folder of ``artifact`` on this node: its path when it is a local-root artifact, else its copy
     in this node's cache, fetched once per node. For code that runs on other nodes than the stage's
-    task (Ray Train workers), which gets the ``Artifact`` rather than a path."""
+    task (Ray Train workers, Ray Data actors), which gets the ``Artifact`` rather than a path."""
     if artifact.uri is None:
         return artifact.path
-    root = artifact.uri.partition("?")
-    root = root[0].rsplit("/", 2)[0] + root[1] + root[2]  # <root>/<stage>/<hash>?q -> <root>?q
-    return ObjectStore(root).fetch(artifact).path
+    return _store_of(artifact).fetch(artifact).path
+
+
+def cluster_readable(artifact: Artifact, files: list[Path]) -> tuple[list[str], pafs.FileSystem | None]:
+    """Where any node can read ``files`` (under ``artifact.path``, this node's copy), for readers that
+    run all over the cluster (Ray Data read tasks).
+
+    Returns:
+        For a local-root artifact the paths themselves and None (the local filesystem); for one in an
+        object store, the files' paths in the store and its ``pyarrow`` filesystem.
+    """
+    if artifact.uri is None:
+        return [str(f) for f in files], None
+    store = _store_of(artifact)
+    paths = [store._path(artifact.stage, artifact.hash, Path(f).relative_to(artifact.path).as_posix()) for f in files]
+    return paths, store.remote.fs
 
 
 def _same_manifest(folder: Path, manifest: dict) -> bool:

@@ -187,3 +187,44 @@ def test_the_runner_caches_on_an_object_store_like_on_a_local_root(bucket, tmp_p
     assert lines[0].startswith(f"a: the cached artifact is damaged ({join(root, 'a', plan[0].hash, 'out.txt')} has 5")
     assert (work / "ran.log").read_text().split() == ["a", "b", "a"]
     assert store_for(root).check(store_for(root).load("a", plan[0].hash)) is None
+
+
+class NullTracker:
+    def log_metrics(self, m, step=None):
+        pass
+
+
+@pytest.mark.slow
+def test_ray_data_tokenize_reads_the_shards_and_the_model_from_the_store(bucket, tmp_path, data_root, ray_cluster):
+    """Ray Data's readers and actors may run on any node: on an object-store root they read the shard
+    files from the store and the model from their own node's copy, and write what the in-process
+    encoder writes."""
+    import numpy as np
+
+    from pipeline.stages import STAGES
+    from pipeline.storage import cluster_readable
+
+    _, root = bucket
+    common = [f"run.workdir={tmp_path}", f"run.artifact_root={root}", f"data.data_root={data_root}",
+              "data.max_documents=400", "tokenize.seq_len=32", "tokenize.num_actors=1"]
+    cfg = resolve(load_config(None, [*common, "tokenize.engine=ray_data"]))
+    plan = {p.stage: p for p in make_plan(cfg)}
+    task_node = ObjectStore(root, scratch=tmp_path / "task-node")
+    arts = {}
+    for name in ("shard", "tokenizer"):
+        built = STAGES[name].execute(cfg, plan[name].hash, task_node.prepare_build(name, plan[name].hash), arts,
+                                     NullTracker())
+        arts[name] = task_node.publish(built)
+    paths, fs = cluster_readable(arts["shard"], sorted(arts["shard"].path.glob("*.parquet")))
+    assert fs is not None and all(p.startswith(root.split("//")[1].split("?")[0] + "/shard/") for p in paths)
+
+    h = plan["tokenize"].hash
+    on_ray = STAGES["tokenize"].execute(cfg, h, tmp_path / "ray" / h, arts, NullTracker())
+    local_cfg = resolve(load_config(None, [*common, "tokenize.engine=local"]))
+    local = STAGES["tokenize"].execute(local_cfg, h, tmp_path / "local" / h, arts, NullTracker())
+    assert on_ray.manifest["counts"]["engine"] == "ray_data" and local.manifest["counts"]["engine"] == "local"
+    assert on_ray.manifest["files"] == local.manifest["files"]
+    assert np.array_equal(np.load(on_ray.path / "train.tokens.npy"), np.load(local.path / "train.tokens.npy"))
+    # The actor's node (the session Ray's workers: their own scratch) fetched the model for itself.
+    worker_scratch = storage.scratch_root()  # the workers inherited this process's environment
+    assert (worker_scratch / "cache" / "tokenizer" / plan["tokenizer"].hash / "tokenizer.model").is_file()
