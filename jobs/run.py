@@ -13,6 +13,7 @@ from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import ORDER, StageFailed, main_exit_code, run_pipeline
 from pipeline.stage_io import RegisteredModel
+from pipeline.storage import StorageError
 from pipeline.tracking import TrackingUnavailable, ui_command
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
-    except (ConfigError, ClusterError, StageFailed, TrackingUnavailable) as e:
+    except (ConfigError, ClusterError, StageFailed, TrackingUnavailable, StorageError) as e:
         return main_exit_code(e)
     except KeyboardInterrupt:
         print(f"interrupted ({_SIGNALS[-1] if _SIGNALS else 'SIGINT'}): the MLflow runs are KILLED; finished "

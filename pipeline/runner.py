@@ -24,7 +24,7 @@ from pipeline.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.preflight import check_cluster_resources
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
-from pipeline.storage import Transfer, is_uri, store_for
+from pipeline.storage import StorageError, Transfer, is_uri, store_for
 
 
 class StageFailed(RuntimeError):
@@ -404,4 +404,4 @@ def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_
 def main_exit_code(exc: BaseException) -> int:
     """Exit status for a failed run, printed for people rather than as a traceback."""
     print(f"error: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable)) else 1
+    return 2 if isinstance(exc, (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable, StorageError)) else 1

@@ -170,7 +170,17 @@ class ObjectStore:
         return join(self.root, stage, hash_)
 
     def is_complete(self, stage: str, hash_: str) -> bool:
-        return self.remote.fs.get_file_info(self._path(stage, hash_, MANIFEST)).type == pafs.FileType.File
+        """Whether the stage's manifest is in the store (the runner's first request: it names the root
+        when the store does not answer).
+
+        Raises:
+            StorageError: the store cannot be reached or refuses the request.
+        """
+        try:
+            info = self.remote.fs.get_file_info(self._path(stage, hash_, MANIFEST))
+        except OSError as e:
+            raise StorageError(f"run.artifact_root={self.root!r}: the store did not answer: {e}") from e
+        return info.type == pafs.FileType.File
 
     def _read_manifest(self, stage: str, hash_: str) -> dict:
         with self.remote.fs.open_input_stream(self._path(stage, hash_, MANIFEST)) as f:
