@@ -43,6 +43,34 @@ SHORT = ["train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=2", "t
          "eval.lambada_max_examples=8", "eval.max_new_tokens=4", "eval.prompts=[Hi]", "register.hf_export=false"]
 
 
+# A task on the head puts a folder into a NodeFolder on node2: the branch that carries rank 0's
+# outputs to the train stage's node when Ray Train puts rank 0 elsewhere (which it may or may not do
+# in the pipeline run above).
+PUT_ACROSS_NODES = """
+import pathlib, sys, tempfile
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pipeline.storage import NodeFolder
+ray.init(address=sys.argv[1], log_to_driver=False)
+alive = [n for n in ray.nodes() if n["Alive"]]
+node2 = next(n["NodeID"] for n in alive if n["Resources"].get("conduit_stages"))
+head = next(n["NodeID"] for n in alive if n["NodeID"] != node2)
+
+@ray.remote(num_cpus=0)
+def put_from_here(folder):
+    with tempfile.TemporaryDirectory() as tmp:
+        (pathlib.Path(tmp) / "sub").mkdir()
+        (pathlib.Path(tmp) / "sub" / "w.bin").write_bytes(b"weights")
+        folder.put(tmp)
+    return ray.get_runtime_context().get_node_id()
+
+ran_on = ray.get(put_from_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False))
+                 .remote(NodeFolder(sys.argv[2], node2)))
+assert ran_on == head != node2
+print("put across nodes")
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,4 +167,10 @@ def test_a_two_node_cluster_with_only_an_object_store_in_common(tmp_path, two_no
     assert second.returncode == 0, second.stderr[-4000:]
     assert [ln for ln in second.stdout.splitlines() if ln.split(":")[0] in ORDER] == \
         [f"{s}: cached ({hashes[s]})" for s in ORDER]
-    print(f"two-node pipeline and its rerun: {time.monotonic() - started:.0f} s")
+
+    out = tmp_path / "on-node2"
+    put = subprocess.run([sys.executable, "-c", PUT_ACROSS_NODES, address, str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert put.returncode == 0, put.stderr[-3000:]
+    assert (out / "sub" / "w.bin").read_bytes() == b"weights"
+    print(f"two-node pipeline, its rerun and a put across nodes: {time.monotonic() - started:.0f} s")
