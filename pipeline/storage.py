@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from pipeline.artifacts import MANIFEST, Artifact, artifact_dir, is_complete, ve
 
 SCRATCH_ENV = "CONDUIT_SCRATCH_DIR"
 CHUNK_BYTES = 8 << 20  # per read/write call when streaming to or from the store
+TRANSFER_THREADS = 8  # files of one artifact moved at once (object stores serve parallel requests well)
 
 
 class StorageError(RuntimeError):
@@ -240,8 +242,11 @@ class ObjectStore:
         stage, hash_ = artifact.stage, artifact.hash
         fs = self.remote.fs
         fs.delete_dir_contents(self._path(stage, hash_), missing_dir_ok=True)
-        for rel in [*artifact.manifest["files"], MANIFEST]:
-            self.transfer.uploaded_bytes += _copy_out(artifact.path / rel, fs, self._path(stage, hash_, rel))
+        files = list(artifact.manifest["files"])
+        with ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(files)))) as pool:
+            self.transfer.uploaded_bytes += sum(pool.map(
+                lambda rel: _copy_out(artifact.path / rel, fs, self._path(stage, hash_, rel)), files))
+        self.transfer.uploaded_bytes += _copy_out(artifact.path / MANIFEST, fs, self._path(stage, hash_, MANIFEST))
         self.transfer.upload_seconds += time.monotonic() - started
         cached = self._cache_dir(stage, hash_)
         with _node_lock(cached):
@@ -269,27 +274,33 @@ class ObjectStore:
             for stale in (tmp, cached):
                 if stale.exists():
                     shutil.rmtree(stale)
-            for rel, want in artifact.manifest["files"].items():
-                src = self._path(artifact.stage, artifact.hash, rel)
-                try:
-                    size, digest = _copy_in(self.remote.fs, src, tmp / rel)
-                except OSError as e:  # pyarrow: a missing object, a refused request
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise StorageError(f"cannot fetch {join(self.root, artifact.stage, artifact.hash, rel)}: {e}; "
-                                       f"rerun with --force {artifact.stage} if it is gone") from e
-                if (size, digest) != (want["bytes"], want["sha256"]):
-                    shutil.rmtree(tmp)
-                    raise StorageError(
-                        f"{join(self.root, artifact.stage, artifact.hash, rel)} does not match its manifest "
-                        f"({size} bytes, sha256 {digest[:12]}..., the manifest says {want['bytes']} bytes, "
-                        f"{want['sha256'][:12]}...); rerun with --force {artifact.stage} to rebuild it"
-                    )
-                self.transfer.fetched_bytes += size
+            listed = artifact.manifest["files"]
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(listed)))) as pool:
+                    self.transfer.fetched_bytes += sum(pool.map(
+                        lambda item: self._fetch_file(artifact, item[0], item[1], tmp), listed.items()))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-fetched stays in the cache
+                raise
             write_json_atomic(tmp / MANIFEST, artifact.manifest)  # last: a manifest means a whole copy
             os.replace(tmp, cached)
             self.transfer.fetch_seconds += time.monotonic() - started
         return Artifact(stage=artifact.stage, hash=artifact.hash, path=cached, manifest=artifact.manifest,
                         uri=self.location(artifact.stage, artifact.hash))
+
+    def _fetch_file(self, artifact: Artifact, rel: str, want: dict, tmp: Path) -> int:
+        """Download one file of ``artifact`` into ``tmp``, checked against its manifest record; returns its size."""
+        where = join(self.root, artifact.stage, artifact.hash, rel)
+        try:
+            size, digest = _copy_in(self.remote.fs, self._path(artifact.stage, artifact.hash, rel), tmp / rel)
+        except OSError as e:  # pyarrow: a missing object, a refused request
+            raise StorageError(f"cannot fetch {where}: {e}; rerun with --force {artifact.stage} if it is gone") from e
+        if (size, digest) != (want["bytes"], want["sha256"]):
+            raise StorageError(
+                f"{where} does not match its manifest ({size} bytes, sha256 {digest[:12]}..., the manifest says "
+                f"{want['bytes']} bytes, {want['sha256'][:12]}...); rerun with --force {artifact.stage} to rebuild it"
+            )
+        return size
 
 
 Store = LocalStore | ObjectStore
