@@ -282,7 +282,8 @@ def storage_run(config: Path, work: Path, root: str | None, overrides: list[str]
     cfg = resolve(load_config(config, extra))
     c = tracking.client(cfg.tracking_uri())
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    runs = {r.data.tags["conduit.stage"]: r for r in c.search_runs([exp.experiment_id]) if "conduit.stage" in r.data.tags}
+    runs = {r.data.tags["conduit.stage"]: r for r in c.search_runs([exp.experiment_id])
+            if "conduit.stage" in r.data.tags}
     stages = {}
     for item in make_plan(cfg):
         tags = runs[item.stage].data.tags
@@ -294,7 +295,8 @@ def storage_run(config: Path, work: Path, root: str | None, overrides: list[str]
         art = cold.load(item.stage, item.hash)
         cold.fetch(art)
         stages[item.stage] = {
-            "body_s": art.manifest["seconds"], "artifact_bytes": sum(f["bytes"] for f in art.manifest["files"].values()),
+            "body_s": art.manifest["seconds"],
+            "artifact_bytes": sum(f["bytes"] for f in art.manifest["files"].values()),
             "upload_bytes": int(tags["conduit.uploaded_bytes"]), "upload_s": float(tags["conduit.upload_seconds"]),
             "cold_fetch_bytes": cold.transfer.fetched_bytes, "cold_fetch_s": cold.transfer.fetch_seconds,
         }

@@ -38,9 +38,10 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
             judged by them.
 
     Raises:
-        ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a cluster without GPUs; ``train.precision=fp16``
-            where training runs on CPU; more CPUs or GPUs for ``parallel.num_workers`` workers than
-            the cluster has. Each message names the fields, what they ask for and what is there.
+        ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
+            cluster without GPUs; ``train.precision=fp16`` where training runs on CPU; more CPUs or
+            GPUs for ``parallel.num_workers`` workers than the cluster has. Each message names the
+            fields, what they ask for and what is there.
     """
     missing = [r for r in cfg.cluster.stage_resources if resources.get(r, 0.0) <= 0]
     if missing and (stages_to_run is None or stages_to_run):

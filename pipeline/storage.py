@@ -61,14 +61,6 @@ def join(root: str, *parts: str) -> str:
     return f"{base.rstrip('/')}/{'/'.join(parts)}{sep}{query}"
 
 
-def credentials_in(uri: str) -> bool:
-    """True when ``uri`` carries a secret in its authority (``s3://key:secret@bucket``)."""
-    if not is_uri(uri):
-        return False
-    authority = uri.split("://", 1)[1].split("/", 1)[0]
-    return ":" in authority.rpartition("@")[0]
-
-
 def scratch_root() -> Path:
     """This node's scratch folder (see the module docstring); read where the process runs, so every
     node may have its own."""
@@ -88,8 +80,10 @@ class Transfer:
     upload_seconds: float = 0.0
 
     def as_tags(self) -> dict[str, str]:
-        return {"conduit.fetched_bytes": str(self.fetched_bytes), "conduit.fetch_seconds": f"{self.fetch_seconds:.3f}",
-                "conduit.uploaded_bytes": str(self.uploaded_bytes), "conduit.upload_seconds": f"{self.upload_seconds:.3f}"}
+        return {"conduit.fetched_bytes": str(self.fetched_bytes),
+                "conduit.fetch_seconds": f"{self.fetch_seconds:.3f}",
+                "conduit.uploaded_bytes": str(self.uploaded_bytes),
+                "conduit.upload_seconds": f"{self.upload_seconds:.3f}"}
 
 
 class LocalStore:
@@ -254,7 +248,8 @@ class ObjectStore:
                 shutil.rmtree(cached)
             cached.parent.mkdir(parents=True, exist_ok=True)
             os.replace(artifact.path, cached)
-        return Artifact(stage=stage, hash=hash_, path=cached, manifest=artifact.manifest, uri=self.location(stage, hash_))
+        return Artifact(stage=stage, hash=hash_, path=cached, manifest=artifact.manifest,
+                        uri=self.location(stage, hash_))
 
     def fetch(self, artifact: Artifact) -> Artifact:
         """The artifact on this node: its cached copy when that was sealed with the same manifest,

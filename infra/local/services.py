@@ -5,9 +5,9 @@ Run through the ``infra/local/up`` and ``infra/local/down`` wrappers, which pick
 up   creates the cluster's auth token (``<state-dir>/ray_auth_token``, mode 0600, never printed),
      starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth with
      that token, a temp dir of its own) and ``mlflow server`` (sqlite backend, proxied artifacts in
-     ``<state-dir>/mlartifacts`` or the object store ``--artifacts-destination`` names), optionally extra Ray worker nodes on this machine, waits until the Jobs API
-     and ``/health`` answer, and writes ``<state-dir>/env``: the addresses, where the token is, the
-     Ray temp dir and the pids.
+     ``<state-dir>/mlartifacts`` or the object store ``--artifacts-destination`` names), optionally
+     extra Ray worker nodes on this machine, waits until the Jobs API and ``/health`` answer, and
+     writes ``<state-dir>/env``: the addresses, where the token is, the Ray temp dir and the pids.
 down reads that file and stops exactly what ``up`` started: every process of this Ray cluster (found
      by its own temp dir in the command line, plus their descendants such as job drivers) and the
      MLflow server's process tree and process group. Then it removes the env file and the token.
@@ -180,7 +180,8 @@ def start_ray_node(temp_dir: Path, token_path: Path, log: Path, num_cpus: int, h
         raise InfraError(f"{' '.join(cmd)} exited with {done.returncode}:\n{log.read_text()[-3000:]}")
 
 
-def start_mlflow(state_dir: Path, port: int, token_path: Path, artifacts_destination: str | None = None) -> subprocess.Popen:
+def start_mlflow(state_dir: Path, port: int, token_path: Path,
+                 artifacts_destination: str | None = None) -> subprocess.Popen:
     """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it).
 
     Artifacts are proxied (clients upload and download through the server, with no store credentials
@@ -258,7 +259,8 @@ def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, time
     write_env(env_path, values)
     create_token(token_path)
     deadline = time.monotonic() + timeout_s
-    mlflow = start_mlflow(state_dir, ml, token_path, artifacts_destination)  # ~18 s to answer: overlaps with ray start (~9 s)
+    # ~18 s to answer: overlaps with ray start (~9 s)
+    mlflow = start_mlflow(state_dir, ml, token_path, artifacts_destination)
     values["CONDUIT_MLFLOW_PID"] = str(mlflow.pid)
     write_env(env_path, values)
     try:

@@ -71,14 +71,16 @@ def test_publish_uploads_every_file_then_the_manifest_last(bucket, tmp_path, mon
     fs, root = bucket
     order: list[str] = []
     real = storage._copy_out
-    monkeypatch.setattr(storage, "_copy_out", lambda src, f, dst: order.append(dst.rsplit("/", 1)[-1]) or real(src, f, dst))
+    monkeypatch.setattr(storage, "_copy_out",
+                        lambda src, f, dst: order.append(dst.rsplit("/", 1)[-1]) or real(src, f, dst))
     store = ObjectStore(root, scratch=tmp_path / "node-a")
     art = sealed_in(store, tmp_path)
     assert sorted(order[:-1]) == ["blob.bin", "out.txt"] and order[-1] == MANIFEST  # files at once, then it
     assert art.uri == join(root, "one", "h1") and art.path == tmp_path / "node-a" / "cache" / "one" / "h1"
     assert not (tmp_path / "node-a" / "build" / "one" / "h1").exists()  # moved into the node's cache
     assert store.is_complete("one", "h1") and not store.is_complete("one", "h2")
-    assert store.transfer.uploaded_bytes == 1000 + 25600 + len(fs.open_input_file(f"{root.split('//')[1].split('?')[0]}/one/h1/{MANIFEST}").read())
+    manifest_bytes = len(fs.open_input_file(f"{root.split('//')[1].split('?')[0]}/one/h1/{MANIFEST}").read())
+    assert store.transfer.uploaded_bytes == 1000 + 25600 + manifest_bytes
     loaded = store.load("one", "h1")
     assert loaded.manifest == art.manifest and store.check(loaded) is None
 
