@@ -177,7 +177,8 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
     """Refuse a multi-node cluster whose stages would write where other nodes cannot read.
 
     Raises:
-        ConfigError: more than one node, a local ``artifact_root`` or checkpoint path, and no
+        ConfigError: more than one node, a local ``artifact_root`` or checkpoint path, or a sqlite
+            MLflow store (a file on this machine that stage tasks elsewhere log to), and no
             ``cluster.shared_storage`` assertion.
     """
     if num_nodes <= 1 or cfg.cluster.shared_storage:
@@ -190,6 +191,13 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
             f"the Ray cluster has {num_nodes} nodes but {', '.join(local)} is a local path: stages and "
             "training workers on other nodes would not see each other's files. Use shared storage "
             "(an s3:// or gs:// URI, or a shared-filesystem mount) and set cluster.shared_storage=true"
+        )
+    if cfg.tracking_uri().startswith("sqlite:"):
+        raise ConfigError(
+            f"the Ray cluster has {num_nodes} nodes but tracking.uri={cfg.tracking_uri()} is a file on this "
+            "machine: stage tasks and training workers on other nodes log to it. Use an MLflow server "
+            "(infra/local/up, infra/k8s/mlflow.yaml; tracking.uri or $MLFLOW_TRACKING_URI), or set "
+            "cluster.shared_storage=true if the file is on a mount every node shares"
         )
 
 

@@ -6,8 +6,10 @@ fewer steps, runs with ``run.artifact_root`` in the bucket: every stage task on 
 (``cluster.stage_resources``), the two training workers one per node (``STRICT_SPREAD``), so the
 head's worker fetches the token blocks into the head's scratch and rank 0's outputs may have to
 cross nodes. Every artifact and the kept checkpoint end up in the bucket; a second driver on a fresh
-scratch folder then finds every stage cached. (That a local artifact root is refused on a cluster of
-several nodes is checked without one, in test_runner.py.)
+scratch folder then finds every stage cached. MLflow is a server whose artifacts, the registered model
+among them, go to the same bucket (``--artifacts-destination``, proxied): the nodes need no keys for
+it. (That a local artifact root or a sqlite MLflow store is refused on a cluster of several nodes is
+checked without one, in test_runner.py.)
 
 The drivers are subprocesses (``python -m jobs.run``): the pytest process keeps the session's own Ray.
 """
@@ -18,11 +20,14 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -69,6 +74,49 @@ ran_on = ray.get(put_from_here.options(scheduling_strategy=NodeAffinitySchedulin
 assert ran_on == head != node2
 print("put across nodes")
 """
+
+
+@pytest.fixture
+def bucket(moto_s3):
+    """A fresh bucket on the session's S3 server: ``(its name, pyarrow S3FileSystem)``."""
+    name = f"conduit-{uuid.uuid4().hex[:8]}"
+    fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
+    fs.create_dir(name)
+    return name, fs
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, bucket, moto_s3):
+    """``mlflow server`` whose artifacts (registered models included) go, proxied, to ``<bucket>/mlflow``,
+    as ``infra/local/up --artifacts-destination`` starts it; yields its URI once ``/health`` answers.
+    Started before the Ray nodes, so that its ~18 s of start-up overlaps theirs (the test waits for it)."""
+    port = free_port()
+    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": f"http://{moto_s3}"}
+    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow-server.db'}",
+           "--artifacts-destination", f"s3://{bucket[0]}/mlflow", "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    with open(tmp_path / "mlflow-server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def wait_healthy(uri: str, proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"mlflow server exited:\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet
+        time.sleep(0.5)
+    raise AssertionError(f"mlflow server did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
 def free_port() -> int:
@@ -125,15 +173,15 @@ def drive(work: Path, env: dict, scratch: Path, *overrides: str) -> subprocess.C
                           env={**env, SCRATCH_ENV: str(scratch), "OMP_NUM_THREADS": "1"})
 
 
-def test_a_two_node_cluster_with_only_an_object_store_in_common(tmp_path, two_nodes, moto_s3):
+def test_a_two_node_cluster_with_only_an_object_store_in_common(tmp_path, bucket, mlflow_server, two_nodes, moto_s3):
     address, env = two_nodes
-    bucket = f"conduit-{uuid.uuid4().hex[:8]}"
-    fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
-    fs.create_dir(bucket)
+    bucket, fs = bucket
+    tracking_uri, server = mlflow_server
+    wait_healthy(tracking_uri, server, tmp_path / "mlflow-server.log")
     root = f"s3://{bucket}/art?endpoint_override={moto_s3}&scheme=http"
     work = tmp_path / "work"
     cluster = [f"run.artifact_root={root}", f"cluster.address={address}", "cluster.stage_resources=[conduit_stages]",
-               "parallel.placement_strategy=STRICT_SPREAD"]
+               "parallel.placement_strategy=STRICT_SPREAD", f"tracking.uri={tracking_uri}"]
     started = time.monotonic()
     first = drive(work, env, tmp_path / "scratch-driver-1", *cluster)
     assert first.returncode == 0, f"the pipeline failed:\n{first.stdout[-4000:]}\n{first.stderr[-6000:]}"
@@ -152,6 +200,10 @@ def test_a_two_node_cluster_with_only_an_object_store_in_common(tmp_path, two_no
     checkpoints = {p.split("/")[4] for p in listed if p.startswith(f"{run_dir}/checkpoint_") and p.count("/") > 4}
     assert len(checkpoints) == 1, checkpoints  # sealed: only the final one is kept
     assert any(p.endswith("/layout.json") for p in listed)
+    # The registered model went through the MLflow server into the bucket too.
+    models = [i.path for i in fs.get_file_info(pafs.FileSelector(f"{bucket}/mlflow", recursive=True))
+              if i.type == pafs.FileType.File]
+    assert any(p.endswith("/MLmodel") for p in models) and any(p.endswith("/model.safetensors") for p in models), models
 
     # Where the work happened: every stage task on node2 (its cache holds what it published), a
     # training worker on the head (it fetched the token blocks into the head's scratch, once).
