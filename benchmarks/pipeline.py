@@ -20,6 +20,15 @@ Fixed costs, each in a fresh process, ``--repeats`` times interleaved:
 
 Prints tables and writes ``benchmarks/results/pipeline.json``.
 
+Storage (``--storage``, instead of the above): each config of ``--storage-configs`` (smoke and demo) run
+fresh on a local artifact root and on an S3 root (a moto server started here, as the tests use), one
+after the other. Per stage: the body's seconds on each root, and on S3 the bytes and seconds of the
+upload (MLflow tags ``conduit.uploaded_bytes`` / ``conduit.upload_seconds`` of the stage run) and of a
+cold fetch of the artifact into an empty scratch folder (what a stage on a fresh node pays to read it),
+and their ratio to the body. Writes ``benchmarks/results/pipeline_storage.json``.
+
+    .venv/bin/python benchmarks/pipeline.py --storage [--storage-configs smoke demo] [--overrides ...]
+
     .venv/bin/python benchmarks/pipeline.py [--repeats 3] [--pipeline-repeats 2] [--no-cold-op-build]
         [--overrides train.steps=20 ...] [--skip-pipeline]
     # small, to check that it runs (about 2 minutes):
@@ -239,6 +248,113 @@ def pipeline_runs(args: argparse.Namespace, tmp: Path) -> dict:
     }
 
 
+def start_s3() -> tuple[object, str]:
+    """A moto S3 server on a free local port and a fresh bucket on it: ``(server, artifact root URI)``."""
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True) \
+        .create_dir("conduit-bench")
+    return server, f"s3://conduit-bench/art?endpoint_override=127.0.0.1:{port}&scheme=http"
+
+
+def storage_run(config: Path, work: Path, root: str | None, overrides: list[str]) -> dict:
+    """One fresh run of ``config``; per stage: body seconds and, on an object store, upload and cold-fetch
+    bytes and seconds."""
+    from pipeline.storage import ObjectStore
+
+    extra = [f"run.workdir={work}", f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
+             *([f"run.artifact_root={root}"] if root else []), *overrides]
+    env = CHILD_ENV | {"CONDUIT_SCRATCH_DIR": str(work / "scratch"), "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_EC2_METADATA_DISABLED": "true"}
+    started = time.perf_counter()
+    with (work.parent / f"{work.name}.log").open("w") as f:
+        done = subprocess.run([sys.executable, "-m", "jobs.run", str(config), *extra], cwd=ROOT, env=env,
+                              stdout=f, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"jobs.run exited with {done.returncode}: see {work.parent / f'{work.name}.log'}")
+    cfg = resolve(load_config(config, extra))
+    c = tracking.client(cfg.tracking_uri())
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    runs = {r.data.tags["conduit.stage"]: r for r in c.search_runs([exp.experiment_id])
+            if "conduit.stage" in r.data.tags}
+    stages = {}
+    for item in make_plan(cfg):
+        tags = runs[item.stage].data.tags
+        if root is None:
+            manifest = json.loads((Path(item.path) / "manifest.json").read_text())
+            stages[item.stage] = {"body_s": manifest["seconds"]}
+            continue
+        cold = ObjectStore(root, scratch=work / "cold-node")
+        art = cold.load(item.stage, item.hash)
+        cold.fetch(art)
+        stages[item.stage] = {
+            "body_s": art.manifest["seconds"],
+            "artifact_bytes": sum(f["bytes"] for f in art.manifest["files"].values()),
+            "upload_bytes": int(tags["conduit.uploaded_bytes"]), "upload_s": float(tags["conduit.upload_seconds"]),
+            "cold_fetch_bytes": cold.transfer.fetched_bytes, "cold_fetch_s": cold.transfer.fetch_seconds,
+        }
+    return {"wall_s": wall, "stages": stages}
+
+
+def storage_costs(args: argparse.Namespace, tmp: Path) -> dict:
+    server, root = start_s3()
+    out = {}
+    try:
+        for name in args.storage_configs:
+            config = ROOT / "configs" / f"{name}.yaml"
+            local = storage_run(config, tmp / f"{name}-local", None, args.overrides)
+            print(f"{name} on a local root: {local['wall_s']:.1f}s", flush=True)
+            s3 = storage_run(config, tmp / f"{name}-s3", root.replace("/art?", f"/{name}?"), args.overrides)
+            print(f"{name} on an S3 root: {s3['wall_s']:.1f}s", flush=True)
+            out[name] = {"local": local, "s3": s3}
+    finally:
+        server.stop()
+    return {"storage": out, "overrides": args.overrides}
+
+
+def print_storage(result: dict) -> None:
+    for name, r in result["storage"].items():
+        loc, s3 = r["local"], r["s3"]
+        print(f"\n{name}: wall {loc['wall_s']:.1f}s on a local root, {s3['wall_s']:.1f}s on S3 (moto)")
+        print(f"{'stage':<10} {'body local':>10} {'body s3':>8} {'MB up':>7} {'up s':>6} {'MB fetch':>8} "
+              f"{'fetch s':>7} {'(up+fetch)/body':>15}")
+        for stage, b in s3["stages"].items():
+            moved = b["upload_s"] + b["cold_fetch_s"]
+            print(f"{stage:<10} {loc['stages'][stage]['body_s']:>10.2f} {b['body_s']:>8.2f} "
+                  f"{b['upload_bytes'] / 1e6:>7.2f} {b['upload_s']:>6.2f} {b['cold_fetch_bytes'] / 1e6:>8.2f} "
+                  f"{b['cold_fetch_s']:>7.2f} {moved / max(b['body_s'], 1e-9):>15.3f}")
+
+
+COMPUTING_STAGES = ("tokenize", "train", "evaluate")  # the stages whose bodies compute (not just copy or register)
+MAX_TRANSFER_SHARE = 0.10  # upload + cold fetch against the body of a computing stage
+
+
+def storage_rows_and_checks(result: dict) -> dict:
+    """Flat ``rows`` (one per config and stage) and ``checks`` (transfers against the body of each
+    computing stage) for benchmarks/report.py."""
+    rows, checks = [], []
+    for name, r in result["storage"].items():
+        for stage, b in r["s3"]["stages"].items():
+            share = (b["upload_s"] + b["cold_fetch_s"]) / max(b["body_s"], 1e-9)
+            rows.append({"config": name, "stage": stage, "body s (local root)": r["local"]["stages"][stage]["body_s"],
+                         "body s (S3 root)": b["body_s"], "MB uploaded": b["upload_bytes"] / 1e6,
+                         "upload s": b["upload_s"], "MB fetched (cold)": b["cold_fetch_bytes"] / 1e6,
+                         "fetch s": b["cold_fetch_s"], "(upload + fetch) / body": share})
+            if stage in COMPUTING_STAGES:
+                checks.append({"name": f"{name} {stage}: (upload + cold fetch) / body", "measured": share,
+                               "target": MAX_TRANSFER_SHARE, "op": "<", "format": "percent"})
+        checks.append({"name": f"{name}: wall on S3 / wall on a local root",
+                       "measured": r["s3"]["wall_s"] / r["local"]["wall_s"], "target": None, "op": "<"})
+    return {"rows": rows, "checks": checks}
+
+
 def fmt(s: dict) -> str:
     return f"{s['median']:>8.2f} {s['min']:>7.2f}-{s['max']:<7.2f}"
 
@@ -253,7 +369,20 @@ def main() -> None:
     p.add_argument("--cold-op-build", action=argparse.BooleanOptionalAction, default=True,
                    help="also build DeepSpeed's shm op once into an empty folder (compiles C++)")
     p.add_argument("--skip-pipeline", action="store_true", help="fixed costs only")
+    p.add_argument("--storage", action="store_true",
+                   help="only the local-root against S3-root comparison (see the module docstring)")
+    p.add_argument("--storage-configs", nargs="+", default=["smoke", "demo"], help="configs/<name>.yaml to compare")
     args = p.parse_args()
+    if args.storage:
+        tmp = Path(tempfile.mkdtemp(prefix="conduit-bench-storage-"))
+        try:
+            result = storage_costs(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print_storage(result)
+        result.update(storage_rows_and_checks(result))
+        print(f"wrote {write_result('pipeline_storage', result)}")
+        return
     args.ext_dir = worker_env()["TORCH_EXTENSIONS_DIR"]
     # With no build there yet, the first "cached" load builds it: say so rather than mislabel it.
     op_was_cached = (Path(args.ext_dir) / "deepspeed_shm_comm").is_dir()

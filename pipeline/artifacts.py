@@ -52,12 +52,18 @@ def content_hash(stage: str, version: int, config: Any, input_hashes: dict[str, 
 
 @dataclass(frozen=True)
 class Artifact:
-    """A finished stage output: its folder and its manifest."""
+    """A finished stage output: its folder and its manifest.
+
+    ``uri`` is where an artifact in an object store lives (``pipeline.storage``); its ``path`` is then
+    the node-local copy (which a process on another node fetches into its own cache). None: ``path``
+    is the artifact itself.
+    """
 
     stage: str
     hash: str
     path: Path
     manifest: dict
+    uri: str | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "Artifact":
@@ -68,8 +74,8 @@ class Artifact:
 
 def artifact_dir(root: str | Path, stage: str, hash_: str) -> Path:
     if "://" in str(root):
-        # Remote roots (s3://, gs://) go through pyarrow.fs; the multi-node issue adds them.
-        raise ValueError(f"run.artifact_root={root!r}: only local or shared-filesystem paths are supported so far")
+        # URI roots (s3://, gs://) are folders of an object store, not paths: pipeline.storage handles them.
+        raise ValueError(f"run.artifact_root={root!r} is a URI: use pipeline.storage.store_for(root)")
     return Path(root) / stage / hash_
 
 

@@ -46,7 +46,11 @@ def _unhashed(default: Any, **kw: Any) -> Any:
 class RunSection:
     name: str = "conduit"
     workdir: str = "outputs"  # relative paths resolve against the current directory
-    artifact_root: str | None = None  # None: <workdir>/artifacts; or any pyarrow.fs URI
+    # None: <workdir>/artifacts. Or any pyarrow.fs URI (s3://, gs://, hdfs://, file://) with pyarrow's
+    # options in the query (s3://b/conduit?endpoint_override=host:9000&scheme=http); credentials come
+    # from each node's environment, never the URI. Stages then write to node-local scratch
+    # ($CONDUIT_SCRATCH_DIR) and pipeline.storage uploads and fetches.
+    artifact_root: str | None = None
     seed: int = 1234
     # Another driver holding a stage's lock (the same config, running now): wait this long for it, then
     # stop naming it. 0 stops at once. Waiting ends early when it finishes: its artifact is then used.
@@ -145,8 +149,8 @@ class TrainSection:
     # Worker-group restarts from the latest checkpoint: a lost node or an OOM-killed worker costs a
     # restart, while a bug that fails every time still stops the run after a few quick tries.
     max_failures: int = _unhashed(3)
-    # Ray Train storage, shared by every config: checkpoints go to its run "train-<artifact hash>".
-    # None: <artifact_root>/checkpoints.
+    # Ray Train storage (a path or a pyarrow.fs URI), shared by every config: checkpoints go to its run
+    # "train-<artifact hash>". None: <artifact_root>/checkpoints, in the object store with the artifacts.
     checkpoint_storage: str | None = _unhashed(None)
     # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
     # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
@@ -209,6 +213,10 @@ class ClusterSection:
     # A Ray cluster of several nodes needs an artifact_root every node sees. A URI (s3://...) is
     # shared by nature; a path is shared only if it is a shared-filesystem mount, which you assert here.
     shared_storage: bool = False
+    # Custom Ray resources (``ray start --resources '{"stages": 100}'``) that every stage task asks
+    # for a sliver of, so that stage tasks run only on the nodes that have them (the CPU nodes of a
+    # GPU cluster, say); Ray Train workers are placed by parallel.placement_strategy. []: anywhere.
+    stage_resources: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -481,11 +489,14 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         f"data.separator={d.separator!r} with data.reader=datasets: the text builder splits .txt files into "
         "lines ('\\n'), paragraphs ('\\n\\n') or not at all (null)",
     )
-    for i, path in enumerate(d.train_paths):
-        authority = path.split("://", 1)[1].split("/", 1)[0] if "://" in path else ""
+    locations = {f"data.train_paths[{i}]": path for i, path in enumerate(d.train_paths)}
+    locations.update({"run.artifact_root": cfg.run.artifact_root, "train.checkpoint_storage": tr.checkpoint_storage,
+                      "train.resume_from": tr.resume_from})
+    for name, uri in locations.items():
+        authority = uri.split("://", 1)[1].split("/", 1)[0] if uri and "://" in uri else ""
         need(":" not in authority.rpartition("@")[0],
-             f"data.train_paths[{i}] has credentials in its URI (user:secret@), which would be saved with the "
-             "config; set them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
+             f"{name} has credentials in its URI (user:secret@), which would be saved with the config and "
+             "logged; set them in each node's environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
     uds = t.user_defined_symbols
     need(
         all(uds) and len(set(uds)) == len(uds) and "\n" not in uds,

@@ -38,10 +38,18 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
             judged by them.
 
     Raises:
-        ConfigError: ``parallel.device=cuda`` on a cluster without GPUs; ``train.precision=fp16``
-            where training runs on CPU; more CPUs or GPUs for ``parallel.num_workers`` workers than
-            the cluster has. Each message names the fields, what they ask for and what is there.
+        ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
+            cluster without GPUs; ``train.precision=fp16`` where training runs on CPU; more CPUs or
+            GPUs for ``parallel.num_workers`` workers than the cluster has. Each message names the
+            fields, what they ask for and what is there.
     """
+    missing = [r for r in cfg.cluster.stage_resources if resources.get(r, 0.0) <= 0]
+    if missing and (stages_to_run is None or stages_to_run):
+        raise ConfigError(
+            f"cluster.stage_resources={cfg.cluster.stage_resources}: no node of the Ray cluster has {missing}, so "
+            "the stage tasks would wait for them forever; start a node with ray start --resources "
+            f"'{{\"{missing[0]}\": 100}}' or leave it out"
+        )
     if stages_to_run is not None and TRAIN_STAGE not in stages_to_run:
         return
     p = cfg.parallel

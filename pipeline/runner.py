@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -21,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import cluster, locks, tracking
-from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, verify
+from pipeline.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
+from pipeline.storage import StorageError, Transfer, is_uri, store_for
 
 
 class StageFailed(RuntimeError):
@@ -35,7 +35,7 @@ class StageFailed(RuntimeError):
 class PlanItem:
     stage: str
     hash: str
-    path: Path
+    path: Path | str  # the artifact's folder, or its URI in an object store (pipeline.storage)
     cached: bool
     run: bool  # False: skipped because cached, or outside --only
     forced: bool = False  # --force (or downstream of it): state kept to resume an attempt is discarded
@@ -47,6 +47,7 @@ class PipelineResult:
     tracking_uri: str
     plan: list[PlanItem]
     artifacts: dict[str, Artifact] = field(default_factory=dict)
+    transfers: dict[str, Transfer] = field(default_factory=dict)  # stages that ran: bytes to/from the store
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -84,13 +85,14 @@ def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = 
         if name not in stages:
             raise ConfigError(f"unknown stage {name!r}; stages are {list(stages)}")
     forced = downstream(set(force), stages)
+    store = store_for(cfg.artifact_root())
     hashes: dict[str, str] = {}
     plan = []
     for name, stage in stages.items():
         h = content_hash(name, stage.version, stage.hash_config(cfg), {i: hashes[i] for i in stage.inputs})
         hashes[name] = h
-        path = artifact_dir(cfg.artifact_root(), name, h)
-        cached = is_complete(path)
+        path = store.location(name, h)
+        cached = store.is_complete(name, h)
         selected = only is None or name == only
         plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached),
                              forced=selected and name in forced))
@@ -175,7 +177,8 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
     """Refuse a multi-node cluster whose stages would write where other nodes cannot read.
 
     Raises:
-        ConfigError: more than one node, a local ``artifact_root`` or checkpoint path, and no
+        ConfigError: more than one node, a local ``artifact_root`` or checkpoint path, or a sqlite
+            MLflow store (a file on this machine that stage tasks elsewhere log to), and no
             ``cluster.shared_storage`` assertion.
     """
     if num_nodes <= 1 or cfg.cluster.shared_storage:
@@ -188,6 +191,13 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
             f"the Ray cluster has {num_nodes} nodes but {', '.join(local)} is a local path: stages and "
             "training workers on other nodes would not see each other's files. Use shared storage "
             "(an s3:// or gs:// URI, or a shared-filesystem mount) and set cluster.shared_storage=true"
+        )
+    if cfg.tracking_uri().startswith("sqlite:"):
+        raise ConfigError(
+            f"the Ray cluster has {num_nodes} nodes but tracking.uri={cfg.tracking_uri()} is a file on this "
+            "machine: stage tasks and training workers on other nodes log to it. Use an MLflow server "
+            "(infra/local/up, infra/k8s/mlflow.yaml; tracking.uri or $MLFLOW_TRACKING_URI), or set "
+            "cluster.shared_storage=true if the file is on a mount every node shares"
         )
 
 
@@ -205,10 +215,19 @@ def ray_job_submission_id() -> str | None:
     return json.loads(raw).get("metadata", {}).get("job_submission_id")
 
 
-def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, out_dir: str, input_paths: dict[str, str], tracker):
+STAGE_RESOURCE_SHARE = 0.001  # of each cluster.stage_resources name, per stage task: a label, not a limit
+
+
+def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:
+    """A stage's Ray task: its inputs on this node, its body into a node-local folder, sealed and
+    published to the artifact store (``pipeline.storage``; in place for a local root)."""
     cfg = config_from_dict(cfg_dict, source="<resolved>")
-    inputs = {k: Artifact.load(p) for k, p in input_paths.items()}
-    return str(stage.execute(cfg, hash_, Path(out_dir), inputs, tracker).path)
+    store = store_for(cfg.artifact_root())
+    local_inputs = {k: store.fetch(a) for k, a in inputs.items()}
+    store.publish(stage.execute(cfg, hash_, store.prepare_build(stage.name, hash_), local_inputs, tracker))
+    if is_uri(store.root):
+        tracker.set_tags(store.transfer.as_tags())
+    return store.transfer
 
 
 def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, ...] = (),
@@ -261,12 +280,13 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()),
     })
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
+    store = store_for(cfg.artifact_root())
     try:
         tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
         for item in plan:
             stage = stages[item.stage]
             if not item.run and item.cached:
-                if _use_cached(item, result, echo):
+                if _use_cached(store, item, result, echo):
                     continue
             elif not item.run:
                 continue
@@ -278,9 +298,10 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 if lock.took_over:
                     echo(f"{item.stage}: took over the lock left by {locks.describe(lock.took_over)}, "
                          "which is no longer running")
-                if not item.forced and is_complete(item.path) and _use_cached(item, result, echo):
+                if not item.forced and store.is_complete(item.stage, item.hash) and \
+                        _use_cached(store, item, result, echo):
                     continue  # the driver this one waited for finished it
-                _run_one(cfg, item, stage, result, uri, exp_id, parent, echo)
+                _run_one(cfg, store, item, stage, result, uri, exp_id, parent, echo)
             finally:
                 lock.release()
         tracking.StageTracker(uri, parent).set_tags(
@@ -293,10 +314,10 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
     return result
 
 
-def _use_cached(item: PlanItem, result: PipelineResult, echo: Callable[[str], None]) -> bool:
+def _use_cached(store, item: PlanItem, result: PipelineResult, echo: Callable[[str], None]) -> bool:
     """Take a sealed artifact as this run's, after checking its files; False when it is damaged."""
-    cached = Artifact.load(item.path)
-    damage = verify(cached)
+    cached = store.load(item.stage, item.hash)
+    damage = store.check(cached)
     if damage is None:
         result.artifacts[item.stage] = cached
         echo(f"{item.stage}: cached ({item.hash})")
@@ -305,7 +326,7 @@ def _use_cached(item: PlanItem, result: PipelineResult, echo: Callable[[str], No
     return False
 
 
-def _run_one(cfg: RunConfig, item: PlanItem, stage: Stage, result: PipelineResult, uri: str, exp_id: str,
+def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: PipelineResult, uri: str, exp_id: str,
              parent: str, echo: Callable[[str], None]) -> None:
     """Run one stage as a Ray task under its own nested MLflow run (the caller holds its lock)."""
     import ray
@@ -317,17 +338,17 @@ def _run_one(cfg: RunConfig, item: PlanItem, stage: Stage, result: PipelineResul
         **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
     })
     tracker = tracking.StageTracker(uri, child)
-    if item.path.exists():
-        shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
+    store.clear(item.stage, item.hash)  # forced, damaged, or left unsealed by an earlier attempt
     if item.forced and stage.discard_state is not None:
         stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
     echo(f"{item.stage}: running ({item.hash})")
     res = stage.task_resources(cfg, inputs)
-    ref = ray.remote(_stage_task).options(num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}").remote(
-        stage, cfg.to_dict(), item.hash, str(item.path), {k: str(a.path) for k, a in inputs.items()}, tracker
-    )
+    ref = ray.remote(_stage_task).options(
+        num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}",
+        resources={r: STAGE_RESOURCE_SHARE for r in cfg.cluster.stage_resources},
+    ).remote(stage, cfg.to_dict(), item.hash, inputs, tracker)
     try:
-        path = ray.get(ref)
+        transfer = ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         record_failure(tracker, e.cause, str(e))
         tracking.end_run(uri, child, "FAILED")
@@ -335,11 +356,16 @@ def _run_one(cfg: RunConfig, item: PlanItem, stage: Stage, result: PipelineResul
     except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
         tracking.end_run(uri, child, end_status(e))
         raise
-    art = Artifact.load(path)
+    art = store.load(item.stage, item.hash)
     result.artifacts[item.stage] = art
+    result.transfers[item.stage] = transfer
     tracker.set_tags({"conduit.seconds": art.manifest["seconds"]})
     tracking.end_run(uri, child)
-    echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash})")
+    moved = ""
+    if is_uri(store.root):
+        moved = (f"; fetched {transfer.fetched_bytes / 1e6:.1f} MB in {transfer.fetch_seconds:.1f}s, "
+                 f"uploaded {transfer.uploaded_bytes / 1e6:.1f} MB in {transfer.upload_seconds:.1f}s")
+    echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash}{moved})")
 
 
 DRIVER_TAG = "conduit.driver"  # JSON: host, pid and process start time of the driver that owns the run
@@ -411,11 +437,12 @@ def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_
 
 # Failures a user can act on from a one-paragraph message (jobs.run prints no traceback for them).
 EXPECTED_ERRORS = (ConfigError, cluster.ClusterError, StageFailed, tracking.TrackingUnavailable, locks.StageLocked,
-                   DiskError)
+                   DiskError, StorageError)
 
 
 def main_exit_code(exc: BaseException) -> int:
     """Exit status for a failed run, printed for people rather than as a traceback."""
     print(f"error: {exc}", file=sys.stderr)
-    expected = (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable, locks.StageLocked, DiskError)
+    expected = (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable, locks.StageLocked, DiskError,
+                StorageError)
     return 2 if isinstance(exc, expected) else 1

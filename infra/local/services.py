@@ -4,10 +4,10 @@ Run through the ``infra/local/up`` and ``infra/local/down`` wrappers, which pick
 
 up   creates the cluster's auth token (``<state-dir>/ray_auth_token``, mode 0600, never printed),
      starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth with
-     that token, a temp dir of its own) and ``mlflow server`` (sqlite backend, local artifact store,
-     proxied artifacts), optionally extra Ray worker nodes on this machine, waits until the Jobs API
-     and ``/health`` answer, and writes ``<state-dir>/env``: the addresses, where the token is, the
-     Ray temp dir and the pids.
+     that token, a temp dir of its own) and ``mlflow server`` (sqlite backend, proxied artifacts in
+     ``<state-dir>/mlartifacts`` or the object store ``--artifacts-destination`` names), optionally
+     extra Ray worker nodes on this machine, waits until the Jobs API and ``/health`` answer, and
+     writes ``<state-dir>/env``: the addresses, where the token is, the Ray temp dir and the pids.
 down reads that file and stops exactly what ``up`` started: every process of this Ray cluster (found
      by its own temp dir in the command line, plus their descendants such as job drivers) and the
      MLflow server's process tree and process group. Then it removes the env file and the token.
@@ -180,10 +180,18 @@ def start_ray_node(temp_dir: Path, token_path: Path, log: Path, num_cpus: int, h
         raise InfraError(f"{' '.join(cmd)} exited with {done.returncode}:\n{log.read_text()[-3000:]}")
 
 
-def start_mlflow(state_dir: Path, port: int, token_path: Path) -> subprocess.Popen:
-    """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it)."""
+def start_mlflow(state_dir: Path, port: int, token_path: Path,
+                 artifacts_destination: str | None = None) -> subprocess.Popen:
+    """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it).
+
+    Artifacts are proxied (clients upload and download through the server, with no store credentials
+    of their own) to ``artifacts_destination``: an object-store URI (``s3://bucket/mlflow``; the server
+    reads the credentials and ``MLFLOW_S3_ENDPOINT_URL`` from its environment), or None for
+    ``<state_dir>/mlartifacts``.
+    """
+    destination = artifacts_destination or str(state_dir / "mlartifacts")
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
-           "--artifacts-destination", str(state_dir / "mlartifacts"), "--host", "127.0.0.1",
+           "--artifacts-destination", destination, "--host", "127.0.0.1",
            "--port", str(port), "--workers", "1"]
     with (state_dir / "mlflow.log").open("w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path), cwd=state_dir,
@@ -220,7 +228,8 @@ def wait_jobs_api(address: str, token_path: Path, deadline: float) -> None:
     raise InfraError(f"the Ray Jobs API at {address} did not answer in time: {last}")
 
 
-def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, timeout_s: float) -> dict[str, str]:
+def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, timeout_s: float,
+       artifacts_destination: str | None = None) -> dict[str, str]:
     """Start the services, wait for them, write ``<state_dir>/env``. Stops what it started on failure.
 
     Returns:
@@ -250,7 +259,8 @@ def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, time
     write_env(env_path, values)
     create_token(token_path)
     deadline = time.monotonic() + timeout_s
-    mlflow = start_mlflow(state_dir, ml, token_path)  # ~18 s to answer: overlaps with ray start (~9 s)
+    # ~18 s to answer: overlaps with ray start (~9 s)
+    mlflow = start_mlflow(state_dir, ml, token_path, artifacts_destination)
     values["CONDUIT_MLFLOW_PID"] = str(mlflow.pid)
     write_env(env_path, values)
     try:
@@ -307,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-nodes", type=int, default=0, help="extra Ray nodes on this machine")
     p.add_argument("--worker-cpus", type=int, default=2, help="logical CPUs of each extra node")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for both services")
+    p.add_argument("--artifacts-destination", metavar="URI",
+                   help="where MLflow keeps artifacts and registered models, proxied by the server: an object "
+                        "store such as s3://bucket/mlflow (credentials and MLFLOW_S3_ENDPOINT_URL from this "
+                        "environment); default <state-dir>/mlartifacts")
     args = p.parse_args(argv)
     state_dir = Path(args.state_dir).expanduser().resolve()
     if args.command == "down":
@@ -314,12 +328,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines) if lines else f"nothing to stop: no {state_dir / 'env'}")
         return 0
     try:
-        values = up(state_dir, args.num_cpus, args.worker_nodes, args.worker_cpus, args.timeout)
+        dest = args.artifacts_destination
+        if dest and "://" in dest and ":" in dest.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]:
+            print("error: --artifacts-destination has credentials in its URI (user:secret@), which the env file "
+                  "and process list would show; set them in the environment (AWS_ACCESS_KEY_ID, ...)", file=sys.stderr)
+            return 2
+        values = up(state_dir, args.num_cpus, args.worker_nodes, args.worker_cpus, args.timeout, dest)
     except InfraError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"Ray Jobs API  {values['RAY_ADDRESS']}  (dashboard; GCS {values['CONDUIT_RAY_GCS_ADDRESS']})")
-    print(f"MLflow        {values['MLFLOW_TRACKING_URI']}")
+    print(f"MLflow        {values['MLFLOW_TRACKING_URI']}   (artifacts proxied to {dest or state_dir / 'mlartifacts'})")
     print(f"Ray token     {values['RAY_AUTH_TOKEN_PATH']}   (mode 0600; clients read it through RAY_AUTH_TOKEN_PATH)")
     print(f"env file      {state_dir / 'env'}   (source it, or let `make run` / jobs.submit read it)")
     return 0

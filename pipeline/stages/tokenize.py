@@ -22,7 +22,7 @@ from. ``index.json`` lists per split ``blocks``, ``tokens``, ``bytes`` (feeds bi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,12 +30,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from pipeline.artifacts import Artifact
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
 from pipeline.data.packing import BlockWriter
 from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
 from pipeline.stages.stage import Resources, Stage
+from pipeline.storage import cluster_readable, on_this_node
 from pipeline.text import load_sentencepiece
 
 
@@ -72,20 +74,31 @@ def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
     return Resources(cpus=min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1)))
 
 
-def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: str) -> Iterator[tuple[str, pa.Table]]:
-    """Encoded documents of ``files`` in the given order: ``(shard file, SentencePieceEncoder table)``.
+class NodeEncoder(SentencePieceEncoder):
+    """A ``SentencePieceEncoder`` of the tokenizer artifact's model, read from the copy on the node the
+    Ray Data actor runs on (``pipeline.storage.on_this_node``: fetched once per node from an object store)."""
+
+    def __init__(self, tokenizer: Artifact, add_bos: bool, num_threads: int):
+        super().__init__(str(on_this_node(tokenizer) / TOKENIZER_FILE), add_bos, num_threads)
+
+
+def encoded_batches(files: list[Path], inputs: Mapping[str, Artifact], cfg: RunConfig,
+                    engine: str) -> Iterator[tuple[str, pa.Table]]:
+    """Encoded documents of ``files`` (of the shard artifact) in the given order: ``(shard file,
+    SentencePieceEncoder table)``, with the model of the tokenizer artifact.
 
     ``local``: one encoder here with ``num_actors x threads_per_actor`` threads, file by file.
     ``ray_data``: one Ray Data pipeline over all files (``read_parquet`` -> ``map_batches`` over an
     actor pool of ``tokenize.num_actors``, 1 logical CPU each), order preserved, so the actors start
-    once for every split.
+    once for every split. Its readers and actors may run on other nodes: they read the shard files
+    and the model wherever every node can (``pipeline.storage``: in place, or the object store).
 
     Raises:
         ValueError: the Ray cluster has fewer logical CPUs than the actors plus one reader need.
     """
     t = cfg.tokenize
     if engine == "local":
-        encoder = SentencePieceEncoder(model_path, t.add_bos, encode_threads(cfg))
+        encoder = SentencePieceEncoder(str(inputs["tokenizer"].path / TOKENIZER_FILE), t.add_bos, encode_threads(cfg))
         for f in files:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=t.batch_size, columns=["text"]):
                 yield str(f), encoder(pa.Table.from_batches([rb]))
@@ -105,25 +118,27 @@ def encoded_batches(files: list[Path], model_path: str, cfg: RunConfig, engine: 
     # files; the v1 reader takes the paths as given. Enough blocks that every actor gets work.
     ctx.use_datasource_v2 = False
     try:
-        ds = ray.data.read_parquet([str(f) for f in files], include_paths=True, columns=["text"],
+        paths, filesystem = cluster_readable(inputs["shard"], files)
+        ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, columns=["text"],
                                    override_num_blocks=max(len(files), 4 * t.num_actors))
     finally:
         ctx.use_datasource_v2 = v2
     ds = ds.map_batches(
-        SentencePieceEncoder,
-        fn_constructor_args=(model_path, t.add_bos, t.threads_per_actor),
+        NodeEncoder,
+        fn_constructor_args=(inputs["tokenizer"], t.add_bos, t.threads_per_actor),
         batch_size=t.batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=t.num_actors),
         num_cpus=1,
     )
     ds.context.execution_options.preserve_order = True  # the Dataset's own copy of the context
+    local_file = dict(zip(paths, map(str, files)))
     for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        paths = table.column("path").to_pylist()
+        read = table.column("path").to_pylist()
         start = 0
-        for i in range(1, len(paths) + 1):  # a batch may span files: cut it where the path changes
-            if i == len(paths) or paths[i] != paths[start]:
-                yield paths[start], table.slice(start, i - start)
+        for i in range(1, len(read) + 1):  # a batch may span files: cut it where the path changes
+            if i == len(read) or read[i] != read[start]:
+                yield local_file[read[start]], table.slice(start, i - start)
                 start = i
 
 
@@ -141,7 +156,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # Ray Data draws its own progress bars; the local path gets one over documents.
     bar = tqdm(total=sum(SplitSizes.of(inputs["shard"]).documents.values()), desc="tokenize", unit="doc",
                disable=engine != "local", mininterval=1.0)
-    for path, table in encoded_batches([f for fs in split_files.values() for f in fs], model_path, cfg, engine):
+    for path, table in encoded_batches([f for fs in split_files.values() for f in fs], inputs, cfg, engine):
         bar.update(table.num_rows)
         split = split_of[path]
         tokens = table.column("tokens").combine_chunks()

@@ -25,6 +25,7 @@ from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
 from pipeline.stage_io import read_train_metrics, read_train_starts
 from pipeline.stages.stage import Resources, Stage
+from pipeline.storage import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
@@ -47,7 +48,7 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the 
 
 def checkpoint_location(cfg: RunConfig, hash_: str) -> tuple[str, str]:
     """Ray Train's ``(storage_path, name)`` for the train artifact ``hash_`` of ``cfg``."""
-    storage = cfg.train.checkpoint_storage or f"{cfg.artifact_root().rstrip('/')}/{CHECKPOINTS_DIR}"
+    storage = cfg.train.checkpoint_storage or join(cfg.artifact_root(), CHECKPOINTS_DIR)
     return storage, f"train-{hash_}"
 
 
@@ -112,8 +113,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         main,
         train_loop_config={
             "run_config": cfg.to_dict(),
-            "tokens_dir": str(inputs["tokenize"].path),
-            "out_dir": str(out_dir),
+            "tokens": inputs["tokenize"],  # the workers' nodes read their own copies of it
+            "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
             "tracker": tracker,
             "device": device,
             "precision": precision,

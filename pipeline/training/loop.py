@@ -2,8 +2,10 @@
 
 ``main(config)`` gets everything through its argument (a plain dict built by the train stage):
     run_config     the resolved RunConfig as a dict
-    tokens_dir     the tokenize artifact folder
-    out_dir        where rank 0 writes the weights and the metric history (``pipeline.stage_io``)
+    tokens         the tokenize ``Artifact``; each node reads its own copy (``pipeline.storage.on_this_node``:
+                   in place for a local artifact root, fetched once per node from an object store)
+    out            the train artifact's folder, a ``pipeline.storage.NodeFolder`` on the stage's node,
+                   where rank 0 puts the weights and the metric history (``pipeline.stage_io``)
     tracker        a StageTracker for live metrics (rank 0 only logs)
     device         "cpu" or "cuda" (resolved by the stage)
     precision      "fp32" / "bf16" / "fp16" (resolved)
@@ -33,7 +35,8 @@ import torch.distributed as dist
 from models.accounting import flops_per_token
 from models.export import save_safetensors
 from pipeline.config import config_from_dict
-from pipeline.stage_io import WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
+from pipeline.stage_io import TRAIN_METRICS_FILE, WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
+from pipeline.storage import on_this_node
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
@@ -64,7 +67,7 @@ def main(config: dict) -> None:
                         cfg.tokenize.seq_len)
     engine, scheduler = build_engine(model_cfg, t, dims, precision=config["precision"], device=device,
                                      seed=cfg.run.seed)
-    loader = BlockLoader(Path(config["tokens_dir"]) / tokens_file("train"), dims, rank, seed=cfg.run.seed)
+    loader = BlockLoader(on_this_node(config["tokens"]) / tokens_file("train"), dims, rank, seed=cfg.run.seed)
     start_step = 0
     history: list[dict] = []  # rank 0's logged metrics, one dict per logged step
     starts: list[int] = []  # the step each start of this training began at
@@ -142,14 +145,17 @@ def main(config: dict) -> None:
 
     state = full_state_dict(engine, t.zero_stage)
     if rank == 0:
-        out_dir = Path(config["out_dir"])
-        save_safetensors(state, model_cfg, out_dir / WEIGHTS_FILE)
-        write_train_metrics(out_dir, history)
-        write_train_starts(out_dir, starts)
+        out = config["out"]
+        # Written here, then put into the stage's folder, which may be on another node.
+        with tempfile.TemporaryDirectory(prefix="conduit-train-out-") as tmp:
+            save_safetensors(state, model_cfg, Path(tmp) / WEIGHTS_FILE)
+            write_train_metrics(Path(tmp), history)
+            write_train_starts(Path(tmp), starts)
+            out.put(tmp)
         undelivered = tracker.close(timeout_s=FLUSH_TIMEOUT_S)
         if undelivered:
             print(f"warning: MLflow at {config['tracker'].uri} did not answer for {FLUSH_TIMEOUT_S:.0f} s; "
-                  f"{undelivered} logged steps are not in the run but are in {out_dir / 'train_metrics.json'}",
+                  f"{undelivered} logged steps are not in the run but are in {Path(out.path) / TRAIN_METRICS_FILE}",
                   flush=True)
 
 

@@ -76,3 +76,11 @@ def test_run_pipeline_refuses_before_the_first_stage(tmp_path, ray_cluster):
     with pytest.raises(ConfigError, match=rf"need {2 * cpus} CPUs"):
         run_pipeline(cfg, stages=stages, echo=lambda s: None)
     assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
+
+
+def test_stage_resources_that_no_node_has_are_refused():
+    cfg = cfg_with("cluster.stage_resources=[stages]")
+    check_cluster_resources(cfg, {"CPU": 4.0, "stages": 100.0})
+    check_cluster_resources(cfg, {"CPU": 4.0}, [])  # everything cached: no stage task runs
+    with pytest.raises(ConfigError, match=r"cluster.stage_resources=\['stages'\]: no node .* has \['stages'\]"):
+        check_cluster_resources(cfg, {"CPU": 4.0}, ["shard"])

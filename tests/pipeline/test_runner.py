@@ -21,13 +21,16 @@ def test_plan_on_an_empty_root_runs_everything_and_names_bad_stages(tmp_path):
         make_plan(cfg, force=("trian",))
 
 
+SERVER = "tracking.uri=http://mlflow:5000"
+
+
 @pytest.mark.parametrize("nodes,overrides,ok", [
     (1, [], True),
     (2, [], False),
     (2, ["cluster.shared_storage=true"], True),
-    (3, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=s3://bucket/ckpt"], True),
-    (2, ["run.artifact_root=s3://bucket/conduit"], True),
-    (2, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=/local/ckpt"], False),
+    (3, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=s3://bucket/ckpt", SERVER], True),
+    (2, ["run.artifact_root=s3://bucket/conduit", SERVER], True),
+    (2, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=/local/ckpt", SERVER], False),
 ])
 def test_multi_node_needs_shared_storage(tmp_path, nodes, overrides, ok):
     cfg = load_config(None, [f"run.workdir={tmp_path}", *overrides])
@@ -36,6 +39,15 @@ def test_multi_node_needs_shared_storage(tmp_path, nodes, overrides, ok):
     else:
         with pytest.raises(ConfigError, match=rf"the Ray cluster has {nodes} nodes but .* is a local path"):
             check_shared_storage(cfg, nodes)
+
+
+def test_multi_node_refuses_a_sqlite_tracking_store(tmp_path):
+    """Stage tasks on other nodes log to MLflow: a sqlite file on the driver's machine is out of their reach."""
+    cfg = load_config(None, [f"run.workdir={tmp_path}", "run.artifact_root=s3://bucket/conduit"])
+    with pytest.raises(ConfigError, match=r"2 nodes but tracking.uri=sqlite:///.* is a file on this machine"):
+        check_shared_storage(cfg, 2)
+    check_shared_storage(cfg, 1)
+    check_shared_storage(load_config(None, [f"run.workdir={tmp_path}", "cluster.shared_storage=true"]), 2)
 
 
 def test_ray_job_id_comes_from_the_job_config(monkeypatch):
