@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import cluster, tracking
-from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, verify
+from pipeline.artifacts import Artifact, artifact_dir, content_hash, is_complete, remove_unsealed, verify
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.preflight import check_cluster_resources
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
@@ -284,8 +283,8 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
             })
             tracker = tracking.StageTracker(uri, child)
-            if item.path.exists():
-                shutil.rmtree(item.path)  # forced, damaged, or left unsealed by an earlier attempt
+            if item.path.exists() or item.path.is_symlink():  # forced, damaged, or left unsealed by an earlier attempt
+                remove_unsealed(item.path, cfg.artifact_root())
             if item.forced and stage.discard_state is not None:
                 stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
             echo(f"{item.stage}: running ({item.hash})")
