@@ -47,11 +47,8 @@ class ConduitLM(mlflow.pyfunc.PythonModel):
         p = {**DEFAULT_PARAMS, **(params or {})}
         try:
             prompts = prompts_from_input(model_input)
-            texts = self._generator.generate(
-                prompts,
-                max_new_tokens=int(p["max_new_tokens"]),
-                temperature=float(p["temperature"]),
-                top_p=float(p["top_p"]),
+            texts = self._generator.generate(  # values as sent: 2.5 tokens or a NaN are PromptErrors
+                prompts, max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
             )
         except PromptError as e:
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
