@@ -33,6 +33,7 @@ from models.export import save_safetensors
 from pipeline.config import config_from_dict
 from pipeline.stage_io import WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
 from pipeline.training.canonical import load_canonical, save_canonical
+from pipeline.training.checksums import verify_checkpoint, write_checksums
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
@@ -72,6 +73,7 @@ def main(config: dict) -> None:
         resume = ray.train.Checkpoint(t.resume_from)
     if resume is not None:
         with resume.as_directory() as ckpt_dir:
+            verify_checkpoint(ckpt_dir)  # before anything of it is read: DeepSpeed's loader unpickles
             saved = json.loads((Path(ckpt_dir) / LAYOUT_FILE).read_text())
             if saved == layout:  # DeepSpeed's own checkpoint: bit-exact
                 start_step, loader_state = load_state(engine, ckpt_dir)
@@ -154,7 +156,8 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict, 
 
     Beside DeepSpeed's checkpoint (resumes bit-exactly onto the same layout) rank 0 writes the
     layout and a layout-independent ``canonical.pt`` for resuming on another number of workers,
-    ZeRO stage or expert-parallel size.
+    ZeRO stage or expert-parallel size. Each rank then records its files' checksums
+    (``pipeline.training.checksums``).
     """
     import ray.train
 
@@ -164,4 +167,5 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict, 
         if dist.get_rank() == 0:
             (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(layout))
             (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps(run_log))
+        write_checksums(tmp, dist.get_rank())  # last: what verify_checkpoint checks before a resume loads it
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
