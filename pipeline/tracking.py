@@ -185,8 +185,8 @@ def log_and_register_model(
     code_paths: list[str],
     extra_artifacts: dict[str, Path] | None = None,
 ) -> int:
-    """Log the served model (``pipeline.serving.ConduitLM``) into the tracker's run, register it, point
-    ``alias`` at it.
+    """Log the served model (``pipeline.serving.ConduitLM``, as the code of ``serving.MODEL_CODE``) into
+    the tracker's run, register it, point ``alias`` at it.
 
     Args:
         extra_artifacts: more files or folders to ship inside the model (name -> local path), e.g.
@@ -198,7 +198,7 @@ def log_and_register_model(
     with _fluent_uri(tracker.uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=serving.ConduitLM(),
+            python_model=str(serving.MODEL_CODE),  # models from code: nothing is pickled
             artifacts={"weights": str(weights), "tokenizer": str(tokenizer),
                        **{k: str(v) for k, v in (extra_artifacts or {}).items()}},
             code_paths=code_paths,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -170,6 +171,18 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
     mlmodel = (local / "MLmodel").read_text()
     assert '"name": "prompt"' in mlmodel and '"name": "max_new_tokens"' in mlmodel and "top_p" in mlmodel
     assert "torch==" in (local / "requirements.txt").read_text()
+    # models from code: the version is Conduit's code, loaded by name from its own copy; nothing pickled
+    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel and (local / "served_model.py").is_file()
+    assert not [p.name for p in local.rglob("*.pkl")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    loaded = subprocess.run([sys.executable, "-c", "import sys, mlflow, pandas as pd\n"
+                             f"m = mlflow.pyfunc.load_model({str(local)!r})\n"
+                             "print(sys.modules['pipeline.serving'].__file__)\n"
+                             "print(m.predict(pd.DataFrame({'prompt': ['KING:']}), params={'max_new_tokens': 3})"
+                             "['text'][0] != '')"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "serving.py"), "True"], loaded.stdout
     assert json.loads((local / "artifacts" / "metrics.json").read_text())["metrics"] == m
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
