@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 CHECKSUMS_GLOB = "checksums_rank*.json"
+RAY_METADATA = ".metadata.json"  # Ray Train's own checkpoint metadata (JSON); Conduit never reads it
 
 
 class CheckpointRefused(ValueError):
@@ -40,7 +41,8 @@ def _sha256(path: Path) -> str:
 
 
 def _files(ckpt_dir: Path) -> list[Path]:
-    return sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and not p.match(CHECKSUMS_GLOB))
+    return sorted(p for p in ckpt_dir.rglob("*")
+                  if p.is_file() and not p.match(CHECKSUMS_GLOB) and p.relative_to(ckpt_dir).as_posix() != RAY_METADATA)
 
 
 def write_checksums(ckpt_dir: str | Path, rank: int) -> Path:
