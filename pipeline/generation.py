@@ -47,11 +47,14 @@ def prompts_from_input(model_input: Any) -> list[str]:
     return values
 
 
-def longest_piece_chars(sp: Any) -> int:
+def longest_piece_chars(sp: Any) -> int | None:
     """The most characters of text one token of ``sp`` stands for (control and byte pieces stand
-    for none or part of one; the space symbol for one space)."""
-    return max(len(sp.id_to_piece(i)) for i in range(sp.get_piece_size())
-               if not (sp.is_control(i) or sp.is_byte(i) or sp.is_unknown(i)))
+    for none or part of one; the space symbol for one space). None for a tokenizer without byte
+    fallback: its unknown token stands for a whole run of unknown characters, of any length."""
+    pieces = range(sp.get_piece_size())
+    if not any(sp.is_byte(i) for i in pieces):
+        return None
+    return max(len(sp.id_to_piece(i)) for i in pieces if not (sp.is_control(i) or sp.is_byte(i) or sp.is_unknown(i)))
 
 
 class TextGenerator:
@@ -62,7 +65,9 @@ class TextGenerator:
         self.model = model.eval()
         self.sp = sp
         self.max_seq_len = model.cfg.max_seq_len
-        self.max_prompt_chars = request_limits.max_prompt_chars(self.max_seq_len, longest_piece_chars(sp))
+        longest = longest_piece_chars(sp)
+        # None: no bound by characters (see longest_piece_chars); the request size limit still holds.
+        self.max_prompt_chars = None if longest is None else request_limits.max_prompt_chars(self.max_seq_len, longest)
 
     def check_prompt_length(self, index: int, prompt: str) -> None:
         """Refuse a prompt that cannot fit the context by its characters alone, before tokenizing it.
@@ -70,7 +75,7 @@ class TextGenerator:
         Raises:
             PromptError: naming the prompt, its characters and the most the context can hold.
         """
-        if len(prompt) > self.max_prompt_chars:
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
             raise PromptError(
                 f"prompt {index} is {len(prompt)} characters; the model's context is {self.max_seq_len} tokens, "
                 f"which hold at most {self.max_prompt_chars} characters of text"

@@ -68,7 +68,8 @@ def max_prompt_chars(max_seq_len: int, longest_piece_chars: int) -> int:
     """The most characters a prompt that fits in ``max_seq_len`` tokens can have.
 
     Every token covers at most ``longest_piece_chars`` characters of the text (sentencepiece's
-    pieces, with its space symbol standing for one space), so a longer prompt has more tokens than
-    the context holds, whatever they are: it can be refused without tokenizing it.
+    pieces, with its space symbol standing for one space, and byte fallback for characters outside
+    the vocabulary), so a longer prompt has more tokens than the context holds, whatever they are: it
+    can be refused without tokenizing it.
     """
     return max_seq_len * longest_piece_chars

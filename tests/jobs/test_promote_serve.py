@@ -96,15 +96,16 @@ def test_served_model_turns_prompt_errors_into_invalid_parameter_value():
             return 105
 
         def id_to_piece(self, i):
-            return "<ctl>" if i < 5 else chr(i)
+            return "<ctl>" if i < 5 else "<0x00>" if i == 104 else chr(i)
 
         def is_control(self, i):
             return i < 5
 
-        def is_byte(self, i):
-            return False
+        def is_byte(self, i):  # byte fallback: no token stands for a run of unknown characters
+            return i == 104
 
-        is_unknown = is_byte
+        def is_unknown(self, i):
+            return False
 
     lm._generator = TextGenerator(model, Chars())
     assert lm._generator.max_prompt_chars == 16  # one character per piece, 16 tokens of context
@@ -127,6 +128,12 @@ def test_served_model_turns_prompt_errors_into_invalid_parameter_value():
             lm.predict(None, bad, params)
         assert e.value.error_code == "INVALID_PARAMETER_VALUE" and e.value.get_http_status_code() == 400
         assert all(len(s) <= 16 for s in Chars.encoded)  # a prompt longer than the context is never tokenized
+
+    class NoByteFallback(Chars):
+        def is_byte(self, i):
+            return False
+
+    assert TextGenerator(model, NoByteFallback()).max_prompt_chars is None  # one <unk> may be any run of text
 
 
 # ---- against the server ---------------------------------------------------------------------------
