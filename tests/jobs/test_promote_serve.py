@@ -276,9 +276,9 @@ def test_serve_answers_prompts_and_rejects_bad_requests(tiny_run, tmp_path):
     try:
         wait_http(f"{url}/ping", proc, log, timeout=300)
 
-        def post(payload, **kw):
-            return requests.post(f"{url}/invocations", timeout=60, **kw,
-                                 **({} if "data" in kw else {"json": payload}))
+        def post(payload, **kw):  # json.dumps writes NaN as JSON's NaN literal (requests' json= refuses)
+            return requests.post(f"{url}/invocations", timeout=60, **kw, **({} if "data" in kw else {
+                "data": json.dumps(payload), "headers": {"Content-Type": "application/json"}}))
 
         good = {"dataframe_split": {"columns": ["prompt"], "data": [["KING:"], ["The old man said"]]},
                 "params": {"max_new_tokens": 6, "temperature": 0.0}}
