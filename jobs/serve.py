@@ -16,6 +16,7 @@ import sys
 
 from pipeline import tracking
 from pipeline.config import ConfigError, load_config
+from pipeline.listen import warn_if_exposed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
            "-p", str(args.port), "--host", args.host]
     print(f"serving {model_uri} from {uri} on http://{args.host}:{args.port} (POST /invocations, GET /ping)",
           flush=True)
+    warn_if_exposed("the MLflow scoring server", args.host, "--host")
     # MLflow starts the server as `uvicorn ...` through a shell: this interpreter's bin folder must lead
     # PATH even when the venv is not activated (`.venv/bin/python -m jobs.serve`).
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])

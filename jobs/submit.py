@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         env_vars["MLFLOW_TRACKING_URI"] = uri
     run_args = [*(["--only", args.only] if args.only else []), *[a for s in args.force for a in ("--force", s)],
                 *(["--dry-run"] if args.dry_run else [])]
-    spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args)
     try:
+        spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args)
         jc = cluster.client(args.address)
     except cluster.ClusterError as e:
         print(f"error: {e}", file=sys.stderr)

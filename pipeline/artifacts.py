@@ -83,12 +83,33 @@ def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def remove_unsealed(path: Path, root: str | Path | None = None) -> None:
+    """Delete the artifact folder ``path`` without ever deleting outside ``root`` (default: the
+    artifact root two levels up, ``<root>/<stage>/<hash>``).
+
+    A symlink on the way (the folder itself, or its stage folder) could point anywhere; the folder's
+    real location must lie under the root's real location. Inside the folder, ``shutil.rmtree``
+    removes symlinks as links and never descends into what they point at.
+
+    Raises:
+        ValueError: ``path`` is a symlink or resolves outside the artifact root; nothing is removed.
+    """
+    path = Path(path)
+    root = Path(root) if root is not None else path.parents[1]
+    real, real_root = path.resolve(), root.resolve()
+    if path.is_symlink() or not real.is_relative_to(real_root) or real == real_root:
+        raise ValueError(f"refusing to clear {path}: it is a symlink or leads out of the artifact root {root} "
+                         f"(to {real}); remove it by hand if it is yours")
+    if path.exists():
+        shutil.rmtree(path)
+
+
 def prepare_dir(path: Path) -> None:
     """Make an empty folder for a stage to fill; clears what an unfinished attempt left behind."""
-    if path.exists():
+    if path.exists() or path.is_symlink():
         if is_complete(path):
             raise FileExistsError(f"{path} already holds a finished artifact")
-        shutil.rmtree(path)
+        remove_unsealed(path)
     path.mkdir(parents=True)
 
 

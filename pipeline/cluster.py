@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import credentials
 from pipeline.config import REPO_ROOT, RunConfig
 
 DEFAULT_ENV_FILE = REPO_ROOT / "outputs" / "infra" / "env"
@@ -221,7 +222,15 @@ def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
         overrides: ``a.b=c`` strings, applied in order.
         env_vars: extra environment of the driver and every task (MLFLOW_TRACKING_URI, ...).
         run_args: extra ``jobs.run`` flags (``--only train``, ``--force evaluate``, ``--dry-run``).
+
+    Raises:
+        ClusterError: an env var's value carries a credential in a URI (``$MLFLOW_TRACKING_URI``).
     """
+    for name, value in env_vars.items():  # a runtime env is shown by the dashboard and `ray job list`
+        try:
+            credentials.check_uri(f"the job's environment variable {name}", value)
+        except credentials.CredentialsInUri as e:
+            raise ClusterError(str(e)) from e
     argv = ["python", "-m", "jobs.run", config_rel, *overrides, *(run_args or [])]
     submission_id = new_submission_id()
     return JobSpec(

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from models import PRESETS, ModelConfig
-from pipeline import limits
+from pipeline import credentials, limits
 from pipeline.config_ranges import out_of_range
 from pipeline.yaml_read import DuplicateKeyError, load_yaml
 
@@ -33,7 +33,13 @@ DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 
 
 class ConfigError(ValueError):
-    """A config file, field or value is wrong; the message names which and what is allowed."""
+    """A config file, field or value is wrong; the message names which and what is allowed.
+
+    A message that quotes a value never quotes a URI's password or secret (``credentials.redact``).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(credentials.redact(message))
 
 
 def _unhashed(default: Any, **kw: Any) -> Any:
@@ -281,11 +287,20 @@ class RunConfig:
         return Path(root).expanduser().resolve()
 
     def tracking_uri(self) -> str:
-        return (
-            self.tracking.uri
-            or os.environ.get("MLFLOW_TRACKING_URI")
-            or f"sqlite:///{self.workdir() / 'mlflow.db'}"
-        )
+        """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (refused when it carries a credential: the
+        resolved URI is logged with the config), else the sqlite store under ``run.workdir``.
+
+        Raises:
+            ConfigError: ``$MLFLOW_TRACKING_URI`` holds a password or secret.
+        """
+        if self.tracking.uri:
+            return self.tracking.uri
+        from_env = os.environ.get("MLFLOW_TRACKING_URI")
+        try:
+            credentials.check_uri("$MLFLOW_TRACKING_URI", from_env)
+        except credentials.CredentialsInUri as e:
+            raise ConfigError(str(e)) from e
+        return from_env or f"sqlite:///{self.workdir() / 'mlflow.db'}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -329,7 +344,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
-    """Build and validate a RunConfig from a nested dict (the inverse of ``RunConfig.to_dict``)."""
+    """Build and validate a RunConfig from a nested dict (the inverse of ``RunConfig.to_dict``).
+
+    Every string of it is checked for credentials first: the config is logged whole (MLflow params,
+    manifests, Ray tasks), so no field may carry a secret, whatever its type or other checks.
+    """
+    leak = credentials.config_problem(raw)
+    if leak is not None:
+        raise ConfigError(f"{source}: {leak}")
     cfg = _build(RunConfig, raw, prefix="", source=source)
     validate(cfg, source)
     return cfg
@@ -489,14 +511,6 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         f"data.separator={d.separator!r} with data.reader=datasets: the text builder splits .txt files into "
         "lines ('\\n'), paragraphs ('\\n\\n') or not at all (null)",
     )
-    locations = {f"data.train_paths[{i}]": path for i, path in enumerate(d.train_paths)}
-    locations.update({"run.artifact_root": cfg.run.artifact_root, "train.checkpoint_storage": tr.checkpoint_storage,
-                      "train.resume_from": tr.resume_from})
-    for name, uri in locations.items():
-        authority = uri.split("://", 1)[1].split("/", 1)[0] if uri and "://" in uri else ""
-        need(":" not in authority.rpartition("@")[0],
-             f"{name} has credentials in its URI (user:secret@), which would be saved with the config and "
-             "logged; set them in each node's environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
     uds = t.user_defined_symbols
     need(
         all(uds) and len(set(uds)) == len(uds) and "\n" not in uds,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from pipeline import cluster, tracking
 from pipeline.config import DeploySection
+from pipeline.listen import warn_if_exposed
 
 APP_PREFIX = "conduit-"
 TAG = "deploy."
@@ -116,6 +117,7 @@ def _run(section: DeploySection, uri: str, name: str, version: int) -> None:
 
     from pipeline.serve_app import ServeTarget, build
 
+    warn_if_exposed("Ray Serve's HTTP proxy (the OpenAI API)", section.host, "deploy.host")
     serve.start(http_options={"host": section.host, "port": section.port})
     app = build(ServeTarget(uri, name, version), num_replicas=section.num_replicas,
                 num_cpus=section.num_cpus_per_replica, num_gpus=section.num_gpus_per_replica,

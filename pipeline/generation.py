@@ -9,6 +9,7 @@ import torch
 
 from models.export import load_safetensors
 from models.generate import generate
+from pipeline import request_limits
 from pipeline.text import EOS_ID, load_sentencepiece
 
 
@@ -40,7 +41,20 @@ def prompts_from_input(model_input: Any) -> list[str]:
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PromptError(f"prompt {i} must be a string; got {type(v).__name__} {v!r}")
+    too_many = request_limits.prompt_count_problem("prompt", len(values))
+    if too_many is not None:
+        raise PromptError(too_many)
     return values
+
+
+def longest_piece_chars(sp: Any) -> int | None:
+    """The most characters of text one token of ``sp`` stands for (control and byte pieces stand
+    for none or part of one; the space symbol for one space). None for a tokenizer without byte
+    fallback: its unknown token stands for a whole run of unknown characters, of any length."""
+    pieces = range(sp.get_piece_size())
+    if not any(sp.is_byte(i) for i in pieces):
+        return None
+    return max(len(sp.id_to_piece(i)) for i in pieces if not (sp.is_control(i) or sp.is_byte(i) or sp.is_unknown(i)))
 
 
 class TextGenerator:
@@ -51,6 +65,21 @@ class TextGenerator:
         self.model = model.eval()
         self.sp = sp
         self.max_seq_len = model.cfg.max_seq_len
+        longest = longest_piece_chars(sp)
+        # None: no bound by characters (see longest_piece_chars); the request size limit still holds.
+        self.max_prompt_chars = None if longest is None else request_limits.max_prompt_chars(self.max_seq_len, longest)
+
+    def check_prompt_length(self, index: int, prompt: str) -> None:
+        """Refuse a prompt that cannot fit the context by its characters alone, before tokenizing it.
+
+        Raises:
+            PromptError: naming the prompt, its characters and the most the context can hold.
+        """
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise PromptError(
+                f"prompt {index} is {len(prompt)} characters; the model's context is {self.max_seq_len} tokens, "
+                f"which hold at most {self.max_prompt_chars} characters of text"
+            )
 
     @classmethod
     def from_files(cls, weights: str | Path, tokenizer: str | Path) -> "TextGenerator":
@@ -64,12 +93,13 @@ class TextGenerator:
         Raises:
             PromptError: a prompt that leaves no room in the model's context, or bad sampling params.
         """
-        if max_new_tokens < 1:
-            raise PromptError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-        if temperature < 0:
-            raise PromptError(f"temperature must be >= 0; got {temperature}")
-        if not 0 < top_p <= 1:
-            raise PromptError(f"top_p must be in (0, 1]; got {top_p}")
+        for problem in (request_limits.token_count_problem("max_new_tokens", max_new_tokens),
+                        request_limits.temperature_problem("temperature", temperature),
+                        request_limits.top_p_problem("top_p", top_p)):
+            if problem is not None:
+                raise PromptError(problem)
+        for i, prompt in enumerate(prompts):
+            self.check_prompt_length(i, prompt)
         out = []
         gen = torch.Generator().manual_seed(seed)
         for i, prompt in enumerate(prompts):

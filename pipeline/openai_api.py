@@ -5,9 +5,11 @@ generates, and answers with ``completion_body`` / ``stream_events``; a bad reque
 ``ApiError`` whose ``body()`` is the JSON error an OpenAI client expects
 (``{"error": {"message", "type", "param", "code"}}``) and whose ``status`` is its 4xx.
 
-Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string or a list of strings),
-``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop`` (a string or up to 4), ``seed``, ``stream``,
-and ``user`` (accepted, unused). Any other field is a 400 that names it, rather than being ignored.
+Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string or a list of up to
+``request_limits.MAX_PROMPTS`` strings), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop`` (a
+string or up to 4), ``seed``, ``stream``, and ``user`` (accepted, unused). Any other field (``top_k``,
+``logprobs``, ...) is a 400 that names it, rather than being ignored. Sampling values follow
+``pipeline.request_limits``: NaN, infinities and temperatures just above 0 are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from pipeline import request_limits
+
 MAX_N = 16
 MAX_STOP = 4
+MAX_SEED = 2**62  # each choice seeds a generator with seed + its index
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user"}
 
 
@@ -50,17 +55,26 @@ class CompletionRequest:
     stream: bool = False
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, integer: bool = False,
-            lo_open: bool = False) -> Any:
-    value = body.get(name, default)
+def _count(body: dict, name: str, default: int, hi: int) -> int:
+    """A whole number in [1, hi] (``max_tokens``, ``n``); OpenAI's default when absent or null."""
+    value = body.get(name)
     if value is None:
         return default
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type:
-        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'}; got {value!r}", name)
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise ApiError(400, f"{name}={value!r} must be in {'(' if lo_open else '['}{lo}, {hi}]", name)
+    problem = request_limits.token_count_problem(name, value, hi)
+    if problem is not None:
+        raise ApiError(400, problem, name)
     return value
+
+
+def _sampling(body: dict, name: str, default: float, problem_of) -> float:
+    """A sampling value checked by ``problem_of`` (one of ``request_limits``'s); the default when absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    problem = problem_of(name, value)
+    if problem is not None:
+        raise ApiError(400, problem, name)
+    return float(value)
 
 
 def _strings(value: Any, name: str, max_items: int | None = None) -> list[str]:
@@ -98,6 +112,9 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     prompts = _strings(body["prompt"], "prompt")
     if not prompts:
         raise ApiError(400, "prompt must not be an empty list", "prompt")
+    too_many = request_limits.prompt_count_problem("prompt", len(prompts))
+    if too_many is not None:
+        raise ApiError(400, too_many, "prompt")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"model must be a string; got {model!r}", "model")
@@ -107,13 +124,15 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
+    if seed is not None and not -MAX_SEED <= seed <= MAX_SEED:  # torch's generators take 64 bits
+        raise ApiError(400, f"seed={seed} must be in [-{MAX_SEED}, {MAX_SEED}]", "seed")
     stop = body.get("stop")
     return CompletionRequest(
         model=model, prompts=prompts,
-        max_tokens=_number(body, "max_tokens", 16, 1, 1 << 20, integer=True),
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-        n=_number(body, "n", 1, 1, MAX_N, integer=True),
+        max_tokens=_count(body, "max_tokens", 16, 1 << 20),
+        temperature=_sampling(body, "temperature", 1.0, request_limits.temperature_problem),
+        top_p=_sampling(body, "top_p", 1.0, request_limits.top_p_problem),
+        n=_count(body, "n", 1, MAX_N),
         stop=() if stop is None else tuple(s for s in _strings(stop, "stop", MAX_STOP) if s),
         seed=seed, stream=stream,
     )

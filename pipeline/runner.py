@@ -22,6 +22,7 @@ from typing import Callable
 from pipeline import cluster, locks, tracking
 from pipeline.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
+from pipeline.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
 from pipeline.storage import StorageError, Transfer, is_uri, store_for
@@ -164,13 +165,22 @@ def _init_ray(cfg: RunConfig) -> None:
         except (AuthenticationError, ConnectionError) as e:
             raise cluster.connection_error(address, e) from e
     else:
-        ray.init(
-            address="local",  # our own: never attach to whatever /tmp/ray/ray_current_cluster names
-            num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
-            include_dashboard=cfg.cluster.include_dashboard,
-            dashboard_host=cfg.cluster.dashboard_host,
-            runtime_env={"env_vars": worker_env()},
-        )
+        ray.init(**local_ray_options(cfg))
+
+
+def local_ray_options(cfg: RunConfig) -> dict:
+    """``ray.init`` arguments of the embedded local Ray; warns when its dashboard (which also serves the
+    Jobs API) will listen beyond this machine (``cluster.dashboard_host``)."""
+    if cfg.cluster.include_dashboard:
+        warn_if_exposed("the embedded Ray's dashboard and Jobs API", cfg.cluster.dashboard_host,
+                        "cluster.dashboard_host")
+    return {
+        "address": "local",  # our own: never attach to whatever /tmp/ray/ray_current_cluster names
+        "num_cpus": cfg.cluster.num_cpus or os.cpu_count(),
+        "include_dashboard": cfg.cluster.include_dashboard,
+        "dashboard_host": cfg.cluster.dashboard_host,
+        "runtime_env": {"env_vars": worker_env()},
+    }
 
 
 def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:

@@ -27,8 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from pipeline import openai_api, serving, tracking
+from pipeline import openai_api, request_limits, serving, tracking
 from pipeline.batch_generation import GenRequest, generate_batch
+from pipeline.generation import PromptError
 from pipeline.openai_api import ApiError, Choice, CompletionRequest
 from pipeline.text import EOS_ID
 
@@ -67,6 +68,25 @@ def text_pieces(sp, ids: list[int]) -> list[str]:
     return pieces
 
 
+async def read_body(request: Request, limit: int = request_limits.MAX_REQUEST_BYTES) -> bytes:
+    """The request body, refused as soon as it is known to exceed ``limit`` bytes (by its
+    Content-Length, else while it streams in), so that no large body is held or parsed.
+
+    Raises:
+        ApiError: 413 naming the limit.
+    """
+    too_large = ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
 app = FastAPI(title="Conduit", docs_url=None, redoc_url=None)
 
 
@@ -101,6 +121,10 @@ class ConduitServer:
         rows, prompt_tokens = [], 0
         base_seed = random.getrandbits(31) if req.seed is None else req.seed
         for i, prompt in enumerate(req.prompts):
+            try:  # by its characters first: a prompt far too long is never tokenized
+                self.generator.check_prompt_length(i, prompt)
+            except PromptError as e:
+                raise ApiError(400, str(e), "prompt", "context_length_exceeded") from e
             ids = (EOS_ID, *self.generator.sp.encode(prompt))
             prompt_tokens += len(ids) - 1
             if len(ids) + req.max_tokens > max_len:
@@ -140,7 +164,7 @@ class ConduitServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         try:
-            req = openai_api.parse_completion_request(await request.body())
+            req = openai_api.parse_completion_request(await read_body(request))
             if req.model is not None and req.model != self.target.model_name:
                 raise ApiError(404, f"the model {req.model!r} does not exist here; this deployment serves "
                                     f"{self.target.model_name!r}", "model", "model_not_found")

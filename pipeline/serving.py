@@ -1,11 +1,12 @@
 """The served model: what a registered Conduit version is once MLflow (or a server) loads it.
 
-``ConduitLM`` is the MLflow pyfunc model: prompts in, generated text out. The register stage logs an
-instance of it through ``pipeline.tracking`` (which owns every call to the tracking server and the
-registry), with this module's signature, input example and pinned requirements; the model's
-``code_paths`` ship ``models/`` and ``pipeline/``, so MLflow imports this class from the model's own
-copy of the code when it loads a version. This module and ``pipeline.tracking`` are the only ones
-that import mlflow.
+``ConduitLM`` is the MLflow pyfunc model: prompts in, generated text out. The register stage logs it
+through ``pipeline.tracking`` (which owns every call to the tracking server and the registry) as code,
+not as a pickled instance: MLflow "models from code" with ``MODEL_CODE`` (``pipeline/served_model.py``)
+as the model, plus this module's signature, input example and pinned requirements. The model's
+``code_paths`` ship ``models/`` and ``pipeline/``, so MLflow imports this class by name from the
+model's own copy of the code when it loads a version. This module and ``pipeline.tracking`` are the
+only ones that import mlflow.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+MODEL_CODE = Path(__file__).with_name("served_model.py")  # what MLflow runs to load a version
 
 # Generation parameters a request may set, and their defaults (the signature advertises the same).
 DEFAULT_PARAMS: dict[str, Any] = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 1.0}
@@ -47,15 +50,19 @@ class ConduitLM(mlflow.pyfunc.PythonModel):
         p = {**DEFAULT_PARAMS, **(params or {})}
         try:
             prompts = prompts_from_input(model_input)
-            texts = self._generator.generate(
-                prompts,
-                max_new_tokens=int(p["max_new_tokens"]),
-                temperature=float(p["temperature"]),
-                top_p=float(p["top_p"]),
+            texts = self._generator.generate(  # values as sent: 2.5 tokens or a NaN are PromptErrors
+                prompts, max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
             )
         except PromptError as e:
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
         return pd.DataFrame({"text": texts})
+
+
+def set_served_model() -> None:
+    """Hand MLflow the model of the version being loaded (called by ``MODEL_CODE``)."""
+    from mlflow.models import set_model
+
+    set_model(ConduitLM())
 
 
 def signature():

@@ -36,7 +36,7 @@ from typing import Iterator
 
 import pyarrow.fs as pafs
 
-from pipeline.artifacts import MANIFEST, Artifact, artifact_dir, is_complete, verify, write_json_atomic
+from pipeline.artifacts import MANIFEST, Artifact, artifact_dir, is_complete, remove_unsealed, verify, write_json_atomic
 
 SCRATCH_ENV = "CONDUIT_SCRATCH_DIR"
 CHUNK_BYTES = 8 << 20  # per read/write call when streaming to or from the store
@@ -109,8 +109,8 @@ class LocalStore:
     def clear(self, stage: str, hash_: str) -> None:
         """Remove what an unsealed (or forced, or damaged) attempt left at the location."""
         path = self.location(stage, hash_)
-        if path.exists():
-            shutil.rmtree(path)
+        if path.exists() or path.is_symlink():
+            remove_unsealed(path, self.root)  # never follows a symlink out of the artifact root
 
     def prepare_build(self, stage: str, hash_: str) -> Path:
         """The folder the stage body fills: the artifact's own (``Stage.execute`` clears leftovers)."""

@@ -21,7 +21,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline import serving
+from pipeline import credentials, serving
 
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
 
@@ -37,6 +37,7 @@ def _fluent_uri(uri: str):
     from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
+    credentials.check_uri("the MLflow tracking URI", uri)
     names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
     saved_env = {k: os.environ.get(k) for k in names}
     saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
@@ -54,6 +55,13 @@ def _fluent_uri(uri: str):
 
 
 def client(uri: str) -> MlflowClient:
+    """A client of ``uri``; every call to MLflow starts here or in ``_fluent_uri``.
+
+    Raises:
+        credentials.CredentialsInUri: ``uri`` carries a password or secret (use MLflow's and the
+            database's environment variables instead), before anything connects or logs it.
+    """
+    credentials.check_uri("the MLflow tracking URI", uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -67,6 +75,7 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     Raises:
         TrackingUnavailable: an ``http(s)://`` URI whose ``/health`` does not answer 200 in ``timeout_s``.
     """
+    credentials.check_uri("the MLflow tracking URI", uri)
     if not uri.startswith(("http://", "https://")):
         return
     import requests
@@ -176,8 +185,8 @@ def log_and_register_model(
     code_paths: list[str],
     extra_artifacts: dict[str, Path] | None = None,
 ) -> int:
-    """Log the served model (``pipeline.serving.ConduitLM``) into the tracker's run, register it, point
-    ``alias`` at it.
+    """Log the served model (``pipeline.serving.ConduitLM``, as the code of ``serving.MODEL_CODE``) into
+    the tracker's run, register it, point ``alias`` at it.
 
     Args:
         extra_artifacts: more files or folders to ship inside the model (name -> local path), e.g.
@@ -189,7 +198,7 @@ def log_and_register_model(
     with _fluent_uri(tracker.uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=serving.ConduitLM(),
+            python_model=str(serving.MODEL_CODE),  # models from code: nothing is pickled
             artifacts={"weights": str(weights), "tokenizer": str(tokenizer),
                        **{k: str(v) for k, v in (extra_artifacts or {}).items()}},
             code_paths=code_paths,

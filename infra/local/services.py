@@ -4,10 +4,16 @@ Run through the ``infra/local/up`` and ``infra/local/down`` wrappers, which pick
 
 up   creates the cluster's auth token (``<state-dir>/ray_auth_token``, mode 0600, never printed),
      starts ``ray start --head`` (dashboard and every port on 127.0.0.1 free ports, token auth with
-     that token, a temp dir of its own) and ``mlflow server`` (sqlite backend, proxied artifacts in
-     ``<state-dir>/mlartifacts`` or the object store ``--artifacts-destination`` names), optionally
-     extra Ray worker nodes on this machine, waits until the Jobs API and ``/health`` answer, and
-     writes ``<state-dir>/env``: the addresses, where the token is, the Ray temp dir and the pids.
+     that token, a temp dir of its own) and ``mlflow server`` on 127.0.0.1 (sqlite backend, proxied
+     artifacts in ``<state-dir>/mlartifacts`` or the object store ``--artifacts-destination`` names),
+     optionally extra Ray worker nodes on this machine, waits until the Jobs API and ``/health`` answer,
+     and writes ``<state-dir>/env``: the addresses, where the token is, the Ray temp dir and the pids.
+     With ``--mlflow-auth`` the MLflow server is MLflow's basic-auth
+     app (``--app-name basic-auth``): every request but ``/health`` needs a user and password; the
+     admin's password is made here (``<state-dir>/mlflow_admin_password``, mode 0600, never printed)
+     and given to the Ray processes as ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``,
+     so jobs on this cluster log to it. Ray's GCS listens on every interface whatever
+     ``--node-ip-address`` says (STACK.md); the token guards it.
 down reads that file and stops exactly what ``up`` started: every process of this Ray cluster (found
      by its own temp dir in the command line, plus their descendants such as job drivers) and the
      MLflow server's process tree and process group. Then it removes the env file and the token.
@@ -55,13 +61,18 @@ def free_port() -> int:
 
 
 TOKEN_FILE = "ray_auth_token"
+MLFLOW_PASSWORD_FILE = "mlflow_admin_password"
+MLFLOW_ADMIN = "admin"
 
 
-def service_env(token_path: Path) -> dict[str, str]:
+def service_env(token_path: Path, mlflow_password: Path | None = None) -> dict[str, str]:
     """Environment of every service process: this venv first on PATH (a Ray job's ``python`` is
-    then the venv's), token auth on with the cluster's own token file, telemetry and hub look-ups off.
+    then the venv's), token auth on with the cluster's own token file, telemetry and hub look-ups off,
+    and with an authenticated MLflow server its user and password (what MLflow's client sends).
     A ``RAY_AUTH_TOKEN`` of the caller's is dropped: Ray would prefer it over the file."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+    if mlflow_password is not None:
+        env.update(MLFLOW_TRACKING_USERNAME=MLFLOW_ADMIN, MLFLOW_TRACKING_PASSWORD=mlflow_password.read_text())
     return {**env, **QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
@@ -73,6 +84,21 @@ def create_token(path: Path) -> None:
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write(secrets.token_hex(32))
     os.chmod(path, 0o600)  # O_CREAT's mode does not apply to a file that already existed
+
+
+def mlflow_auth_env(state_dir: Path) -> dict[str, str]:
+    """What ``mlflow server --app-name basic-auth`` needs, made in ``state_dir``: its config (users in
+    ``mlflow_auth.db``; new users may read, not write), the admin's password (created with the token's
+    care) and the key that signs its CSRF tokens."""
+    password = state_dir / MLFLOW_PASSWORD_FILE
+    if not password.exists():
+        create_token(password)
+    ini = state_dir / "mlflow_auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{state_dir / 'mlflow_auth.db'}\n"
+                   f"admin_username = {MLFLOW_ADMIN}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    return {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_PASSWORD": password.read_text(),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
 
 
 def ray_temp_dir(state_dir: Path) -> Path:
@@ -156,7 +182,8 @@ def terminate(procs: list[psutil.Process], grace_s: float = 15.0) -> int:
 
 # ---- up ------------------------------------------------------------------------------------------
 def start_ray_node(temp_dir: Path, token_path: Path, log: Path, num_cpus: int, head_port: int | None = None,
-                   resources: dict | None = None, dashboard_port: int | None = None) -> None:
+                   resources: dict | None = None, dashboard_port: int | None = None,
+                   mlflow_password: Path | None = None) -> None:
     """``ray start`` a head (``dashboard_port`` given) or a worker node joining ``head_port``.
 
     Raises:
@@ -174,27 +201,29 @@ def start_ray_node(temp_dir: Path, token_path: Path, log: Path, num_cpus: int, h
     with log.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path), cwd=REPO_ROOT,
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path, mlflow_password),
+                              cwd=REPO_ROOT,
                               start_new_session=True, timeout=180)
     if done.returncode != 0:
         raise InfraError(f"{' '.join(cmd)} exited with {done.returncode}:\n{log.read_text()[-3000:]}")
 
 
-def start_mlflow(state_dir: Path, port: int, token_path: Path,
-                 artifacts_destination: str | None = None) -> subprocess.Popen:
+def start_mlflow(state_dir: Path, port: int, token_path: Path, artifacts_destination: str | None = None,
+                 auth: bool = False) -> subprocess.Popen:
     """``mlflow server`` on 127.0.0.1:``port`` in its own process group (its helpers go with it).
 
     Artifacts are proxied (clients upload and download through the server, with no store credentials
     of their own) to ``artifacts_destination``: an object-store URI (``s3://bucket/mlflow``; the server
     reads the credentials and ``MLFLOW_S3_ENDPOINT_URL`` from its environment), or None for
-    ``<state_dir>/mlartifacts``.
+    ``<state_dir>/mlartifacts``. With ``auth``, MLflow's basic-auth app (``mlflow_auth_env``).
     """
     destination = artifacts_destination or str(state_dir / "mlartifacts")
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow.db'}",
            "--artifacts-destination", destination, "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]
+           "--port", str(port), "--workers", "1", *(["--app-name", "basic-auth"] if auth else [])]
+    env = {**service_env(token_path), **(mlflow_auth_env(state_dir) if auth else {})}
     with (state_dir / "mlflow.log").open("w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=service_env(token_path), cwd=state_dir,
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=state_dir,
                                 start_new_session=True)
 
 
@@ -229,7 +258,7 @@ def wait_jobs_api(address: str, token_path: Path, deadline: float) -> None:
 
 
 def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, timeout_s: float,
-       artifacts_destination: str | None = None) -> dict[str, str]:
+       artifacts_destination: str | None = None, mlflow_auth: bool = False) -> dict[str, str]:
     """Start the services, wait for them, write ``<state_dir>/env``. Stops what it started on failure.
 
     Returns:
@@ -260,15 +289,19 @@ def up(state_dir: Path, num_cpus: int, worker_nodes: int, worker_cpus: int, time
     create_token(token_path)
     deadline = time.monotonic() + timeout_s
     # ~18 s to answer: overlaps with ray start (~9 s)
-    mlflow = start_mlflow(state_dir, ml, token_path, artifacts_destination)
+    mlflow = start_mlflow(state_dir, ml, token_path, artifacts_destination, mlflow_auth)
     values["CONDUIT_MLFLOW_PID"] = str(mlflow.pid)
+    password = state_dir / MLFLOW_PASSWORD_FILE if mlflow_auth else None
+    if password is not None:
+        values.update(MLFLOW_TRACKING_USERNAME=MLFLOW_ADMIN, CONDUIT_MLFLOW_PASSWORD_FILE=str(password))
     write_env(env_path, values)
     try:
         ray_log = state_dir / "ray-start.log"
-        start_ray_node(temp_dir, token_path, ray_log, num_cpus, head_port=gcs, dashboard_port=dash)
+        start_ray_node(temp_dir, token_path, ray_log, num_cpus, head_port=gcs, dashboard_port=dash,
+                       mlflow_password=password)
         for i in range(worker_nodes):
             start_ray_node(temp_dir, token_path, ray_log, worker_cpus, head_port=gcs,
-                           resources={f"conduit_worker_node_{i + 1}": 1})
+                           resources={f"conduit_worker_node_{i + 1}": 1}, mlflow_password=password)
         values["CONDUIT_RAY_PIDS"] = ",".join(str(p.pid) for p in ray_processes(temp_dir))
         write_env(env_path, values)
         wait_jobs_api(values["RAY_ADDRESS"], token_path, deadline)
@@ -300,9 +333,9 @@ def down(state_dir: Path) -> list[str]:
         report.append(f"mlflow: stopped {n} processes (server pid {pid})")
     if temp_dir.exists():
         shutil.rmtree(temp_dir)  # session logs and the now stale ray_current_cluster
-    token = state_dir / TOKEN_FILE
-    if token.exists():
-        token.unlink()  # it opened a cluster that no longer exists
+    for secret in (state_dir / TOKEN_FILE, state_dir / MLFLOW_PASSWORD_FILE):
+        if secret.exists():
+            secret.unlink()  # it opened services that no longer exist
     env_path.unlink()
     return report
 
@@ -321,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where MLflow keeps artifacts and registered models, proxied by the server: an object "
                         "store such as s3://bucket/mlflow (credentials and MLFLOW_S3_ENDPOINT_URL from this "
                         "environment); default <state-dir>/mlartifacts")
+    p.add_argument("--mlflow-auth", action="store_true",
+                   help="MLflow's basic-auth app: every request needs a user (admin, password in the state dir)")
     args = p.parse_args(argv)
     state_dir = Path(args.state_dir).expanduser().resolve()
     if args.command == "down":
@@ -333,12 +368,16 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --artifacts-destination has credentials in its URI (user:secret@), which the env file "
                   "and process list would show; set them in the environment (AWS_ACCESS_KEY_ID, ...)", file=sys.stderr)
             return 2
-        values = up(state_dir, args.num_cpus, args.worker_nodes, args.worker_cpus, args.timeout, dest)
+        values = up(state_dir, args.num_cpus, args.worker_nodes, args.worker_cpus, args.timeout, dest,
+                    args.mlflow_auth)
     except InfraError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"Ray Jobs API  {values['RAY_ADDRESS']}  (dashboard; GCS {values['CONDUIT_RAY_GCS_ADDRESS']})")
     print(f"MLflow        {values['MLFLOW_TRACKING_URI']}   (artifacts proxied to {dest or state_dir / 'mlartifacts'})")
+    if args.mlflow_auth:
+        print(f"MLflow auth   export MLFLOW_TRACKING_USERNAME={MLFLOW_ADMIN} "
+              f"MLFLOW_TRACKING_PASSWORD=\"$(cat {values['CONDUIT_MLFLOW_PASSWORD_FILE']})\"   (mode 0600)")
     print(f"Ray token     {values['RAY_AUTH_TOKEN_PATH']}   (mode 0600; clients read it through RAY_AUTH_TOKEN_PATH)")
     print(f"env file      {state_dir / 'env'}   (source it, or let `make run` / jobs.submit read it)")
     return 0

@@ -118,6 +118,7 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
 
     Raises:
         ValueError: no canonical.pt, or it holds another model's parameters.
+        pickle.UnpicklingError: canonical.pt holds anything but tensors and plain values.
     """
     import deepspeed
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
@@ -128,7 +129,7 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
             f"{ckpt_dir} has no {CANONICAL_FILE} (an older checkpoint): it resumes only with the same number "
             "of workers, parallel.ep_size and train.zero_stage"
         )
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: nothing runs
     params = saved["params"]
     module = engine.module
     expected = set(canonical_names(module).values()) | all_expert_names(module)  # all experts, not only local

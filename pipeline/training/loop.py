@@ -38,6 +38,8 @@ from pipeline.config import config_from_dict
 from pipeline.stage_io import TRAIN_METRICS_FILE, WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
 from pipeline.storage import on_this_node
 from pipeline.training.canonical import load_canonical, save_canonical
+from pipeline.training.checksums import verify_checkpoint, write_checksums
+from pipeline.training.resume import usable_checkpoint
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
@@ -73,10 +75,13 @@ def main(config: dict) -> None:
     starts: list[int] = []  # the step each start of this training began at
     layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": t.zero_stage}
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
+    if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
+        resume = usable_checkpoint(resume, verify_checkpoint, warn=lambda m: rank == 0 and print(m, flush=True))
     if resume is None and t.resume_from:  # continue another run, on this run's layout
         resume = ray.train.Checkpoint(t.resume_from)
     if resume is not None:
         with resume.as_directory() as ckpt_dir:
+            verify_checkpoint(ckpt_dir)  # before anything of it is read: DeepSpeed's loader unpickles
             saved = json.loads((Path(ckpt_dir) / LAYOUT_FILE).read_text())
             if saved == layout:  # DeepSpeed's own checkpoint: bit-exact
                 start_step, loader_state = load_state(engine, ckpt_dir)
@@ -164,7 +169,8 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict, 
 
     Beside DeepSpeed's checkpoint (resumes bit-exactly onto the same layout) rank 0 writes the
     layout and a layout-independent ``canonical.pt`` for resuming on another number of workers,
-    ZeRO stage or expert-parallel size.
+    ZeRO stage or expert-parallel size. Each rank then records its files' checksums
+    (``pipeline.training.checksums``).
     """
     import ray.train
 
@@ -174,4 +180,5 @@ def _checkpoint(engine, scheduler, step: int, loader_state: dict, layout: dict, 
         if dist.get_rank() == 0:
             (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(layout))
             (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps(run_log))
+        write_checksums(tmp, dist.get_rank())  # last: what verify_checkpoint checks before a resume loads it
         ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -93,10 +93,24 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     for body, param in [({"max_tokens": 0, "prompt": "x"}, "max_tokens"), ({"prompt": 3}, "prompt"),
                         ({}, "prompt"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
                         ({"prompt": "to be or not " * 40}, "prompt"), ({"prompt": "x", "max_tokens": 63}, "max_tokens"),
-                        ({"prompt": "x", "n": 99}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop")]:
-        r = _complete(served, **body)
+                        ({"prompt": "x", "n": 99}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop"),
+                        # sampling values that reached torch.multinomial as NaN probabilities (500s) before
+                        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+                        ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+                        ({"prompt": "x", "temperature": 1e-30}, "temperature"),
+                        ({"prompt": "x", "top_p": -0.5}, "top_p"), ({"prompt": "x", "top_k": -1}, "top_k"),
+                        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+                        ({"prompt": ["x"] * 65}, "prompt"), ({"prompt": "x" * 200_000}, "prompt")]:
+        r = requests.post(f"{served}/completions", data=json.dumps({"model": MODEL_NAME, **body}), timeout=60,
+                          headers={"Content-Type": "application/json"})  # json.dumps writes NaN and Infinity
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert param in r.json()["error"]["message"], r.text
+    long = _complete(served, prompt="x" * 200_000).json()["error"]
+    assert "200000 characters" in long["message"] and long["code"] == "context_length_exceeded"  # not tokenized
+    huge = requests.post(f"{served}/completions", data=b" " * (1 << 20) + b'{"prompt": "x"}', timeout=60,
+                         headers={"Content-Type": "application/json"})
+    assert huge.status_code == 413 and "exceeds 1048576 bytes" in huge.json()["error"]["message"], huge.text
     r = requests.post(f"{served}/completions", data="{not json", timeout=30,
                       headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

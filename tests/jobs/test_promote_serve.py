@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 
@@ -80,24 +82,58 @@ def test_served_model_turns_prompt_errors_into_invalid_parameter_value():
     lm = serving.ConduitLM()
     model = build_model("debug_dense", max_seq_len=16)
 
-    class Chars:  # a stand-in tokenizer: one token per character
+    class Chars:  # a stand-in tokenizer: one token per character; it records what it was asked to encode
+        encoded: list[str] = []
+
         def encode(self, s):
+            self.encoded.append(s)
             return [5 + ord(c) % 100 for c in s]
 
         def decode(self, ids):
             return "x" * len(ids)
 
+        def get_piece_size(self):
+            return 105
+
+        def id_to_piece(self, i):
+            return "<ctl>" if i < 5 else "<0x00>" if i == 104 else chr(i)
+
+        def is_control(self, i):
+            return i < 5
+
+        def is_byte(self, i):  # byte fallback: no token stands for a run of unknown characters
+            return i == 104
+
+        def is_unknown(self, i):
+            return False
+
     lm._generator = TextGenerator(model, Chars())
+    assert lm._generator.max_prompt_chars == 16  # one character per piece, 16 tokens of context
     assert lm.predict(None, pd.DataFrame({"prompt": ["hi"]}), {"max_new_tokens": 2})["text"].tolist() == ["xx"]
     for bad, params, match in [
         (pd.DataFrame({"text": ["hi"]}), None, "needs a 'prompt' column"),
         (pd.DataFrame({"prompt": [3]}), None, "prompt 0 must be a string"),
-        (pd.DataFrame({"prompt": ["a" * 40]}), None, "the model's context is 16 tokens"),
-        (pd.DataFrame({"prompt": ["hi"]}), {"temperature": -1.0}, "temperature must be >= 0"),
+        (pd.DataFrame({"prompt": ["a" * 15]}), None, "prompt 0 is 15 tokens; the model's context is 16 tokens"),
+        (pd.DataFrame({"prompt": ["hi", "a" * 10**6]}), None, "prompt 1 is 1000000 characters; the model's context "
+                                                            "is 16 tokens, which hold at most 16 characters"),
+        (pd.DataFrame({"prompt": ["hi"] * 65}), None, "at most 64 prompts per request; got 65"),
+        (pd.DataFrame({"prompt": ["hi"]}), {"temperature": -1.0}, "temperature=-1.0 must be 0 (greedy) or in"),
+        (pd.DataFrame({"prompt": ["hi"]}), {"temperature": float("nan")}, "temperature must be a finite number"),
+        (pd.DataFrame({"prompt": ["hi"]}), {"temperature": 1e-300}, "temperature=1e-300 must be 0 (greedy)"),
+        (pd.DataFrame({"prompt": ["hi"]}), {"top_p": float("-inf")}, "top_p must be a finite number"),
+        (pd.DataFrame({"prompt": ["hi"]}), {"max_new_tokens": 2.5}, "max_new_tokens must be an integer; got 2.5"),
     ]:
-        with pytest.raises(MlflowException, match=match) as e:
+        Chars.encoded.clear()
+        with pytest.raises(MlflowException, match=re.escape(match)) as e:
             lm.predict(None, bad, params)
         assert e.value.error_code == "INVALID_PARAMETER_VALUE" and e.value.get_http_status_code() == 400
+        assert all(len(s) <= 16 for s in Chars.encoded)  # a prompt longer than the context is never tokenized
+
+    class NoByteFallback(Chars):
+        def is_byte(self, i):
+            return False
+
+    assert TextGenerator(model, NoByteFallback()).max_prompt_chars is None  # one <unk> may be any run of text
 
 
 # ---- against the server ---------------------------------------------------------------------------
@@ -142,6 +178,18 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
     mlmodel = (local / "MLmodel").read_text()
     assert '"name": "prompt"' in mlmodel and '"name": "max_new_tokens"' in mlmodel and "top_p" in mlmodel
     assert "torch==" in (local / "requirements.txt").read_text()
+    # models from code: the version is Conduit's code, loaded by name from its own copy; nothing pickled
+    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel and (local / "served_model.py").is_file()
+    assert not [p.name for p in local.rglob("*.pkl")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    loaded = subprocess.run([sys.executable, "-c", "import sys, mlflow, pandas as pd\n"
+                             f"m = mlflow.pyfunc.load_model({str(local)!r})\n"
+                             "print(sys.modules['pipeline.serving'].__file__)\n"
+                             "print(m.predict(pd.DataFrame({'prompt': ['KING:']}), params={'max_new_tokens': 3})"
+                             "['text'][0] != '')"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "serving.py"), "True"], loaded.stdout
     assert json.loads((local / "artifacts" / "metrics.json").read_text())["metrics"] == m
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -228,9 +276,9 @@ def test_serve_answers_prompts_and_rejects_bad_requests(tiny_run, tmp_path):
     try:
         wait_http(f"{url}/ping", proc, log, timeout=300)
 
-        def post(payload, **kw):
-            return requests.post(f"{url}/invocations", timeout=60, **kw,
-                                 **({} if "data" in kw else {"json": payload}))
+        def post(payload, **kw):  # json.dumps writes NaN as JSON's NaN literal (requests' json= refuses)
+            return requests.post(f"{url}/invocations", timeout=60, **kw, **({} if "data" in kw else {
+                "data": json.dumps(payload), "headers": {"Content-Type": "application/json"}}))
 
         good = {"dataframe_split": {"columns": ["prompt"], "data": [["KING:"], ["The old man said"]]},
                 "params": {"max_new_tokens": 6, "temperature": 0.0}}
@@ -242,7 +290,13 @@ def test_serve_answers_prompts_and_rejects_bad_requests(tiny_run, tmp_path):
             ({"dataframe_split": {"columns": ["text"], "data": [["hi"]]}}, "prompt"),
             ({"dataframe_split": {"columns": ["prompt"], "data": [[42]]}}, "prompt"),
             ({"dataframe_split": {"columns": ["prompt"], "data": [["to be or not " * 40]]}}, "context is 64 tokens"),
-            ({**good, "params": {"temperature": -1.0}}, "temperature must be >= 0"),
+            ({**good, "params": {"temperature": -1.0}}, "temperature=-1.0 must be 0 (greedy)"),
+            ({**good, "params": {"temperature": float("nan")}}, "temperature must be a finite number"),
+            ({**good, "params": {"temperature": 1e-30}}, "temperature=1e-30 must be 0 (greedy)"),
+            ({**good, "params": {"top_p": -0.5}}, "top_p=-0.5 must be in (0.0, 1.0]"),
+            ({**good, "params": {"max_new_tokens": 2.5}}, "max_new_tokens"),
+            ({"dataframe_split": {"columns": ["prompt"], "data": [["KING:"]] * 65}}, "at most 64 prompts"),
+            ({"dataframe_split": {"columns": ["prompt"], "data": [["x" * 200_000]]}}, "200000 characters"),
         ]
         for payload, needle in bad:
             r = post(payload)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from pipeline.artifacts import (
-    MANIFEST, Artifact, content_hash, is_complete, prepare_dir, write_json_atomic, write_manifest,
+    MANIFEST, Artifact, content_hash, is_complete, prepare_dir, remove_unsealed, write_json_atomic, write_manifest,
 )
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve
@@ -74,6 +74,29 @@ def test_unsealed_folder_is_cleared(tmp_path):
     (out / "partial.bin").write_bytes(b"half")
     prepare_dir(out)
     assert list(out.iterdir()) == []
+
+
+def test_clearing_an_unsealed_folder_never_follows_a_symlink_out_of_the_root(tmp_path):
+    root, outside = tmp_path / "artifacts", tmp_path / "home"
+    (outside / "docs").mkdir(parents=True)
+    (outside / "docs" / "thesis.txt").write_text("precious")
+    out = root / "train" / "h1"
+    out.mkdir(parents=True)
+    (out / "partial.bin").write_bytes(b"half")
+    (out / "link_dir").symlink_to(outside / "docs")  # a link inside the folder: removed as a link
+    (out / "link_file").symlink_to(outside / "docs" / "thesis.txt")
+    prepare_dir(out)
+    assert list(out.iterdir()) == [] and (outside / "docs" / "thesis.txt").read_text() == "precious"
+    (root / "tokenize").symlink_to(outside)  # the stage folder leads out of the root
+    with pytest.raises(ValueError, match="refusing to clear .*docs: it is a symlink or leads out of the artifact"):
+        prepare_dir(root / "tokenize" / "docs")  # shutil.rmtree alone would have deleted outside/docs
+    with pytest.raises(ValueError, match=f"out of the artifact root {root}"):
+        remove_unsealed(root / "tokenize" / "docs", root)  # what the runner calls with the configured root
+    (root / "shard").mkdir()
+    (root / "shard" / "h2").symlink_to(outside / "docs")  # the artifact folder itself is a link
+    with pytest.raises(ValueError, match="h2: it is a symlink"):
+        prepare_dir(root / "shard" / "h2")
+    assert (outside / "docs" / "thesis.txt").read_text() == "precious"
 
 
 def test_readers_never_see_a_partial_manifest(tmp_path):

@@ -36,6 +36,16 @@ def test_defaults_and_both_prompt_forms():
     ({"prompt": "x", "seed": "1"}, "seed", "seed must be an integer"),
     ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
     ({"prompt": "x", "echo": True}, "echo", "unsupported field(s) ['echo']"),
+    # Values that reached torch.multinomial as NaN probabilities (a 500) before.
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", "temperature must be a finite number; got nan"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature", "must be a finite number; got inf"),
+    ({"prompt": "x", "temperature": 1e-30}, "temperature", "temperature=1e-30 must be 0 (greedy) or in [0.01"),
+    ({"prompt": "x", "top_p": -0.5}, "top_p", "top_p=-0.5 must be in (0.0"),
+    ({"prompt": "x", "top_p": float("nan")}, "top_p", "top_p must be a finite number"),
+    ({"prompt": "x", "top_k": -1}, "top_k", "unsupported field(s) ['top_k']"),
+    ({"prompt": "x", "max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer; got 2.0"),
+    ({"prompt": ["x"] * 65}, "prompt", "at most 64 prompts per request; got 65"),
+    ({"prompt": "x", "seed": 2**70}, "seed", "seed=1180591620717411303424 must be in"),
 ])
 def test_bad_fields_are_400s_that_name_the_field(body, param, needle):
     with pytest.raises(ApiError) as e:
@@ -45,7 +55,9 @@ def test_bad_fields_are_400s_that_name_the_field(body, param, needle):
 
 
 def test_bodies_that_are_not_json_objects():
-    for raw, needle in [(b"{nope", "not valid JSON"), (b"[1]", "must be a JSON object")]:
+    for raw, needle in [(b"{nope", "not valid JSON"), (b"[1]", "must be a JSON object"),
+                        (b'{"prompt": "x", "temperature": NaN}', "temperature must be a finite number"),
+                        (b'{"prompt": "x", "top_p": -Infinity}', "top_p must be a finite number")]:
         with pytest.raises(ApiError, match=needle):
             parse_completion_request(raw)
 

@@ -62,21 +62,27 @@ def registered_checkpoints(ray_dir: Path) -> int:
     return len(registered_steps(ray_dir))
 
 
-def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_step: int) -> None:
-    """SIGKILL one training worker once a checkpoint is registered, and one of the restarted group
-    once the final checkpoint is (the loop holds still there: the CONDUIT_FAILPOINTS pause)."""
-    for ready in (lambda steps: len(steps) >= 1, lambda steps: final_step in steps):
+def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_step: int,
+                 damaged: list[int]) -> None:
+    """SIGKILL one training worker once two checkpoints are registered, after truncating a file of the
+    latest one (the restart must skip it for the one before), then one worker of the restarted group
+    once the final checkpoint is registered (the loop holds still there: the CONDUIT_FAILPOINTS pause)."""
+    for ready in (lambda steps: len(steps) >= 2, lambda steps: final_step in steps):
         while not ready(registered_steps(ray_dir)) or len(set(train_worker_pids()) - set(killed)) < 2:
             if done.is_set():
                 return  # training ended first; the test then fails on `killed`
             time.sleep(0.02)
+        if not killed:
+            results = json.loads((ray_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+            latest = max(results, key=lambda r: r["metrics"]["step"])
+            with open(ray_dir / latest["checkpoint_dir_name"] / "canonical.pt", "r+b") as f:
+                f.truncate(100)
+            damaged.append(latest["metrics"]["step"])
         pid = max(set(train_worker_pids()) - set(killed))
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 
 
-# adam_eps 1e-4: the resume on another world size is compared to 1e-5, and a tiny eps turns rounding
-# differences of near-zero gradients into lr-sized steps (see dist_checks.py).
 STEPS, EVERY = 120, 20  # six checkpoints: room to kill between them
 TRAIN = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.log_every=10", "train.progress_bar=false",
          "train.adam_eps=0.0001"]
@@ -92,7 +98,10 @@ def artifact_run_dir(art) -> Path:
     return ray_run_dir(config_from_dict(art.manifest["run_config"]), art.hash)
 
 
-def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, prune: bool = True):
+def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, prune: bool = True,
+               damaged: list[int] | None = None):
+    """The first four stages of the smoke config, called directly; with ``kill``, workers of the train
+    stage are SIGKILLed (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``)."""
     work = tmp / name
     cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}", *TRAIN, *overrides]))
     uri = cfg.tracking_uri()
@@ -106,7 +115,8 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, prune: bo
         killer, done = None, threading.Event()
         if stage == "train" and kill:
             killer = threading.Thread(target=kill_workers,
-                                      args=(ray_run_dir(cfg, plan["train"].hash), killed, done, cfg.train.steps))
+                                      args=(ray_run_dir(cfg, plan["train"].hash), killed, done, cfg.train.steps,
+                                            [] if damaged is None else damaged))
             killer.start()
         # prune=False keeps every checkpoint Ray Train kept (not just the final one) for a test to resume from
         record = STAGES[stage] if prune else dataclasses.replace(STAGES[stage], after_seal=None)
@@ -135,13 +145,18 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, monk
     (before the weights are written): the stage still seals, with the uninterrupted run's weights."""
     straight, straight_history, _, _ = straight
     monkeypatch.setenv("CONDUIT_FAILPOINTS", json.dumps({"pause_after_final_checkpoint_s": 120}))
-    resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["train.max_failures=2"], kill=True)
+    damaged: list[int] = []
+    resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["train.max_failures=2"], kill=True,
+                                                       damaged=damaged)
     assert len(killed) == 2
     # The group restarted past a checkpoint, then at the final one; the history is whole: every
     # logged step once, as in the uninterrupted run, with the same losses.
     starts = read_train_starts(art.path)
     assert len(starts) == 3 and starts[0] == 0 and EVERY <= starts[1] < STEPS and starts[1] % EVERY == 0, starts
     assert starts[2] == STEPS, starts
+    # The latest checkpoint at the first kill had a truncated file: the restart skipped it for the one
+    # before (or, had a newer one been registered by the time the worker died, took that one).
+    assert len(damaged) == 1 and starts[1] != damaged[0], (starts, damaged)
     assert art.manifest["counts"]["starts"] == starts
     assert [h["step"] for h in resumed_history] == [h["step"] for h in straight_history]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]

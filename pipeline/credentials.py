@@ -1,0 +1,100 @@
+"""Credentials never travel inside a URI: found, refused at config load, and redacted where printed.
+
+The whole resolved config is logged to MLflow as params, saved in every artifact's manifest, and
+shipped to Ray tasks; a secret inside one of its URIs (``postgresql://user:pass@db/mlflow``,
+``s3://KEY:SECRET@bucket``, ``s3://b/x?secret_key=...``) would be copied to all of them. So
+``pipeline.config.validate`` refuses every config string that carries one (``config_problem``), and
+URIs that do not come from the config (``$MLFLOW_TRACKING_URI``, ``--tracking-uri``) are checked by the
+same rule where they enter or ``redact``-ed where they are printed.
+
+Each store has a place for its secret outside the URI: S3 reads ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY``, an MLflow server ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``
+(or ``MLFLOW_TRACKING_TOKEN``), PostgreSQL and MySQL their password files or ``PGPASSWORD``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import parse_qsl
+
+# Query parameters that carry a secret: pyarrow's S3 options, signed URLs, generic names.
+SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passwd", "secret", "token",
+                 "api_key", "apikey", "sig", "signature", "x-amz-signature", "x-amz-credential",
+                 "x-amz-security-token"}
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(?P<authority>[^/?#\s]*)(?P<path>[^?#\s]*)(?:\?(?P<query>[^#\s]*))?")
+WHERE_INSTEAD = ("set credentials in the environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for S3, "
+                 "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for an MLflow server, PGPASSWORD or a "
+                 "password file for a database)")
+
+
+def found_in(value: str) -> str | None:
+    """What credential ``value`` carries in a URI, without its value, or None.
+
+    A password in the user part (``user:secret@host``) or a query parameter of ``SECRET_PARAMS``; a user
+    name alone (``hdfs://alice@namenode``) is not a secret.
+    """
+    for m in _URI.finditer(value):
+        userinfo = m.group("authority").rpartition("@")[0]
+        if ":" in userinfo:
+            return f"a password in its user part ({userinfo.split(':', 1)[0]}:***@)"
+        secret = sorted({k for k, _ in parse_qsl(m.group("query") or "", keep_blank_values=True)
+                         if k.lower() in SECRET_PARAMS})
+        if secret:
+            return f"the secret query parameter(s) {secret}"
+    return None
+
+
+def redact(value: str) -> str:
+    """``value`` with every URI password and secret query value replaced by ``***``."""
+    def one(m: re.Match) -> str:
+        authority = m.group("authority")
+        userinfo, at, host = authority.rpartition("@")
+        if ":" in userinfo:
+            authority = f"{userinfo.split(':', 1)[0]}:***{at}{host}"
+        query = m.group("query")
+        if query is not None:
+            query = "&".join(f"{k}=***" if k.lower() in SECRET_PARAMS else part
+                             for part in query.split("&") for k in [part.split("=", 1)[0]])
+        scheme = m.group(0).split("://", 1)[0]
+        return f"{scheme}://{authority}{m.group('path')}" + ("" if query is None else f"?{query}")
+    return _URI.sub(one, value)
+
+
+def strings_of(value: Any, name: str):
+    """Yield ``(dotted field name, string)`` for every string in a config dict (lists indexed: ``a.b[0]``)."""
+    if isinstance(value, str):
+        yield name, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from strings_of(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from strings_of(v, f"{name}[{i}]")
+
+
+def config_problem(config: dict) -> str | None:
+    """The first field of a config dict (``RunConfig.to_dict()``) whose value carries a credential, as
+    an error message that names the field and what was found but not the secret; None when clean."""
+    for name, value in strings_of(config, ""):
+        what = found_in(value)
+        if what is not None:
+            return (f"{name} has credentials in its URI ({what}), which would be saved with the config in "
+                    f"MLflow params and manifests; {WHERE_INSTEAD}")
+    return None
+
+
+class CredentialsInUri(ValueError):
+    """A URI from outside the config (an environment variable, a flag) that carries a credential."""
+
+
+def check_uri(name: str, value: str | None) -> None:
+    """Refuse a URI that does not come from the config (an environment variable, a flag) the same way.
+
+    Raises:
+        CredentialsInUri: naming ``name`` and what was found, not the secret.
+    """
+    what = None if value is None else found_in(value)
+    if what is not None:
+        raise CredentialsInUri(f"{name} has credentials in its URI ({what}), which would reach MLflow params, logs or "
+                         f"a Ray runtime env; {WHERE_INSTEAD}")

@@ -1,0 +1,84 @@
+"""No secret reaches MLflow params, a manifest, a log line or a Ray runtime env: a credential in any
+URI of the config is refused at load, and URIs from the environment or a flag before they are used."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from jobs import serve
+from pipeline import cluster, tracking
+from pipeline.config import ConfigError, RunConfig, config_from_dict
+from pipeline.credentials import CredentialsInUri, found_in, redact
+
+SECRET = "s3cr3tVALUE"
+WITH_CREDENTIALS = [
+    f"postgresql://mlflow:{SECRET}@db.internal:5432/mlflow",
+    f"s3://AKIAEXAMPLE:{SECRET}@bucket/checkpoints",
+    f"s3://bucket/corpus/*.txt?endpoint_override=minio:9000&secret_key={SECRET}",
+    f"https://user:{SECRET}@mlflow.example.com",
+    f"gs://bucket/x?token={SECRET}",
+]
+
+
+def string_fields(cls=RunConfig, prefix: str = "") -> dict[str, bool]:
+    """Every field of the config schema that holds free text (where a URI can go): dotted name ->
+    whether it is a list. Read from the dataclasses, so a new field is covered without editing this."""
+    out: dict[str, bool] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, name = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            out.update(string_fields(hint, f"{name}."))
+            continue
+        args = typing.get_args(hint)
+        if hint is str or (str in args and type(None) in args):
+            out[name] = False
+        elif typing.get_origin(hint) is list and args == (str,):
+            out[name] = True
+    return out
+
+
+def test_the_schema_walk_finds_the_uri_fields():
+    fields = string_fields()
+    assert {"tracking.uri", "train.resume_from", "train.checkpoint_storage", "run.artifact_root", "run.workdir",
+            "data.data_root", "data.train_paths", "eval.heldout_paths", "cluster.address"} <= set(fields)
+    assert fields["data.train_paths"] and not fields["tracking.uri"]
+
+
+@pytest.mark.parametrize("field", sorted(string_fields()))
+def test_a_credential_in_any_uri_field_is_refused_naming_the_field(field):
+    section, name = field.split(".")
+    is_list = string_fields()[field]
+    for uri in WITH_CREDENTIALS:
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({section: {name: [uri] if is_list else uri}})
+        message = str(e.value)
+        assert f"{field}{'[0]' if is_list else ''} has credentials in its URI" in message, message
+        assert SECRET not in message and "in the environment instead" in message
+
+
+def test_user_names_and_plain_uris_are_not_secrets():
+    for ok in ["hdfs://alice@namenode/corpus", "s3://bucket/x?endpoint_override=minio:9000&scheme=http",
+               "http://127.0.0.1:5000", "sqlite:////tmp/mlflow.db", "Once upon a time: user:pass"]:
+        assert found_in(ok) is None, ok
+    config_from_dict({"tracking": {"uri": "http://127.0.0.1:5000"}, "train": {"resume_from": "s3://b/ckpt"}})
+    assert redact(f"at postgresql://mlflow:{SECRET}@db/x and s3://b/k?scheme=http&secret_key={SECRET}") == \
+        "at postgresql://mlflow:***@db/x and s3://b/k?scheme=http&secret_key=***"
+
+
+def test_credentials_from_the_environment_or_a_flag_are_refused_before_use(monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", WITH_CREDENTIALS[0])
+    with pytest.raises(ConfigError, match=r"\$MLFLOW_TRACKING_URI has credentials") as e:
+        RunConfig().tracking_uri()  # what the runner resolves into the logged config
+    assert SECRET not in str(e.value)
+    with pytest.raises(CredentialsInUri, match="the MLflow tracking URI has credentials"):
+        tracking.client(WITH_CREDENTIALS[3])  # every MLflow call passes here, before any connection
+    with pytest.raises(cluster.ClusterError, match="environment variable MLFLOW_TRACKING_URI has credentials"):
+        cluster.job_spec("configs/smoke.yaml", [], {"MLFLOW_TRACKING_URI": WITH_CREDENTIALS[0]})  # a runtime env
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert serve.main(["m@champion", "--port", "5001", "--tracking-uri", WITH_CREDENTIALS[3]]) == 2
+    out = capsys.readouterr()
+    assert "has credentials in its URI" in out.err and SECRET not in out.out + out.err
