@@ -198,3 +198,36 @@ def test_auto_tokenizer_without_sentencepiece_or_protobuf_gives_sentencepiece_id
     assert [name for name, ids in zip(chosen, got["ids"]) if name not in ties and ids != encoded[name][0]] == []
     assert [name for name, ids, back in zip(chosen, got["ids"], got["decoded"]) if back != sp.decode(ids)] == []
     assert (got["pad"], got["bos"], got["eos"]) == (0, 2, 3)
+
+
+def test_register_exports_the_tokenizer_beside_the_model(trained, tmp_path):
+    from models import build_model
+    from models.export import save_safetensors
+    from pipeline.stages.register import export_hf
+
+    sp, _, folder = trained
+    model = build_model("debug_dense", vocab_size=sp.get_piece_size(), max_seq_len=64)
+    save_safetensors(model, model.cfg, tmp_path / "model.safetensors")
+    out = tmp_path / "hf"
+    assert export_hf(tmp_path / "model.safetensors", folder / "tokenizer.model", out) is None
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer.model", "tokenizer_config.json"]
+    exported = Tokenizer.from_file(str(out / TOKENIZER_JSON))
+    text = "First line.\n\n  Second, after a blank line\r\nand\ttabs."
+    assert exported.encode(text).ids == sp.encode(text)
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 64
+
+
+def test_register_does_not_export_what_it_cannot_reproduce(data_root, tmp_path):
+    from models import build_model
+    from models.export import save_safetensors
+    from pipeline.stages.register import export_hf
+
+    (tmp_path / "tokenizer.model").write_bytes(train_sentencepiece(
+        training_lines(_training_text(data_root)[:1], 10**9), vocab_size=500, model_type="unigram",
+        character_coverage=1.0, byte_fallback=True, normalization="nfkc", num_threads=1))
+    model = build_model("debug_dense", vocab_size=500, max_seq_len=64)
+    save_safetensors(model, model.cfg, tmp_path / "model.safetensors")
+    note = export_hf(tmp_path / "model.safetensors", tmp_path / "tokenizer.model", tmp_path / "hf")
+    assert note is not None and "normalization='nfkc'" in note
+    assert not (tmp_path / "hf").exists()
