@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,13 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
     assert "val_perplexity" in by_stage["evaluate"].data.metrics
+    # The train run's Datasets: the token artifact it read, with its counts (mlflow.log_input).
+    (dataset,) = c.get_run(by_stage["train"].info.run_id).inputs.dataset_inputs
+    tokens = result.artifacts["tokenize"]
+    assert dataset.dataset.digest == tokens.hash and dataset.tags[0].value == "training"
+    profile = json.loads(dataset.dataset.profile)
+    assert profile["source_paths"] == cfg.data.train_paths
+    assert profile["documents"]["train"] == tokens.manifest["counts"]["splits"]["train"]["documents"] > 0
 
 
 def test_registered_model_generates_text(smoke):
