@@ -82,6 +82,42 @@ def test_registered_model_generates_text(smoke):
     assert len(texts) == 2 and all(isinstance(t, str) and t.strip() for t in texts), texts
 
 
+def test_lm_eval_scores_the_registered_hf_export_as_the_evaluate_stage(smoke, tmp_path):
+    """lm-evaluation-harness on the registered version's hf/ folder, over the evaluate stage's own
+    held-out text (multi-line Gutenberg prefixes, with blank lines) and window: the same bits per byte.
+
+    lm-eval's rolling windows equal the stage's (``prefix_token_id`` = EOS, documents start after one;
+    disjoint windows of ``max_length`` = ``tokenize.seq_len``), except that lm-eval gives each document's
+    last, partial window the full context before it: hence 1%, not exact. A tokenizer that differs from
+    training's (the Llama conversion put a ``▁`` after every blank line) is 10% off on such text.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.evaluation.lm_eval_task import write_rolling_task
+    from pipeline.evaluation.text_metrics import encode_prefix, resolve_files
+    from pipeline.stage_io import HF_DIR, TOKENIZER_FILE
+    from pipeline.text import EOS_ID, load_sentencepiece
+
+    cfg, result, _ = smoke
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    sp = load_sentencepiece(str(result.artifacts["tokenizer"].path / TOKENIZER_FILE))
+    files = resolve_files(cfg.data_root(), cfg.eval.heldout_paths, "eval.heldout_paths")
+    per_file = cfg.eval.max_text_tokens // len(files)
+    texts = [encode_prefix(sp, f.read_text(encoding="utf-8"), per_file)[1] for f in files]
+    assert sum(len(t.encode("utf-8")) for t in texts) == metrics["heldout_bytes"]  # the stage's text, exactly
+    assert all("\n\n" in t for t in texts)
+    local = tracking.download_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger", tmp_path)
+    write_rolling_task(tmp_path / "tasks", "conduit_heldout", texts)
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(local / "artifacts" / HF_DIR), "dtype": "float32",
+                                "max_length": cfg.tokenize.seq_len, "prefix_token_id": EOS_ID},
+        tasks=["conduit_heldout"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        batch_size=cfg.eval.batch_size, device="cpu")
+    bits_per_byte = out["results"]["conduit_heldout"]["bits_per_byte,none"]
+    assert bits_per_byte == pytest.approx(metrics["heldout_bits_per_byte"], rel=0.01)
+
+
 def test_rerun_skips_every_stage_and_force_reruns_downstream(smoke):
     cfg, first, _ = smoke
     lines: list[str] = []
