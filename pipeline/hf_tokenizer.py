@@ -23,11 +23,14 @@ How sentencepiece encodes (identity normalisation, Conduit's lossless default), 
   rank, so every split ``a + b`` of every piece into two pieces is listed, ranked by the piece's score.
 - model, unigram: the same Viterbi search over the same scores (``tokenizers``' Unigram is a port of
   sentencepiece's). sentencepiece keeps control, unknown and byte pieces out of the search; here they
-  get a score no path takes (``UNREACHABLE_SCORE``), and a character that is no piece of its own is cut
-  out as a word (no piece holds one; checked), so that such a piece cannot spell it either: ``"<unk>"``
-  with an unknown ``<`` would otherwise beat the unknown node, whose score ``tokenizers`` derives from
-  the lowest score in the vocabulary.
-- byte fallback: a character that is not a piece becomes its UTF-8 byte pieces ``<0xNN>`` in both.
+  get a score no path takes (``UNREACHABLE_SCORE``), and a run of characters that are no pieces of
+  their own is cut out as a word (no piece holds one; checked), so that such a piece cannot spell it
+  either: ``"<unk>"`` with an unknown ``<`` would otherwise beat the unknown node, whose score
+  ``tokenizers`` derives from the lowest score in the vocabulary. One difference remains: where two
+  segmentations tie exactly (the same pieces reordered, in a run of one repeated character),
+  sentencepiece's float32 sums pick one by rounding, ``tokenizers``' float64 sums keep the first.
+- unknown characters: one that is not a piece becomes its UTF-8 byte pieces ``<0xNN>`` in both
+  (``byte_fallback``), or without byte fallback a run of them becomes one ``<unk>`` in both.
 - special pieces: ``<pad> <unk> <s> </s>`` are special tokens for ``transformers``, but the text
   ``"<unk>"`` is encoded as characters, as sentencepiece does (``split_special_tokens``).
 - decoder: ``▁`` -> space, byte pieces -> bytes, and the one leading space of the dummy prefix dropped.
@@ -127,15 +130,15 @@ def build_tokenizer(proto: sentencepiece_model_pb2.ModelProto) -> Tokenizer:
     if proto.trainer_spec.model_type == _BPE:
         vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
         model = models.BPE(vocab=vocab, merges=_bpe_merges(proto, vocab), unk_token=proto.pieces[UNK_ID].piece,
-                           fuse_unk=False, byte_fallback=byte_fallback, ignore_merges=False)
+                           fuse_unk=True, byte_fallback=byte_fallback, ignore_merges=False)
     else:
         reachable = (_NORMAL, _USER_DEFINED)
         scores = [(p.piece, p.score if p.type in reachable else UNREACHABLE_SCORE) for p in proto.pieces]
         model = models.Unigram(scores, unk_id=UNK_ID, byte_fallback=byte_fallback)
-        # A character no piece covers is a word of its own, so an unreachable piece that spells it
-        # ("<unk>" with "<" unknown) cannot win over the unknown node's lower score.
+        # A run of characters no piece covers is a word of its own, so an unreachable piece that spells
+        # one ("<unk>" with "<" unknown) cannot win over the unknown node's lower score.
         known = "".join(f"\\x{{{ord(c):x}}}" for c in sorted(_characters(proto)))
-        cut = pre_tokenizers.Split(Regex(f"[^{known}]"), behavior="isolated")
+        cut = pre_tokenizers.Split(Regex(f"[^{known}]+"), behavior="isolated")
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
     words = pre_tokenizers.Split(Regex(_WORD), behavior="isolated")

@@ -231,3 +231,16 @@ def test_register_does_not_export_what_it_cannot_reproduce(data_root, tmp_path):
     note = export_hf(tmp_path / "model.safetensors", tmp_path / "tokenizer.model", tmp_path / "hf")
     assert note is not None and "normalization='nfkc'" in note
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_without_byte_fallback_a_run_of_unknown_characters_is_one_unk(model_type, data_root, tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(train_sentencepiece(
+        training_lines([(data_root / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:100_000]], 10**9),
+        vocab_size=400, model_type=model_type, character_coverage=1.0, byte_fallback=False,
+        normalization="identity", num_threads=1))
+    sp = load_sentencepiece(str(tmp_path / "tokenizer.model"))
+    tok = build_tokenizer(read_model(tmp_path / "tokenizer.model"))
+    texts = [*EDGE_CASES, (data_root / "multilingual" / "udhr" / "jpn.txt").read_text(encoding="utf-8")[:3000]]
+    assert [t for t in texts if tok.encode(t).ids != sp.encode(t)] == []
+    assert tok.encode("ab \u4e16\u754c\u4e16 x").ids.count(1) == 1
