@@ -47,7 +47,8 @@ def training_dataset(cfg: RunConfig, tokens) -> dict:
         "context": "training",
         "profile": {
             "source_paths": cfg.data.train_paths, "data_root": str(cfg.data_root()),
-            "shard_hash": tokens.manifest["inputs"]["shard"], "tokenizer_hash": tokens.manifest["inputs"]["tokenizer"],
+            "shard_hash": tokens.manifest["inputs"]["shard"],
+            "tokenizer_hash": tokens.manifest["inputs"]["tokenizer"],
             "documents": {s: v["documents"] for s, v in splits.items()},
             "tokens": {s: v["tokens_in_documents"] for s, v in splits.items()},
             "bytes": {s: v["bytes"] for s, v in splits.items()},

@@ -1,11 +1,13 @@
-"""The exported tokenizer.json encodes every corpus exactly as the sentencepiece model it was built from.
+"""The exported tokenizer.json encodes every corpus as the sentencepiece model it was built from.
 
 Small BPE and unigram tokenizers are trained here with Conduit's own trainer settings on a slice of
-real text (English, Japanese, Chinese and some UDHR languages), so they have multi-character pieces in
-several scripts and fall back to bytes on rare characters and the scripts they never saw. Then every corpus under the data
-root (each file, each member of ``udhr2.zip``, LAMBADA contexts one by one) is encoded by both, in
-slices that keep the test quick, and the ids must be equal; decode must give the text back. The last
-test loads the export with ``AutoTokenizer`` in a subprocess where ``sentencepiece`` and ``protobuf``
+real text (English, French, Japanese, Chinese and some UDHR languages), so they have multi-character
+pieces in several scripts and fall back to bytes on rare characters and on the scripts they never
+saw. Then every corpus under the data root (each file, each member of ``udhr2.zip``, LAMBADA contexts
+one by one, a CRLF copy of two of them, edge cases) is encoded by both, in slices that keep the test
+quick. BPE ids must be equal everywhere; unigram ids too, except where two segmentations tie exactly
+(see ``test_ids_equal_sentencepiece_on_every_corpus``). Decode must equal sentencepiece's. One test
+loads the export with ``AutoTokenizer`` in a subprocess where ``sentencepiece`` and ``protobuf``
 cannot be imported.
 """
 
@@ -22,10 +24,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from pipeline.hf_tokenizer import TOKENIZER_JSON, UnsupportedTokenizer, build_tokenizer, read_model, write_hf_tokenizer
+from pipeline.hf_tokenizer import (TOKENIZER_JSON, UnsupportedTokenizer, build_tokenizer, read_model,
+                                    write_hf_tokenizer)
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
-ROOT = Path(__file__).resolve().parents[2]
 SLICE_CHARS = 12_000  # from the start and from the middle of each file
 UDHR_MEMBER_CHARS = 3_000
 LAMBADA_CONTEXTS = 300
@@ -70,9 +72,10 @@ def corpus_texts(root: Path) -> dict[str, str]:
 
 
 def _training_text(root: Path) -> list[str]:
-    chars = {"gutenberg/train/pg00011_alices_adventures_in_wonderland.txt": 80_000, "multilingual/fr_candide.txt": 30_000,
-             "multilingual/ja_wagahaiwa_nekodearu.txt": 6_000, "multilingual/zh_hant_tangshi300.txt": 3_000,
-             "multilingual/udhr/rus.txt": 10_000, "multilingual/udhr/hin.txt": 10_000, "multilingual/udhr/arb.txt": 10_000}
+    chars = {"gutenberg/train/pg00011_alices_adventures_in_wonderland.txt": 80_000,
+             "multilingual/fr_candide.txt": 30_000, "multilingual/ja_wagahaiwa_nekodearu.txt": 6_000,
+             "multilingual/zh_hant_tangshi300.txt": 3_000, "multilingual/udhr/rus.txt": 10_000,
+             "multilingual/udhr/hin.txt": 10_000, "multilingual/udhr/arb.txt": 10_000}
     return [(root / f).read_text(encoding="utf-8")[:n] for f, n in chars.items()]
 
 
@@ -105,7 +108,8 @@ def encoded(trained, texts) -> dict[str, tuple[list[int], list[int]]]:
 def test_every_corpus_under_the_data_root_is_covered(texts):
     names = set(texts)
     for expected in ("gutenberg/train/pg00145_middlemarch.txt[1]", "gutenberg/heldout/pg00016_peter_pan.txt[0]",
-                     "wikitext-2/wiki.test.raw[1]", "wikitext-2/wiki.test.tokens[0]", "tinystories/validation_head.txt[0]",
+                     "wikitext-2/wiki.test.raw[1]", "wikitext-2/wiki.test.tokens[0]",
+                     "tinystories/validation_head.txt[0]",
                      "lambada/lambada_openai_test.jsonl:299", "multilingual/udhr2.zip/udhr2/heb.txt",
                      "multilingual/zh_hant_guwenguanzhi.txt[0]", "multilingual/udhr/tam.txt[0]"):
         assert expected in names
@@ -116,10 +120,10 @@ def test_ids_equal_sentencepiece_on_every_corpus(trained, encoded):
     """BPE: equal everywhere. Unigram: equal except where two segmentations tie exactly.
 
     sentencepiece's Viterbi adds scores in float32 (``BestPathNode::best_path_score``), ``tokenizers``'
-    port in float64. Two paths of the same pieces in another order (``▁ ▁▁▁▁ ▁`` and ``▁ ▁ ▁▁▁▁`` in a run
-    of spaces, ``- -- --`` and ``-- -- -``) have the same exact score; float32 rounding of the running
-    total picks one of them, depending on the text before it, float64 keeps the first. Those texts,
-    and only those, differ: the same multiset of pieces over the same characters, reordered.
+    port in float64. Two paths of the same pieces in another order (``▁ ▁▁▁▁ ▁`` and ``▁ ▁ ▁▁▁▁`` in a
+    run of spaces, ``- -- --`` and ``-- -- -``) have the same exact score; float32 rounding of the
+    running total picks one of them, depending on the text before it, float64 keeps the first. Those
+    texts, and only those, differ: the same multiset of pieces over the same characters, reordered.
     """
     _, tok, _ = trained
     different = {n: (theirs, mine) for n, (theirs, mine) in encoded.items() if theirs != mine}
@@ -174,7 +178,8 @@ texts = json.loads(open(sys.argv[2], encoding="utf-8").read())
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = [tok(t)["input_ids"] for t in texts]
 out = {"ids": ids, "decoded": [tok.decode(i) for i in ids], "bos": tok.bos_token_id, "eos": tok.eos_token_id,
-       "pad": tok.pad_token_id, "modules": sorted(m for m in ("sentencepiece", "google.protobuf") if sys.modules.get(m))}
+       "pad": tok.pad_token_id,
+       "modules": sorted(m for m in ("sentencepiece", "google.protobuf") if sys.modules.get(m))}
 print(json.dumps(out))
 """
 
