@@ -26,9 +26,12 @@ How sentencepiece encodes (identity normalisation, Conduit's lossless default), 
   get a score no path takes (``UNREACHABLE_SCORE``), and a run of characters that are no pieces of
   their own is cut out as a word (no piece holds one; checked), so that such a piece cannot spell it
   either: ``"<unk>"`` with an unknown ``<`` would otherwise beat the unknown node, whose score
-  ``tokenizers`` derives from the lowest score in the vocabulary. One difference remains: where two
-  segmentations tie exactly (the same pieces reordered, in a run of one repeated character),
-  sentencepiece's float32 sums pick one by rounding, ``tokenizers``' float64 sums keep the first.
+  ``tokenizers`` derives from the lowest score in the vocabulary. One difference remains, which no
+  ``tokenizer.json`` can remove: sentencepiece adds up the scores of a whole input in float32, so where
+  two segmentations tie exactly (the same pieces reordered, in a run of one repeated character) or
+  differ by less than float32's resolution at the running total (which grows with the text before
+  them), rounding decides; ``tokenizers`` adds in float64, word by word, and keeps the better one (the
+  first on an exact tie). BPE sums nothing and is equal everywhere.
 - unknown characters: one that is not a piece becomes its UTF-8 byte pieces ``<0xNN>`` in both
   (``byte_fallback``), or without byte fallback a run of them becomes one ``<unk>`` in both.
 - special pieces: ``<pad> <unk> <s> </s>`` are special tokens for ``transformers``, but the text
