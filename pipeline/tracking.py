@@ -9,6 +9,7 @@ The model registry is written here on behalf of the register stage and ``jobs/pr
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -161,13 +162,24 @@ class StageTracker:
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         client(self.uri).log_figure(self.run_id, figure, artifact_file)
 
-    def log_input_dataset(self, name: str, source: str, digest: str, context: str) -> None:
-        """Record a dataset the stage read or wrote (the run's Datasets panel in the UI)."""
-        from mlflow.data.filesystem_dataset_source import FileSystemDatasetSource
-        from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.entities import DatasetInput, InputTag
+    def log_input_dataset(self, name: str, source: str, digest: str, context: str,
+                          profile: dict[str, Any] | None = None) -> None:
+        """Record a dataset the stage read or wrote (``mlflow.log_input``: the run's Datasets column and
+        panel in the UI).
 
-        entity = MetaDataset(source=FileSystemDatasetSource(source), name=name, digest=digest)._to_mlflow_entity()
+        Args:
+            name: the dataset's name.
+            source: where it lives (a path or URI).
+            digest: what identifies its content (Conduit's artifact hash).
+            context: what the run did with it (``training``, ``evaluation``).
+            profile: counts and provenance, shown as the dataset's profile (JSON).
+        """
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        # The source as MLflow's own file sources write it: {"uri": ...}, typed by the URI's scheme.
+        source_type = source.split("://", 1)[0] if "://" in source else "local"
+        entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
+                         profile=None if profile is None else json.dumps(profile, sort_keys=True))
         client(self.uri).log_inputs(
             self.run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,13 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
     assert "val_perplexity" in by_stage["evaluate"].data.metrics
+    # The train run's Datasets: the token artifact it read, with its counts (mlflow.log_input).
+    (dataset,) = c.get_run(by_stage["train"].info.run_id).inputs.dataset_inputs
+    tokens = result.artifacts["tokenize"]
+    assert dataset.dataset.digest == tokens.hash and dataset.tags[0].value == "training"
+    profile = json.loads(dataset.dataset.profile)
+    assert profile["source_paths"] == cfg.data.train_paths
+    assert profile["documents"]["train"] == tokens.manifest["counts"]["splits"]["train"]["documents"] > 0
 
 
 def test_registered_model_generates_text(smoke):
@@ -72,6 +80,42 @@ def test_registered_model_generates_text(smoke):
     out = model.predict(pd.DataFrame({"prompt": ["Once upon a time", "KING:"]}), params={"max_new_tokens": 12, "temperature": 0.0})
     texts = out["text"].tolist()
     assert len(texts) == 2 and all(isinstance(t, str) and t.strip() for t in texts), texts
+
+
+def test_lm_eval_scores_the_registered_hf_export_as_the_evaluate_stage(smoke, tmp_path):
+    """lm-evaluation-harness on the registered version's hf/ folder, over the evaluate stage's own
+    held-out text (multi-line Gutenberg prefixes, with blank lines) and window: the same bits per byte.
+
+    lm-eval's rolling windows equal the stage's (``prefix_token_id`` = EOS, documents start after one;
+    disjoint windows of ``max_length`` = ``tokenize.seq_len``), except that lm-eval gives each document's
+    last, partial window the full context before it: hence 1%, not exact. A tokenizer that differs from
+    training's (the Llama conversion put a ``▁`` after every blank line) is 10% off on such text.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.evaluation.lm_eval_task import write_rolling_task
+    from pipeline.evaluation.text_metrics import encode_prefix, resolve_files
+    from pipeline.stage_io import HF_DIR, TOKENIZER_FILE
+    from pipeline.text import EOS_ID, load_sentencepiece
+
+    cfg, result, _ = smoke
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    sp = load_sentencepiece(str(result.artifacts["tokenizer"].path / TOKENIZER_FILE))
+    files = resolve_files(cfg.data_root(), cfg.eval.heldout_paths, "eval.heldout_paths")
+    per_file = cfg.eval.max_text_tokens // len(files)
+    texts = [encode_prefix(sp, f.read_text(encoding="utf-8"), per_file)[1] for f in files]
+    assert sum(len(t.encode("utf-8")) for t in texts) == metrics["heldout_bytes"]  # the stage's text, exactly
+    assert all("\n\n" in t for t in texts)
+    local = tracking.download_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger", tmp_path)
+    write_rolling_task(tmp_path / "tasks", "conduit_heldout", texts)
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(local / "artifacts" / HF_DIR), "dtype": "float32",
+                                "max_length": cfg.tokenize.seq_len, "prefix_token_id": EOS_ID},
+        tasks=["conduit_heldout"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        batch_size=cfg.eval.batch_size, device="cpu")
+    bits_per_byte = out["results"]["conduit_heldout"]["bits_per_byte,none"]
+    assert bits_per_byte == pytest.approx(metrics["heldout_bits_per_byte"], rel=0.01)
 
 
 def test_rerun_skips_every_stage_and_force_reruns_downstream(smoke):

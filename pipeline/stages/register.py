@@ -5,22 +5,22 @@ generated text; it gets the configured alias (``challenger`` by default), tags t
 data, config, code and metrics it came from (``metric.<name>`` tags are what ``jobs.promote`` gates
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
 and ``register.hf_export`` is on, a Hugging Face export (``hf/``: config.json, model.safetensors and
-the sentencepiece ``tokenizer.model``) that ``transformers`` loads as Llama / Mixtral.
+the tokenizer as ``tokenizer.json``, equal to the sentencepiece ``tokenizer.model`` shipped beside it)
+that ``transformers`` loads as Llama / Mixtral without ``sentencepiece`` or ``protobuf``.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from models.export import hf_unsupported_options, load_safetensors, read_config, save_hf
-from pipeline import tracking
+from pipeline import hf_tokenizer, tracking
 from pipeline.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
 from pipeline.stage_io import EVAL_METRICS_FILE, HF_DIR, TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, RegisteredModel
 from pipeline.stages.stage import Resources, Stage
-from pipeline.text import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from pipeline.text import BOS_ID, EOS_ID, PAD_ID
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -29,24 +29,23 @@ def hash_config(cfg: RunConfig) -> dict:
 
 
 def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
-    """Write the Hugging Face export of ``weights`` into ``out_dir``.
+    """Write the Hugging Face export of ``weights`` into ``out_dir``: the model, and the tokenizer as a
+    ``tokenizer.json`` that encodes exactly as ``tokenizer`` (``pipeline.hf_tokenizer``), beside the
+    sentencepiece ``tokenizer.model`` itself.
 
     Returns:
-        None when exported, else why not (the options HF Llama / Mixtral cannot express).
+        None when exported, else why not (the options HF Llama / Mixtral or the tokenizer export cannot
+        express).
     """
     problems = hf_unsupported_options(read_config(weights))
+    problems += hf_tokenizer.unsupported_options(hf_tokenizer.read_model(tokenizer))
     if problems:
         return "; ".join(problems)
     model = load_safetensors(weights)
     save_hf(model, model.cfg, out_dir,
             extra_config={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
     shutil.copyfile(tokenizer, out_dir / "tokenizer.model")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "model_max_length": model.cfg.max_seq_len,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-        "add_bos_token": False, "add_eos_token": False, "legacy": True,
-        "conduit_note": f"ids: pad={PAD_ID} unk={UNK_ID} bos={BOS_ID} eos={EOS_ID}; documents start after an EOS",
-    }, indent=2))
+    hf_tokenizer.write_hf_tokenizer(tokenizer, out_dir, model.cfg.max_seq_len)
     return None
 
 

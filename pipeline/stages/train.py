@@ -42,6 +42,26 @@ def hash_config(cfg: RunConfig) -> dict:
     }
 
 
+def training_dataset(cfg: RunConfig, tokens) -> dict:
+    """The tokenize artifact as the MLflow dataset the run trains on (``StageTracker.log_input_dataset``):
+    its hash as the digest, and the source paths and document / token counts per split as the profile."""
+    splits = tokens.manifest["counts"]["splits"]
+    return {
+        "name": ", ".join(cfg.data.train_paths)[:200],
+        "source": f"{cfg.artifact_root().rstrip('/')}/{tokens.stage}/{tokens.hash}",
+        "digest": tokens.hash,
+        "context": "training",
+        "profile": {
+            "source_paths": cfg.data.train_paths, "data_root": str(cfg.data_root()),
+            "shard_hash": tokens.manifest["inputs"]["shard"],
+            "tokenizer_hash": tokens.manifest["inputs"]["tokenizer"],
+            "documents": {s: v["documents"] for s, v in splits.items()},
+            "tokens": {s: v["tokens_in_documents"] for s, v in splits.items()},
+            "bytes": {s: v["bytes"] for s, v in splits.items()},
+        },
+    }
+
+
 CHECKPOINTS_DIR = "checkpoints"  # under the artifact root, beside the stage folders
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it kept
 
@@ -109,6 +129,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     storage, name = checkpoint_location(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
     tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
                       "checkpoints": f"{storage}/{name}"})
+    tracker.log_input_dataset(**training_dataset(cfg, inputs["tokenize"]))
     trainer = TorchTrainer(
         main,
         train_loop_config={

@@ -199,8 +199,8 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, tiny_run.model(ids).logits, atol=1e-4, rtol=0)
     tok = AutoTokenizer.from_pretrained(local / "artifacts" / "hf")
-    sentence = "The old man said that the king was dead"
-    assert tok(sentence)["input_ids"] == tiny_run.sp.encode(sentence)
+    text = "The old man said that the king was dead.\n\n  KING:\nNot so, my lord.\n"
+    assert tok(text)["input_ids"] == tiny_run.sp.encode(text) and tok.decode(tiny_run.sp.encode(text)) == text
 
 
 def _register_with(tiny_run, label: str, **changes) -> int:

@@ -35,3 +35,29 @@ def test_stage_tracker_logs_to_its_run(tmp_path):
     assert len(run.data.params) == 150
     hist = tracking.client(uri).get_metric_history(child, "loss")
     assert [(m.step, m.value) for m in hist] == [(3, 2.5), (4, 2.0)]
+
+
+def test_train_stage_records_its_tokens_as_an_mlflow_dataset(tmp_path):
+    import json
+    from pathlib import Path
+
+    from pipeline.artifacts import Artifact
+    from pipeline.config import config_from_dict
+    from pipeline.stages.train import training_dataset
+
+    uri = f"sqlite:///{tmp_path}/d.db"
+    run_id = tracking.start_run(uri, tracking.ensure_experiment(uri, "d", str(tmp_path / "art")), "train")
+    cfg = config_from_dict({"run": {"workdir": str(tmp_path)}, "data": {"train_paths": ["a/*.txt", "b.jsonl"]}})
+    split = {"blocks": 2, "tokens": 258, "dropped_tail_tokens": 0, "bytes": 900, "tokens_in_documents": 250}
+    tokens = Artifact(stage="tokenize", hash="0123456789abcdef", path=Path("/node/cache/tokenize"), manifest={
+        "inputs": {"shard": "shardhash", "tokenizer": "tokhash"},
+        "counts": {"splits": {"train": {**split, "documents": 7}, "validation": {**split, "documents": 1}}}})
+    tracking.StageTracker(uri, run_id).log_input_dataset(**training_dataset(cfg, tokens))
+
+    (inp,) = tracking.client(uri).get_run(run_id).inputs.dataset_inputs
+    assert inp.dataset.digest == "0123456789abcdef" and inp.dataset.name == "a/*.txt, b.jsonl"
+    assert json.loads(inp.dataset.source)["uri"] == f"{cfg.artifact_root()}/tokenize/0123456789abcdef"
+    assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "training")]
+    profile = json.loads(inp.dataset.profile)
+    assert profile["source_paths"] == ["a/*.txt", "b.jsonl"] and profile["shard_hash"] == "shardhash"
+    assert profile["documents"] == {"train": 7, "validation": 1} and profile["tokens"]["train"] == 250
