@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import pandas as pd  # predict's type hint: MLflow reads it when the class is defined
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
@@ -42,9 +43,9 @@ class ConduitLM(mlflow.pyfunc.PythonModel):
             context.artifacts["weights"], context.artifacts["tokenizer"]
         )
 
-    def predict(self, context, model_input, params=None):  # noqa: D102  (MLflow's hook)
-        import pandas as pd
-
+    # The DataFrame hint tells MLflow the input is the signature's table (its type hints then add no
+    # validation of their own); without a hint MLflow warns in every process that imports this class.
+    def predict(self, context, model_input: pd.DataFrame, params=None):  # noqa: D102  (MLflow's hook)
         from pipeline.generation import PromptError, prompts_from_input
 
         p = {**DEFAULT_PARAMS, **(params or {})}

@@ -27,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,6 +50,13 @@ from pipeline.training.parallel import ParallelDims
 LAYOUT_FILE = "layout.json"
 RUN_LOG_FILE = "run_log.json"  # in a checkpoint: rank 0's metric history and the steps training started at
 FLUSH_TIMEOUT_S = 300.0  # at the end, how long to wait for MLflow to take what is still queued
+
+
+# DeepSpeed's ZeRO gathers with torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates
+# (for all_gather_single) with a FutureWarning per rank: DeepSpeed's call, not ours, so that one
+# message is filtered in the training workers.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
 
 
 def main(config: dict) -> None:
