@@ -169,7 +169,7 @@ def two_nodes(tmp_path):
 
 def drive(work: Path, env: dict, scratch: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", *SHORT, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**env, SCRATCH_ENV: str(scratch), "OMP_NUM_THREADS": "1"})
 
 
