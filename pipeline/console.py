@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -141,7 +140,7 @@ class Console:
         if not self.tty:
             self.line(text)
             return
-        width = shutil.get_terminal_size((100, 24)).columns - 1
+        width = _columns(self.out) - 1
         with self._lock:
             self.out.write(_CLEAR_LINE + text[:width])
             self.out.flush()
@@ -233,6 +232,14 @@ def describe(stage: str, elapsed_s: float, progress: dict[str, float] | None, cf
     elif stage == "evaluate" and "sets_scored" in p:
         parts.append(f"{int(p['sets_scored'])} sets scored")
     return ", ".join(parts)
+
+
+def _columns(out: TextIO) -> int:
+    """The terminal's width; a pseudo-terminal that was never given a size says 0 (then 100)."""
+    try:
+        return os.get_terminal_size(out.fileno()).columns or 100
+    except OSError:  # not a terminal after all (a test's StringIO stands in for one)
+        return 100
 
 
 def _duration(seconds: float) -> str:
