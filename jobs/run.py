@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     path = log_path(cfg.workdir())
     with RunLog(path) as log:
         console = Console(log.terminal, log)
+        log.on_warning = lambda line: console.line(line, log=False)  # it is in the log already
         console.line(f"Conduit {cfg.run.name}: the full log is in {path}")
         code = _run(cfg, args, console, log.errors(), log)
         console.line(f"The full log: {path}")

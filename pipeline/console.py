@@ -7,6 +7,10 @@ workdir, and keeps the terminal for a ``Console``: the runner's stage lines, one
 running stage (``StageStatus``, read from the stage's own MLflow run) and the closing summary
 (``summary_lines``). Each of those lines is also written to the log file, which so holds the whole run.
 
+Conduit's own warnings (lines that start ``warning: ``, from the driver or, behind Ray's
+``(name pid=N)`` prefix, from a worker) are for the person too: ``RunLog`` hands them to the console.
+Libraries' warnings (``FutureWarning``, ``UserWarning: ...``) stay in the log.
+
 On a terminal the status line is redrawn in place (``\\r``); elsewhere (a pipe, ``ray job submit``'s
 log) it is printed as a plain line every ``PLAIN_STATUS_EVERY_S`` seconds.
 """
@@ -30,6 +34,9 @@ PLAIN_STATUS_EVERY_S = 20.0  # how often a status line is printed when the outpu
 _CLEAR_LINE = "\r\x1b[K"
 # The runner's line for a stage that starts (pipeline.runner._run_one): "<stage>: running (<hash>)".
 _RUNNING = re.compile(r"^(\w+): running \(([0-9a-f]+)\)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Conduit's warning line, as printed by the driver or forwarded by Ray from a worker ("(name pid=N) ").
+_OWN_WARNING = re.compile(r"^(?:\(\S+ pid=\d+(?:, ip=\S+)?\) )?(warning: .*)$")
 
 
 def log_path(workdir: Path) -> Path:
@@ -48,6 +55,7 @@ class RunLog:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock = threading.Lock()
+        self.on_warning = None  # called with each of Conduit's own warning lines (see the module doc)
 
     def __enter__(self) -> RunLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +76,11 @@ class RunLog:
     def _copy(self, read_fd: int) -> None:
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
-                self.write(raw.decode("utf-8", errors="replace"))
+                text = raw.decode("utf-8", errors="replace")
+                self.write(text)
+                own = _OWN_WARNING.match(_ANSI.sub("", text).rstrip("\n"))
+                if own and self.on_warning is not None:
+                    self.on_warning(own.group(1))
 
     def write(self, text: str) -> None:
         """Append ``text`` to the log file (from any thread)."""
@@ -117,14 +129,15 @@ class Console:
         self._lock = threading.Lock()
         self._status_shown = False
 
-    def line(self, text: str) -> None:
+    def line(self, text: str, log: bool = True) -> None:
+        """Print ``text`` (and, unless ``log`` is False, write it to the log file)."""
         with self._lock:
             if self._status_shown:
                 self.out.write(_CLEAR_LINE)
                 self._status_shown = False
             self.out.write(text + "\n")
             self.out.flush()
-            if self.log is not None:
+            if log and self.log is not None:
                 self.log.write(text + "\n")
 
     def clear(self) -> None:

@@ -62,3 +62,13 @@ def test_an_unexpected_error_ends_the_terminal_output_and_its_whole_traceback_is
     logged = log.read_text()
     assert "a worker's line" in logged and "Traceback (most recent call last):" in logged
     assert 'in fails' in logged and "Traceback" not in out.stdout + out.stderr
+
+
+def test_verbose_streams_everything_to_the_terminal_and_writes_no_log(tmp_path):
+    out = subprocess.run([sys.executable, "-c", UNEXPECTED_ERROR_SCRIPT, "configs/smoke.yaml", "--verbose",
+                          f"run.workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stdout == "a worker's line\n"
+    assert "Traceback (most recent call last):" in out.stderr  # as before: Python's own report
+    assert out.stderr.rstrip().endswith("RuntimeError: something nobody expected")
+    assert not (tmp_path / "logs").exists()

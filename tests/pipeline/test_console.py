@@ -21,11 +21,15 @@ import subprocess, sys
 from pathlib import Path
 from pipeline.console import Console, RunLog
 with RunLog(Path(sys.argv[1])) as log:
-    Console(log.terminal, log).line("for the person")
+    console = Console(log.terminal, log)
+    log.on_warning = lambda line: console.line(line, log=False)
+    console.line("for the person")
     print("from python", flush=True)
     print("python to stderr", file=sys.stderr, flush=True)
     subprocess.run(["sh", "-c", "echo from a child; echo child to stderr >&2"], check=True)
     log.errors().write("error: for the person too\\n")
+    print("\\x1b[36m(conduit.shard pid=12)\\x1b[0m warning: a setting fell back", flush=True)
+    print("FutureWarning: a library's own", flush=True)
 print("after the run")
 """
 
@@ -35,11 +39,14 @@ def test_the_run_log_takes_every_process_output_and_the_terminal_only_the_consol
     out = subprocess.run([sys.executable, "-c", RUN_LOG_SCRIPT, str(log)], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == "for the person\nafter the run\n"
+    # Conduit's own warning, forwarded from a worker, reaches the person; a library's stays in the log.
+    assert out.stdout == "for the person\nwarning: a setting fell back\nafter the run\n"
     assert out.stderr == "error: for the person too\n"
     logged = log.read_text().splitlines()
     assert sorted(logged) == sorted(["for the person", "from python", "python to stderr", "from a child",
-                                     "child to stderr", "error: for the person too"])
+                                     "child to stderr", "error: for the person too",
+                                     "\x1b[36m(conduit.shard pid=12)\x1b[0m warning: a setting fell back",
+                                     "FutureWarning: a library's own"])
 
 
 def test_a_status_line_is_redrawn_in_place_on_a_terminal_and_a_plain_line_elsewhere():
