@@ -148,6 +148,11 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
     assert "val_perplexity" in by_stage["evaluate"].data.metrics
+    # The progress metrics the driver's status line reads: evaluate's sets, tokenize's documents.
+    scored = [m.value for m in c.get_metric_history(by_stage["evaluate"].info.run_id, "sets_scored")]
+    assert len(scored) >= 2 and sorted(scored) == list(range(1, len(scored) + 1)), scored
+    splits = result.artifacts["tokenize"].manifest["counts"]["splits"]
+    assert by_stage["tokenize"].data.metrics["documents_tokenized"] == sum(s["documents"] for s in splits.values())
     # The train run's Datasets: the token artifact it read, with its counts (mlflow.log_input).
     (dataset,) = c.get_run(by_stage["train"].info.run_id).inputs.dataset_inputs
     tokens = result.artifacts["tokenize"]

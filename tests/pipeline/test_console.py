@@ -63,7 +63,7 @@ def test_a_status_line_is_redrawn_in_place_on_a_terminal_and_a_plain_line_elsewh
     assert pipe.getvalue() == "train: 20s\ntrain: done\n"
 
 
-def test_the_status_says_the_training_step_loss_speed_and_eta_and_tokenize_documents():
+def test_the_status_says_the_training_step_loss_speed_and_eta_tokenize_documents_and_evaluate_sets():
     cfg = load_config(ROOT / "configs" / "smoke.yaml", ["train.steps=150"])
     line = describe("train", 75, {"step": 30, "loss": 4.25, "tokens_per_s": 8123.4}, cfg,
                     first_seen=(time.monotonic() - 10, 10))
@@ -72,6 +72,7 @@ def test_the_status_says_the_training_step_loss_speed_and_eta_and_tokenize_docum
     assert line.endswith(("ETA 59s", "ETA 1m00s"))
     assert describe("train", 5, None, cfg) == "train: 5s"
     assert describe("tokenize", 12, {"documents_tokenized": 1234}, cfg) == "tokenize: 12s, 1,234 documents tokenized"
+    assert describe("evaluate", 4, {"sets_scored": 2, "val_loss": 3.1}, cfg) == "evaluate: 4s, 2 sets scored"
 
 
 def test_stage_progress_reads_the_running_stage_run_by_its_hash(tmp_path):
