@@ -1,18 +1,27 @@
 """Run a Conduit pipeline here (embedded Ray and MLflow by default) or inside a Ray job.
 
     python -m jobs.run configs/smoke.yaml [section.field=value ...] [--dry-run] [--only STAGE] [--force STAGE]
+                                          [--verbose]
+
+The terminal shows the stages, one live status line and a closing summary; everything else (every
+Ray worker's output, DeepSpeed's, Ray's and MLflow's logs) goes to ``<workdir>/logs/run-<UTC time>.log``,
+named in the first and last lines. ``--verbose`` streams everything to the terminal instead, with no file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
+import traceback
+from typing import TextIO
 
-from pipeline.config import load_config
+from pipeline.config import RunConfig, load_config
+from pipeline.console import Console, RunLog, StageStatus, log_path, summary_lines
 from pipeline.runner import EXPECTED_ERRORS, ORDER, main_exit_code, run_pipeline
-from pipeline.stage_io import RegisteredModel
-from pipeline.tracking import ui_command
+
+TRACEBACK_TAIL_LINES = 4  # of an unexpected error's traceback, shown on the terminal (all of it is in the log)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--force", action="append", default=[], choices=ORDER,
                    help="rerun this stage and everything after it (repeatable)")
+    p.add_argument("--verbose", action="store_true",
+                   help="stream every process's output to the terminal (workers' progress bars too), no log file")
     return p.parse_intermixed_args(argv)  # overrides may follow the flags
 
 
@@ -37,22 +48,56 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`, `kill`: end as Ctrl-C does (runs KILLED)
+    quiet = not (args.verbose or args.dry_run)
+    # Quiet, the workers' own progress bars would only fill the log file: the driver shows progress.
+    overrides = ["train.progress_bar=false", *args.overrides] if quiet else args.overrides
     try:
-        cfg = load_config(args.config, args.overrides)
-        result = run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=args.dry_run)
+        cfg = load_config(args.config, overrides)
     except EXPECTED_ERRORS as e:
         return main_exit_code(e)
+    if not quiet:
+        return _run(cfg, args, Console(sys.stdout, tty=False), sys.stderr, None)
+    path = log_path(cfg.workdir())
+    with RunLog(path) as log:
+        console = Console(log.terminal, log)
+        log.on_warning = lambda line: console.line(line, log=False)  # it is in the log already
+        console.line(f"Conduit {cfg.run.name}: the full log is in {path}")
+        code = _run(cfg, args, console, log.errors(), log)
+        console.line(f"The full log: {path}")
+    return code
+
+
+def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: TextIO, log: RunLog | None) -> int:
+    """Run the pipeline; the stage lines and the summary go to ``console``, errors to ``errors``.
+
+    Args:
+        log: the run's log file; with it, an unexpected error's traceback goes there and its last
+            lines to ``errors``. Without it (--verbose) the error propagates as it is.
+    """
+    try:
+        if args.dry_run:
+            run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=True, echo=console.line)
+            return 0
+        with StageStatus(console, cfg, live=log is not None) as status:
+            result = run_pipeline(cfg, only=args.only, force=tuple(args.force), echo=status.echo)
+    except EXPECTED_ERRORS as e:
+        with contextlib.redirect_stderr(errors):
+            return main_exit_code(e)
     except KeyboardInterrupt:
         print(f"interrupted ({_SIGNALS[-1] if _SIGNALS else 'SIGINT'}): the MLflow runs are KILLED; finished "
               "stages stay cached, and a rerun of this command continues training from its latest checkpoint",
-              file=sys.stderr)
+              file=errors)
         return 130
-    if not args.dry_run:
-        print(f"\nMLflow run: {result.run_id}  (tracking URI {result.tracking_uri})")
-        if "register" in result.artifacts:
-            reg = RegisteredModel.of(result.artifacts["register"])
-            print(f"Registered model: {reg.model_uri} (version {reg.version})")
-        print(f"Open the MLflow UI:  {ui_command(result.tracking_uri)}")
+    except Exception:
+        if log is None:
+            raise
+        text = traceback.format_exc()
+        log.write(text)
+        tail = text.rstrip().splitlines()[-TRACEBACK_TAIL_LINES:]
+        errors.write("\n".join(["error: unexpected; the traceback ends:", *tail]) + "\n")
+        return 1
+    for line in summary_lines(result):
+        console.line(line)
     return 0
 
 

@@ -98,6 +98,23 @@ def search_runs(uri: str, experiment_id: str, filter_string: str) -> list[tuple[
     return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
 
+def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, float] | None:
+    """The latest metrics of the RUNNING stage run of artifact ``stage_hash`` (its ``conduit.hash``
+    tag), with ``step``: the latest step of its ``loss``, when it logs one. None before it exists."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = c.search_runs([exp.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+                         filter_string=f"attributes.status = 'RUNNING' and tags.`conduit.hash` = '{stage_hash}'")
+    if not runs:
+        return None
+    progress = dict(runs[0].data.metrics)
+    if "loss" in progress:
+        progress["step"] = float(max(m.step for m in c.get_metric_history(runs[0].info.run_id, "loss")))
+    return progress
+
+
 def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
     """Return the id of experiment ``name``, creating it (with local artifacts where given) if needed."""
     c = client(uri)
@@ -326,6 +343,6 @@ def env_for_workers() -> dict[str, str]:
 __all__ = [
     "StageTracker", "TrackingUnavailable", "VersionInfo", "check_reachable", "client", "download_model", "end_run",
     "ensure_experiment", "env_for_workers", "get_version", "load_registered_model", "log_and_register_model",
-    "model_aliases", "search_runs", "set_alias", "set_version_tags", "start_run", "ui_command", "version_by_alias",
-    "versions_with_tag",
+    "model_aliases", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
+    "version_by_alias", "versions_with_tag",
 ]

@@ -1,10 +1,20 @@
-"""The whole pipeline on configs/smoke.yaml: real Ray, real DeepSpeed workers, a real MLflow store."""
+"""The whole pipeline on configs/smoke.yaml: real Ray, real DeepSpeed workers, a real MLflow store.
+
+The pipeline runs once, as a person runs it: ``python -m jobs.run`` on a terminal (a pseudo-terminal),
+on the session's Ray cluster. Its terminal output is checked for what a person reads, and the
+artifacts, MLflow runs and registered model it left for everything else.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -12,23 +22,82 @@ import pytest
 
 from pipeline import tracking
 from pipeline.config import load_config
-from pipeline.runner import ORDER, run_pipeline
+from pipeline.runner import ORDER, PipelineResult, make_plan, resolve, run_pipeline
+from pipeline.storage import store_for
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+MAX_TERMINAL_LINES = 40
+WARNING_MARKS = ("Warning:", "warnings.warn", "Traceback")
+WORKER_LINE = re.compile(r"\(\S+ pid=\d+\)")  # Ray's prefix of a forwarded worker line
+
+
+def run_on_terminal(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
+    """Run ``cmd`` with stdin, stdout and stderr on a new pseudo-terminal; its exit status and what
+    the terminal received."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    received, deadline = bytearray(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if select.select([leader], [], [], 1.0)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every process holding the terminal has closed it
+                break
+            if not chunk:
+                break
+            received += chunk
+    else:
+        proc.kill()
+    os.close(leader)
+    return proc.wait(timeout=60), received.decode("utf-8", errors="replace")
+
+
+def screen_lines(raw: str) -> list[str]:
+    """The lines a terminal shows for ``raw``: a carriage return starts its line over."""
+    lines = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        shown = line.split("\r")[-1]
+        lines.append(re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", shown))
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
+def assert_readable(lines: list[str]) -> Path:
+    """A run's terminal output a person can read; returns the log file it names first and last."""
+    assert len(lines) <= MAX_TERMINAL_LINES, "\n".join(lines)
+    assert not [ln for ln in lines if any(m in ln for m in WARNING_MARKS)], "\n".join(lines)
+    assert not [ln for ln in lines if WORKER_LINE.search(ln)], "\n".join(lines)
+    first = re.search(r"the full log is in (\S+)$", lines[0])
+    assert first and lines[-1] == f"The full log: {first.group(1)}", "\n".join(lines)
+    log = Path(first.group(1))
+    logged = log.read_text(encoding="utf-8").splitlines()
+    stage_lines = [ln for ln in lines if re.match(r"\w+: (running|done|cached)", ln)]
+    assert stage_lines and all(ln in logged for ln in stage_lines)
+    assert any(WORKER_LINE.search(ln) for ln in logged), "the log lacks the workers' lines"
+    return log
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, ray_cluster):
     work = tmp_path_factory.mktemp("smoke")
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])
-    lines: list[str] = []
-    result = run_pipeline(cfg, echo=lines.append)
-    return cfg, result, lines
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    code, raw = run_on_terminal([sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}"],
+                                env, timeout_s=900)
+    lines = screen_lines(raw)
+    assert code == 0, raw[-3000:]
+    # What the run left, as a later run finds it: every stage's sealed artifact, and its MLflow run id.
+    (run_id,) = re.findall(r"^MLflow run: (\w+) ", raw, flags=re.M)
+    store = store_for(cfg.artifact_root())
+    plan = make_plan(resolve(cfg))
+    result = PipelineResult(run_id=run_id, tracking_uri=resolve(cfg).tracking_uri(), plan=plan,
+                            artifacts={p.stage: store.load(p.stage, p.hash) for p in plan})
+    return cfg, result, lines, raw
 
 
 def test_all_six_stages_ran_in_order(smoke):
-    _, result, lines = smoke
+    _, result, lines, _ = smoke
     assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ORDER
     assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ORDER
     for name in ORDER:
@@ -37,8 +106,25 @@ def test_all_six_stages_ran_in_order(smoke):
         assert art.path.parent.name == name and art.path.name == art.hash
 
 
+def test_the_terminal_shows_stages_live_progress_and_a_summary_and_the_log_the_rest(smoke):
+    cfg, result, lines, raw = smoke
+    log = assert_readable(lines)
+    assert log.parent == cfg.workdir() / "logs"
+    logged = log.read_text(encoding="utf-8")
+    assert "(RayTrainWorker pid=" in logged and "Started a local Ray instance" not in logged  # the session's Ray
+    # The live status, redrawn in place: training's step and loss from rank 0's MLflow metrics.
+    statuses = [s for s in raw.split("\r\x1b[K") if s.startswith("train: ")]
+    assert any(re.search(rf"step \d+/{cfg.train.steps}, loss \d", s) for s in statuses), statuses[-5:]
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.split() and ln.split()[0] in ORDER and ":" not in ln}
+    assert sorted(rows) == sorted(ORDER) and all(r[0] == "ran" for r in rows.values()), rows
+    assert rows["register"][-2:] == ["version", "1"]
+    assert f"final loss {result.artifacts['train'].manifest['counts']['final_loss']:.3f}" in " ".join(rows["train"])
+    assert "Registered model: models:/conduit-smoke@challenger (version 1)" in lines
+    assert any(ln.startswith("Open the MLflow UI:  mlflow ui --backend-store-uri sqlite:") for ln in lines)
+
+
 def test_training_loss_went_down(smoke):
-    _, result, _ = smoke
+    _, result, _, _ = smoke
     counts = result.artifacts["train"].manifest["counts"]
     assert counts["final_loss"] < counts["first_loss"] - 0.5, counts
     metrics = result.artifacts["evaluate"].manifest["counts"]
@@ -47,7 +133,7 @@ def test_training_loss_went_down(smoke):
 
 
 def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
-    cfg, result, _ = smoke
+    cfg, result, _, _ = smoke
     c = tracking.client(result.tracking_uri)
     parent = c.get_run(result.run_id)
     assert parent.info.status == "FINISHED"
@@ -62,6 +148,11 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
     assert "val_perplexity" in by_stage["evaluate"].data.metrics
+    # The progress metrics the driver's status line reads: evaluate's sets, tokenize's documents.
+    scored = [m.value for m in c.get_metric_history(by_stage["evaluate"].info.run_id, "sets_scored")]
+    assert len(scored) >= 2 and sorted(scored) == list(range(1, len(scored) + 1)), scored
+    splits = result.artifacts["tokenize"].manifest["counts"]["splits"]
+    assert by_stage["tokenize"].data.metrics["documents_tokenized"] == sum(s["documents"] for s in splits.values())
     # The train run's Datasets: the token artifact it read, with its counts (mlflow.log_input).
     (dataset,) = c.get_run(by_stage["train"].info.run_id).inputs.dataset_inputs
     tokens = result.artifacts["tokenize"]
@@ -72,7 +163,7 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
 
 
 def test_registered_model_generates_text(smoke):
-    cfg, result, _ = smoke
+    cfg, result, _, _ = smoke
     c = tracking.client(result.tracking_uri)
     mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
     assert mv.tags["conduit.train_hash"] == result.artifacts["train"].hash
@@ -99,7 +190,7 @@ def test_lm_eval_scores_the_registered_hf_export_as_the_evaluate_stage(smoke, tm
     from pipeline.stage_io import HF_DIR, TOKENIZER_FILE
     from pipeline.text import EOS_ID, load_sentencepiece
 
-    cfg, result, _ = smoke
+    cfg, result, _, _ = smoke
     metrics = result.artifacts["evaluate"].manifest["counts"]
     sp = load_sentencepiece(str(result.artifacts["tokenizer"].path / TOKENIZER_FILE))
     files = resolve_files(cfg.data_root(), cfg.eval.heldout_paths, "eval.heldout_paths")
@@ -118,22 +209,30 @@ def test_lm_eval_scores_the_registered_hf_export_as_the_evaluate_stage(smoke, tm
     assert bits_per_byte == pytest.approx(metrics["heldout_bits_per_byte"], rel=0.01)
 
 
-def test_rerun_skips_every_stage_and_force_reruns_downstream(smoke):
-    cfg, first, _ = smoke
+def test_rerun_skips_every_stage_and_force_reruns_downstream(smoke, ray_cluster):
+    ray = ray_cluster
+    cfg, first, _, _ = smoke
     lines: list[str] = []
     again = run_pipeline(cfg, echo=lines.append)
     assert lines == [f"{n}: cached ({first.artifacts[n].hash})" for n in ORDER]
     assert {n: a.hash for n, a in again.artifacts.items()} == {n: a.hash for n, a in first.artifacts.items()}
 
-    lines = []
-    forced = run_pipeline(cfg, force=("evaluate",), echo=lines.append)
+    # From the command line, its output a pipe (as in `ray job submit`'s log): evaluate and register rerun.
+    forced = subprocess.run([sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={cfg.run.workdir}",
+                             "--force", "evaluate"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    assert forced.returncode == 0 and forced.stderr == "", forced.stderr
+    lines = forced.stdout.splitlines()
+    assert "\r" not in forced.stdout  # no status redrawn in place: plain lines
+    log = assert_readable(lines)
+    assert "(conduit.register pid=" in log.read_text(encoding="utf-8")
     assert [ln.split(":")[0] for ln in lines if ": cached" in ln] == ["shard", "tokenizer", "tokenize", "train"]
     assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ["evaluate", "register"]
-    assert forced.artifacts["register"].manifest["counts"]["version"] == 2
+    assert "Registered model: models:/conduit-smoke@challenger (version 2)" in lines
 
 
 def test_cli_dry_run_and_only(smoke):
-    cfg, first, _ = smoke
+    cfg, first, _, _ = smoke
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={cfg.run.workdir}"]
     out = subprocess.run(cmd + ["--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,9 @@ register copies into version tags and promote gates on), ``samples`` and ``refer
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +41,10 @@ def unigram_loss(train_blocks: np.ndarray, eval_targets: np.ndarray, vocab_size:
     return float(-logp[np.asarray(eval_targets).reshape(-1)].mean())
 
 
-def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp) -> dict[str, float]:
-    """Held-out Gutenberg, WikiText-2 and LAMBADA metrics, each skipped when its config path is null.
+def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
+                      on_scored: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Held-out Gutenberg, WikiText-2 and LAMBADA metrics, each skipped when its config path is null;
+    ``on_scored`` is called after each set.
 
     Raises:
         ValueError: naming the ``eval.*`` field with a bad value; FileNotFoundError for missing data.
@@ -58,12 +62,14 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp) -> dict[str, f
         encoded = text_metrics.encode_files(sp, files, e.max_text_tokens)
         m = text_metrics.text_metrics(model, encoded, context, e.batch_size)
         out.update({f"{prefix}_{k}": float(v) for k, v in m.items()})
+        on_scored()
     if e.lambada_path:
         path = root / e.lambada_path
         if not path.is_file():
             raise FileNotFoundError(f"eval.lambada_path: {path} is not a file")
         examples = lambada.load_examples(path, sp, e.lambada_max_examples)
         out.update({f"lambada_{k}": float(v) for k, v in lambada.lambada_metrics(model, examples, context, e.batch_size).items()})
+        on_scored()
     return out
 
 
@@ -89,6 +95,13 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     order = word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed)
     loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size
     uni = unigram_loss(np.load(tok_dir / tokens_file("train"), mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
+    scored = itertools.count(1)
+
+    def one_more_set_scored() -> None:  # the driver's status line reads it
+        n = next(scored)
+        tracker.log_metrics({"sets_scored": n}, step=n)
+
+    one_more_set_scored()  # the validation blocks
     metrics = {
         "val_loss": loss,
         "val_perplexity": math.exp(loss),
@@ -99,7 +112,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     }
     sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
     metrics.update(order)
-    metrics.update(benchmark_metrics(cfg, model, sp))
+    metrics.update(benchmark_metrics(cfg, model, sp, on_scored=one_more_set_scored))
     metrics.update(log_pictures(cfg, model, sp, evaluated, tracker))
     samples = TextGenerator(model, sp).generate(
         cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature

@@ -22,6 +22,7 @@ from. ``index.json`` lists per split ``blocks``, ``tokens``, ``bytes`` (feeds bi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -39,6 +40,9 @@ from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, T
 from pipeline.stages.stage import Resources, Stage
 from pipeline.storage import cluster_readable, on_this_node
 from pipeline.text import load_sentencepiece
+
+
+PROGRESS_EVERY_S = 5.0  # how often the stage logs documents_tokenized to its MLflow run
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -156,8 +160,13 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # Ray Data draws its own progress bars; the local path gets one over documents.
     bar = tqdm(total=sum(SplitSizes.of(inputs["shard"]).documents.values()), desc="tokenize", unit="doc",
                disable=engine != "local", mininterval=1.0)
+    done, last_report = 0, time.monotonic()
     for path, table in encoded_batches([f for fs in split_files.values() for f in fs], inputs, cfg, engine):
         bar.update(table.num_rows)
+        done += table.num_rows
+        if time.monotonic() - last_report >= PROGRESS_EVERY_S:  # the driver's status line reads it
+            tracker.log_metrics({"documents_tokenized": done}, step=done)
+            last_report = time.monotonic()
         split = split_of[path]
         tokens = table.column("tokens").combine_chunks()
         lengths = pc.list_value_length(tokens).to_numpy()
@@ -176,6 +185,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     index.write(out_dir)
     bar.close()
     tracker.log_metrics({f"tokens_{s}": v.tokens for s, v in splits.items()})
+    tracker.log_metrics({"documents_tokenized": done}, step=done)
     return {**index.to_dict(), "engine": engine}
 
 

@@ -35,3 +35,40 @@ def test_only_with_unfinished_inputs_is_refused(tmp_path):
     out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "--only", "train")
     assert out.returncode == 2
     assert "--only train: its inputs ['tokenize'] are not finished" in out.stderr
+
+
+UNEXPECTED_ERROR_SCRIPT = """
+import sys
+import jobs.run
+
+def fails(*args, **kwargs):
+    print("a worker's line", flush=True)
+    raise RuntimeError("something nobody expected")
+
+jobs.run.run_pipeline = fails
+sys.exit(jobs.run.main(sys.argv[1:]))
+"""
+
+
+def test_an_unexpected_error_ends_the_terminal_output_and_its_whole_traceback_is_in_the_log(tmp_path):
+    out = subprocess.run([sys.executable, "-c", UNEXPECTED_ERROR_SCRIPT, "configs/smoke.yaml",
+                          f"run.workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    (log,) = (tmp_path / "logs").glob("run-*.log")
+    lines = out.stdout.splitlines()
+    assert lines == [f"Conduit smoke: the full log is in {log}", f"The full log: {log}"]
+    assert out.stderr.splitlines()[0] == "error: unexpected; the traceback ends:"
+    assert out.stderr.splitlines()[-1] == "RuntimeError: something nobody expected"
+    logged = log.read_text()
+    assert "a worker's line" in logged and "Traceback (most recent call last):" in logged
+    assert 'in fails' in logged and "Traceback" not in out.stdout + out.stderr
+
+
+def test_verbose_streams_everything_to_the_terminal_and_writes_no_log(tmp_path):
+    out = subprocess.run([sys.executable, "-c", UNEXPECTED_ERROR_SCRIPT, "configs/smoke.yaml", "--verbose",
+                          f"run.workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stdout == "a worker's line\n"
+    assert "Traceback (most recent call last):" in out.stderr  # as before: Python's own report
+    assert out.stderr.rstrip().endswith("RuntimeError: something nobody expected")
+    assert not (tmp_path / "logs").exists()
