@@ -108,8 +108,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 
 # Holds no CPU: it writes files and talks to the MLflow registry.
 def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
-    """The Hugging Face export: a copy of the weights (the MLflow store's copy is the server's to hold)."""
-    weights = (inputs["train"].path / WEIGHTS_FILE).stat().st_size
+    """The Hugging Face export: a copy of the weights (the MLflow store's copy is the server's to hold).
+    Read from the train manifest's file list: on an object-store root the driver has no copy of them."""
+    weights = inputs["train"].manifest.get("files", {}).get(WEIGHTS_FILE, {}).get("bytes", 0)
     return [(None, weights, "the Hugging Face export of the weights")]
 
 

@@ -241,3 +241,17 @@ def test_a_write_that_fails_mid_stage_names_the_folder_and_leaves_no_manifest(tm
     folder = Path(lines["FOLDER"])
     assert "File too large" in lines["ERROR"] and f"while stage shard wrote into {folder}" in lines["ERROR"]
     assert folder.is_dir() and not is_complete(folder)
+
+
+def test_disk_estimates_read_upstream_manifests_not_their_files(tmp_path):
+    """On an object-store root the driver has manifests but no copy of the files: the estimates of the
+    stages that read upstream artifacts use only what the manifests record."""
+    from pipeline.artifacts import Artifact
+
+    cfg, plan = smoke_plan(tmp_path)
+    gone = tmp_path / "not-on-this-node"
+    shard = Artifact("shard", "1" * 16, gone, {"counts": {"documents": {"train": 3, "validation": 1},
+                                                          "bytes": {"train": 1000, "validation": 24}}})
+    train = Artifact("train", "2" * 16, gone, {"files": {"model.safetensors": {"bytes": 4321, "sha256": "0" * 64}}})
+    assert [n for _, n, _ in STAGES["tokenize"].disk_need(cfg, {"shard": shard}, plan["tokenize"].hash)] == [4096]
+    assert [n for _, n, _ in STAGES["register"].disk_need(cfg, {"train": train}, plan["register"].hash)] == [4321]
