@@ -37,30 +37,36 @@ class StageLocked(RuntimeError):
     """Another live driver holds the stage's lock (after waiting ``run.lock_wait_s``)."""
 
 
-def holder_record(run_id: str | None = None) -> dict:
-    """This driver, as a lock names it."""
+def process_identity(pid: int | None = None) -> dict:
+    """This host, the pid and its start time: a pid with another start time is another process."""
     import psutil
 
-    proc = psutil.Process()
-    return {"host": socket.gethostname(), "pid": proc.pid, "started": proc.create_time(), "run_id": run_id}
+    proc = psutil.Process(pid or os.getpid())
+    return {"host": socket.gethostname(), "pid": proc.pid, "started": proc.create_time()}
+
+
+def is_gone(identity: dict) -> bool | None:
+    """True when the process ``identity`` names no longer runs; None when that cannot be told from
+    here (it ran on another host)."""
+    import psutil
+
+    if identity.get("host") != socket.gethostname():
+        return None
+    try:
+        return psutil.Process(identity["pid"]).create_time() != identity.get("started")
+    except (psutil.NoSuchProcess, KeyError):
+        return True
+
+
+def holder_record(run_id: str | None = None) -> dict:
+    """This driver, as a lock names it."""
+    return {**process_identity(), "run_id": run_id}
 
 
 def describe(holder: dict) -> str:
     started = datetime.fromtimestamp(holder.get("started", 0), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     run = f", MLflow run {holder['run_id']}" if holder.get("run_id") else ""
     return f"pid {holder.get('pid')} on {holder.get('host')} (started {started}{run})"
-
-
-def _holder_is_gone(holder: dict) -> bool:
-    """True when ``holder`` ran on this host and that process no longer runs."""
-    import psutil
-
-    if holder.get("host") != socket.gethostname():
-        return False
-    try:
-        return psutil.Process(holder["pid"]).create_time() != holder.get("started")
-    except (psutil.NoSuchProcess, KeyError):
-        return True
 
 
 @dataclass
@@ -170,7 +176,7 @@ def _acquire_object(uri: str, me: dict, wait_s: float, on_wait) -> Acquired:
     while True:
         holder = _read_object(fs, path)
         taken_over = None
-        if holder and holder != me and not _holder_is_gone(holder):
+        if holder and holder != me and not is_gone(holder):
             if time.monotonic() >= deadline:
                 raise StageLocked(_busy_message(uri, holder, wait_s))
             if on_wait and not told:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -379,27 +378,8 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
 
 
 DRIVER_TAG = "conduit.driver"  # JSON: host, pid and process start time of the driver that owns the run
-
-
-def driver_identity(pid: int | None = None) -> dict:
-    """This host, the pid and its start time: a pid with another start time is another process."""
-    import psutil
-
-    proc = psutil.Process(pid or os.getpid())
-    return {"host": socket.gethostname(), "pid": proc.pid, "started": proc.create_time()}
-
-
-def driver_is_dead(identity: dict) -> bool | None:
-    """True when the driver that wrote ``identity`` no longer runs; None when that cannot be told
-    from here (it ran on another host)."""
-    import psutil
-
-    if identity.get("host") != socket.gethostname():
-        return None
-    try:
-        return psutil.Process(identity["pid"]).create_time() != identity["started"]
-    except psutil.NoSuchProcess:
-        return True
+driver_identity = locks.process_identity  # what the tag holds
+driver_is_dead = locks.is_gone  # None: the driver ran on another host
 
 
 def fail_runs_of_dead_drivers(uri: str, exp_id: str, cfg: RunConfig) -> list[str]:
