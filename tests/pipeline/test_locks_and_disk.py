@@ -126,6 +126,7 @@ def toy_hash(cfg):
 def toy_run(name):
     def run(cfg, inputs, out_dir, tracker):
         if name == "b":
+            (cfg.workdir() / "b_started").touch()  # its folder exists from here on
             deadline = time.monotonic() + 120
             while not (cfg.workdir() / "go_b").exists():
                 assert time.monotonic() < deadline, "the test never let b go"
@@ -149,7 +150,8 @@ def test_a_second_driver_stops_or_waits_and_then_uses_what_the_first_built(tmp_p
     first = threading.Thread(target=run_pipeline, args=(cfg,), kwargs={"stages": TOY, "echo": first_lines.append})
     first.start()
     deadline = time.monotonic() + 120
-    while "b: running" not in " ".join(first_lines):
+    # "b: running" is echoed before the Ray task starts and makes b's folder: wait for the task itself.
+    while not (work / "b_started").exists():
         assert time.monotonic() < deadline and first.is_alive(), first_lines
         time.sleep(0.1)
 
