@@ -15,6 +15,11 @@ the input lookup is not), L layers, H query heads, K head_dim, T the sequence le
 term counts Q K^T and A V (2 matmuls * 2 FLOPs per multiply-add) over the full T keys, as PaLM does,
 i.e. it does not halve for the causal mask. total = forward + backward (backward = 2 * forward).
 Use `total * tokens_per_second / peak_flops` for MFU.
+
+Mamba (arch 'mamba'): the same 6 * N for the projections and the convolution, and in place of the
+attention term the selective scan's 9 * E * N FLOPs per token and layer forward (Gu & Dao 2023, section
+3.3.2, which counts 9 B L D N for the scan), times 3 for forward + backward. Unlike attention it does not
+grow with T.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     Returns:
         dict with total, active, embedding, non_embedding and active_non_embedding.
     """
+    if cfg.arch == "mamba":
+        return _mamba_param_counts(cfg)
     D, V = cfg.d_model, cfg.vocab_size
     embedding = V * D
     if cfg.pos_encoding == "learned":
@@ -97,5 +104,22 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     n = param_counts(cfg)["active_non_embedding"] + cfg.vocab_size * cfg.d_model
+    if cfg.arch == "mamba":
+        scan = 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size
+        return {"total": 6 * n + 3 * scan, "forward": 2 * n + scan}
     attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     return {"total": 6 * n + 12 * attn, "forward": 2 * n + 4 * attn}
+
+
+def _mamba_param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """`param_counts` of a Mamba model: per layer a norm, in_proj (D -> 2E), the depthwise conv (E x K and
+    its bias), x_proj (E -> R + 2N), dt_proj (R -> E with bias), A_log (E x N), D (E) and out_proj (E -> D)."""
+    D, V, E, N = cfg.d_model, cfg.vocab_size, cfg.ssm_d_inner, cfg.ssm_state_size
+    R, K = cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
+    layer = (D + D * 2 * E + E * K + E + E * (R + 2 * N) + R * E + E + E * N + E + E * D
+             + ((2 * E + D) if cfg.bias else 0))
+    embedding = V * D * (1 if cfg.tie_embeddings else 2)
+    non_embedding = cfg.n_layers * layer + D
+    total = embedding + non_embedding
+    return {"total": total, "active": total, "embedding": embedding, "non_embedding": non_embedding,
+            "active_non_embedding": non_embedding}

@@ -18,6 +18,7 @@ POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
 FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
+ARCHS = ("decoder", "mamba")
 
 
 def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
@@ -76,6 +77,15 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.001
     moe_d_ff: int | None = None  # expert hidden size; None = same rule as d_ff
 
+    # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
+    # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
+    # the ssm_* fields; the attention, position, FFN and MoE fields do not apply (see _check_mamba).
+    arch: str = "decoder"
+    ssm_state_size: int = 16  # N, the SSM state per channel
+    ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
+    ssm_expand: int = 2  # inner width = ssm_expand * d_model
+    ssm_dt_rank: int | None = None  # rank of the delta projection; None = ceil(d_model / 16)
+
     # ------------------------------------------------------------------ validation
 
     def __post_init__(self) -> None:
@@ -133,6 +143,7 @@ class ModelConfig:
                 raise ValueError(
                     f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor!r}"
                 )
+        _check_mamba(self)
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -178,6 +189,16 @@ class ModelConfig:
         """How many layers are MoE layers."""
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
+    @property
+    def ssm_d_inner(self) -> int:
+        """Mamba's inner width ssm_expand * d_model."""
+        return self.ssm_expand * self.d_model
+
+    @property
+    def resolved_ssm_dt_rank(self) -> int:
+        """Rank of Mamba's delta projection (ceil(d_model / 16) when ssm_dt_rank is None)."""
+        return math.ceil(self.d_model / 16) if self.ssm_dt_rank is None else self.ssm_dt_rank
+
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +237,26 @@ class ModelConfig:
         merged = self.to_dict()
         merged.update(kw)
         return type(self).from_dict(merged)
+
+
+def _check_mamba(cfg: ModelConfig) -> None:
+    """The arch field and the ssm_* fields; for arch 'mamba', the Transformer options it cannot honour."""
+    _check_choice("arch", cfg.arch, ARCHS)
+    for name in ("ssm_state_size", "ssm_conv_kernel", "ssm_expand"):
+        _check_int(name, getattr(cfg, name), 1)
+    if cfg.ssm_dt_rank is not None:
+        _check_int("ssm_dt_rank", cfg.ssm_dt_rank, 1)
+    if cfg.arch != "mamba":
+        return
+    # A Mamba block is pre-norm RMSNorm with no positions, attention or FFN: a value here that asks for
+    # something else would be silently ignored, so it is refused instead.
+    wrong = {"pos_encoding": (cfg.pos_encoding, "none"), "norm": (cfg.norm, "rmsnorm"),
+             "norm_position": (cfg.norm_position, "pre"), "num_experts": (cfg.num_experts, 0),
+             "attn_dropout": (cfg.attn_dropout, 0.0)}
+    for name, (value, needed) in wrong.items():
+        if value != needed:
+            raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
+                             f"or experts), got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -12,6 +12,9 @@ Our full config also goes into the safetensors metadata, so `load_hf` returns ex
 ModelConfig (dropout, loss coefficients, ... included, which config.json cannot hold) as long as
 config.json still describes the same architecture.
 
+A Mamba model (arch 'mamba') exports as MambaForCausalLM; its names and config.json live in
+models/mamba_export.py.
+
 Only configurations HF's classes compute identically are exported; anything else raises ValueError
 naming the option (see `hf_unsupported_options`). Training-only settings (dropout, z-loss coefficient)
 do not change inference and are not checked.
@@ -30,6 +33,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
+from models.mamba import MambaLM
+from models.mamba_export import (
+    mamba_architecture, mamba_config_from_hf, mamba_hf_config, mamba_hf_name, mamba_our_name,
+    mamba_unsupported_options,
+)
+from models.presets import model_class
 from models.transformer import Transformer
 
 CONFIG_METADATA_KEY = "conduit_model_config"
@@ -40,7 +49,7 @@ CONFIG_METADATA_KEY = "conduit_model_config"
 
 def _state_of(model_or_state: Transformer | dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU state dict in our names, without lm_head.weight when tied."""
-    if isinstance(model_or_state, Transformer):
+    if isinstance(model_or_state, (Transformer, MambaLM)):
         if model_or_state.cfg != cfg:
             raise ValueError("cfg differs from the model's own cfg; pass model.cfg")
         state = model_or_state.state_dict()
@@ -57,7 +66,7 @@ def _state_of(model_or_state: Transformer | dict[str, torch.Tensor], cfg: ModelC
 def _materialise(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device | str | None) -> Transformer:
     """Build `cfg` on meta, allocate on `device`, and copy `state` in (strict: all and only our keys)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     model.to_empty(device=torch.device("cpu" if device is None else device))
     model.tie_weights()
     state = dict(state)
@@ -118,7 +127,10 @@ def load_safetensors(path: str | os.PathLike, device: torch.device | str | None 
 
 
 def hf_unsupported_options(cfg: ModelConfig) -> list[str]:
-    """Options of `cfg` that HF Llama / Mixtral cannot express, as "field=value (reason)" strings."""
+    """Options of `cfg` that HF Llama / Mixtral (Mamba for arch 'mamba') cannot express, as
+    "field=value (reason)" strings."""
+    if cfg.arch == "mamba":
+        return mamba_unsupported_options(cfg)
     problems = []
     if cfg.pos_encoding != "rope":
         problems.append(f"pos_encoding={cfg.pos_encoding!r} (HF Llama/Mixtral use rope)")
@@ -247,9 +259,9 @@ def save_hf(
     tensors = {}
     for name, t in state.items():
         t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        tensors[_hf_name(name, moe)] = t
+        tensors[mamba_hf_name(name) if cfg.arch == "mamba" else _hf_name(name, moe)] = t
     out_dtype = dtype if dtype is not None else state["tok_embeddings.weight"].dtype
-    hf_cfg = _hf_config(cfg, out_dtype)
+    hf_cfg = mamba_hf_config(cfg, out_dtype) if cfg.arch == "mamba" else _hf_config(cfg, out_dtype)
     if extra_config:
         clash = sorted(set(extra_config) & set(hf_cfg))
         if clash:
@@ -271,6 +283,8 @@ _TRAINING_ONLY_FIELDS = ("dropout", "ffn_multiple_of", "moe_z_loss_coef")
 
 def _architecture(cfg: ModelConfig) -> tuple:
     """What config.json determines, with derived sizes resolved (d_ff=None and d_ff=192 can be equal)."""
+    if cfg.arch == "mamba":
+        return mamba_architecture(cfg)
     return (
         cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.max_seq_len,
         cfg.norm_eps, cfg.rope_base, cfg.rope_scaling, cfg.tie_embeddings, cfg.num_experts,
@@ -281,8 +295,10 @@ def _architecture(cfg: ModelConfig) -> tuple:
 
 def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral"):
-        raise ValueError(f"load_hf supports model_type 'llama' or 'mixtral', got {model_type!r}")
+    if model_type not in ("llama", "mixtral", "mamba"):
+        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral' or 'mamba', got {model_type!r}")
+    if model_type == "mamba":
+        return _with_metadata(mamba_config_from_hf(hf), metadata)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", d // heads) != d // heads:
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({d // heads})")
@@ -317,7 +333,11 @@ def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
         )
     else:
         fields["d_ff"] = hf["intermediate_size"]
-    derived = ModelConfig.from_dict(fields)
+    return _with_metadata(ModelConfig.from_dict(fields), metadata)
+
+
+def _with_metadata(derived: ModelConfig, metadata: dict) -> ModelConfig:
+    """`derived` (from config.json) reconciled with our own config in the safetensors metadata."""
     if CONFIG_METADATA_KEY not in metadata:
         return derived
     # Our own config rides along in the metadata. If config.json still describes the same architecture
@@ -361,8 +381,8 @@ def _our_name(hf_name: str) -> str:
     raise ValueError(f"unexpected tensor {hf_name!r} in Hugging Face checkpoint")
 
 
-def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -> Transformer:
-    """Load a Llama / Mixtral folder (config.json + model.safetensors) as our Transformer.
+def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -> Transformer | MambaLM:
+    """Load a Llama / Mixtral / Mamba folder (config.json + model.safetensors) as our model.
 
     Reads the per-expert Mixtral layout that `save_hf` writes (experts.{e}.w1/w2/w3).
 
@@ -382,7 +402,8 @@ def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -
     with safe_open(weights, framework="pt") as f:
         metadata = f.metadata() or {}
     cfg = _config_from_hf(hf, metadata)
-    state = {_our_name(k): v for k, v in load_file(weights).items()}
+    our_name = mamba_our_name if cfg.arch == "mamba" else _our_name
+    state = {our_name(k): v for k, v in load_file(weights).items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     return _materialise(cfg, state, device)

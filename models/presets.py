@@ -2,7 +2,8 @@
 
 debug_* run a training step in well under a second on one CPU core; cpu_* are for laptop-scale runs;
 gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
-a Mixtral-style 8-expert top-2 model).
+a Mixtral-style 8-expert top-2 model); debug_mamba and mamba are Mamba models at debug_dense's and
+cpu_small's width and depth.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import difflib
 import torch
 
 from models.config import ModelConfig
+from models.mamba import MambaLM
 from models.transformer import Transformer
 
 _debug_dense = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
@@ -30,7 +32,20 @@ PRESETS: dict[str, ModelConfig] = {
     "moe_8x_top2": ModelConfig(
         vocab_size=32000, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048, num_experts=8, moe_top_k=2
     ),
+    # Mamba at cpu_small's width and depth (about the same parameters as cpu_small: 2 x 128 x 256 in_proj
+    # + 256 x 128 out_proj + the SSM's small matrices per layer, against attention + SwiGLU).
+    "mamba": ModelConfig(
+        arch="mamba", vocab_size=512, d_model=128, n_layers=4, max_seq_len=256, pos_encoding="none"
+    ),
+    "debug_mamba": ModelConfig(
+        arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none"
+    ),
 }
+
+
+def model_class(cfg: ModelConfig) -> type[Transformer] | type[MambaLM]:
+    """The nn.Module class that builds `cfg` (by `cfg.arch`)."""
+    return MambaLM if cfg.arch == "mamba" else Transformer
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -50,8 +65,8 @@ def build_model(
     cfg_or_preset_name: ModelConfig | str,
     device: torch.device | str | None = None,
     **overrides,
-) -> Transformer:
-    """Build and initialise a model.
+) -> Transformer | MambaLM:
+    """Build and initialise a model (a Transformer, or a MambaLM for arch 'mamba').
 
     The module is created on the meta device, materialised on `device` with `to_empty` and then set
     by `init_weights()`, so weights are initialised once, directly where they live.
@@ -77,7 +92,7 @@ def build_model(
         cfg = cfg.replace(**overrides)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     if device.type == "meta":
         return model
     model.to_empty(device=device)

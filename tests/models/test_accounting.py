@@ -8,6 +8,7 @@ import torch
 from models import PRESETS, Transformer
 from models.accounting import flops_per_token, param_counts
 from models.moe import MoEFeedForward
+from models.presets import model_class
 
 VARIANTS = [
     dict(),
@@ -49,7 +50,7 @@ def test_param_counts_equal_the_built_model(make_cfg, kw):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_param_counts_of_presets(name):
     with torch.device("meta"):
-        model = Transformer(PRESETS[name])
+        model = model_class(PRESETS[name])(PRESETS[name])
     assert param_counts(PRESETS[name])["total"] == sum(p.numel() for p in model.parameters())
 
 

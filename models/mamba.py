@@ -1,0 +1,295 @@
+"""Mamba: a language model of selective state-space blocks (Gu & Dao 2023), in pure torch.
+
+Layout (names chosen to map one-to-one onto Hugging Face MambaForCausalLM tensors):
+    tok_embeddings (V, D) -> dropout
+    -> layers[i]: MambaBlock: x = x + drop(mixer(norm(x)))
+         mixer: in_proj (D -> 2E) = [x | z]; x -> causal depthwise conv1d (kernel K) -> SiLU
+                x_proj (E -> R + 2N) = [delta_low | B | C]; delta = softplus(dt_proj(delta_low)) (R -> E)
+                selective scan  h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t,  y_t = C_t . h_t + D x_t
+                y * SiLU(z) -> out_proj (E -> D)
+    -> norm (RMSNorm) -> lm_head (D -> V), tied to tok_embeddings when cfg.tie_embeddings.
+A = -exp(A_log) is input independent; delta, B and C are functions of the input: the "selection".
+
+Training runs the scan in parallel: the sequence is cut into chunks of `SCAN_CHUNK` steps; inside a
+chunk a Hillis-Steele scan combines the pairs (decay, input) in log2(chunk) whole-tensor steps, and a
+loop over the chunks (not over tokens) carries the state from one chunk to the next. Decays are kept
+as log sums (<= 0) and only exponentiated where applied, so nothing overflows.
+
+Generation keeps per layer the last K-1 convolution inputs and the (E, N) SSM state (`MambaState`),
+so each new token costs the same whatever the length of what came before.
+
+Shape legend: B batch, T time, D d_model, E inner width (ssm_expand * D), N ssm_state_size, R dt rank,
+K conv kernel, V vocab, L layers, C chunk length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.norms import RMSNorm
+from models.transformer import ModelOutput
+
+SCAN_CHUNK = 32  # steps per chunk of the parallel scan (benchmarks/mamba_speed.py measures the choice)
+
+# HF MambaConfig's delta initialisation: delta ~ log-uniform in [DT_MIN, DT_MAX], floored at DT_FLOOR.
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+
+
+class MambaState:
+    """What generation keeps per layer: the last K-1 inputs of the convolution and the SSM state.
+
+    Attributes:
+        conv_LBEK: (L, B, E, K-1) the convolution's previous inputs (zeros = no history).
+        ssm_LBEN: (L, B, E, N) the SSM state, fp32.
+        length: tokens consumed so far.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        L, E, N, K = cfg.n_layers, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.ssm_conv_kernel
+        self.conv_LBEK = torch.zeros(L, batch_size, E, K - 1, device=device, dtype=dtype)
+        self.ssm_LBEN = torch.zeros(L, batch_size, E, N, device=device, dtype=torch.float32)
+        self.length = 0
+
+
+def selective_scan(
+    x_BTE: torch.Tensor,
+    delta_BTE: torch.Tensor,
+    A_EN: torch.Tensor,
+    B_BTN: torch.Tensor,
+    C_BTN: torch.Tensor,
+    h0_BEN: torch.Tensor | None = None,
+    chunk: int = SCAN_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_t = C_t . h_t with h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t, in fp32, without a per-token loop.
+
+    Args:
+        x_BTE: the scan's input.
+        delta_BTE: step sizes (> 0, after softplus).
+        A_EN: the (negative) continuous-time decay rates.
+        B_BTN, C_BTN: input and output projections of the state.
+        h0_BEN: the state before the first step (None = zeros).
+        chunk: steps per chunk (see the module docstring).
+
+    Returns:
+        (y_BTE without the D skip term, h_BEN the state after the last step), both fp32.
+    """
+    Bsz, T, E = x_BTE.shape
+    N = A_EN.shape[1]
+    delta_BTE = delta_BTE.float()
+    logdecay_BTEN = delta_BTE.unsqueeze(-1) * A_EN.float()
+    inject_BTEN = (delta_BTE * x_BTE.float()).unsqueeze(-1) * B_BTN.float().unsqueeze(2)
+    h_BEN = x_BTE.new_zeros(Bsz, E, N, dtype=torch.float32) if h0_BEN is None else h0_BEN.float()
+    ys = []
+    for start in range(0, T, chunk):
+        # After the step with offset d, element t holds the state reached from zero over the window
+        # (t - 2d, t] (b) and that window's summed log decay (w); at the end the window is [chunk start, t].
+        w_BCEN = logdecay_BTEN[:, start:start + chunk]
+        b_BCEN = inject_BTEN[:, start:start + chunk]
+        d = 1
+        while d < w_BCEN.shape[1]:
+            b_BCEN = torch.cat([b_BCEN[:, :d], b_BCEN[:, d:] + torch.exp(w_BCEN[:, d:]) * b_BCEN[:, :-d]], dim=1)
+            w_BCEN = torch.cat([w_BCEN[:, :d], w_BCEN[:, d:] + w_BCEN[:, :-d]], dim=1)
+            d *= 2
+        states_BCEN = b_BCEN + torch.exp(w_BCEN) * h_BEN.unsqueeze(1)
+        ys.append(torch.einsum("bcen,bcn->bce", states_BCEN, C_BTN[:, start:start + chunk].float()))
+        h_BEN = states_BCEN[:, -1]
+    return torch.cat(ys, dim=1), h_BEN
+
+
+class MambaMixer(nn.Module):
+    """The selective SSM sublayer: projections, causal conv, selective scan and SiLU gate.
+
+    Args:
+        cfg: model config (arch 'mamba').
+    """
+
+    NO_WEIGHT_DECAY = ("A_log", "D")  # parameters of the dynamics, as in the reference implementation
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, E, N, R, K = cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
+        self.d_inner, self.state_size, self.dt_rank, self.conv_kernel = E, N, R, K
+        self.in_proj = nn.Linear(D, 2 * E, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(E, E, K, groups=E, bias=True)  # causal padding is added in forward
+        self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(R, E, bias=True)
+        self.A_log = nn.Parameter(torch.empty(E, N))
+        self.D = nn.Parameter(torch.empty(E))
+        self.out_proj = nn.Linear(E, D, bias=cfg.bias)
+
+    @torch.no_grad()
+    def init_dynamics(self, generator: torch.Generator | None) -> None:
+        """S4D-real A (A_log[e, n] = log(n + 1)), D = 1, the conv as PyTorch's default (uniform in
+        +-1/sqrt(K), bias 0), and dt_proj so that softplus(dt_proj(.)) starts log-uniform in [DT_MIN, DT_MAX]."""
+        n_N = torch.arange(1, self.state_size + 1, dtype=torch.float32, device=self.A_log.device)
+        self.A_log.copy_(torch.log(n_N).expand(self.d_inner, -1))
+        self.D.fill_(1.0)
+        bound = 1.0 / math.sqrt(self.conv_kernel)
+        self.conv1d.weight.uniform_(-bound, bound, generator=generator)
+        self.conv1d.bias.zero_()
+        dt_std = self.dt_rank ** -0.5
+        self.dt_proj.weight.uniform_(-dt_std, dt_std, generator=generator)
+        u_E = torch.rand(self.d_inner, generator=generator, device=self.A_log.device)
+        dt_E = torch.exp(u_E * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_FLOOR)
+        self.dt_proj.bias.copy_(dt_E + torch.log(-torch.expm1(-dt_E)))  # softplus^-1(dt)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        mask_BT: torch.Tensor | None,
+        state: MambaState | None,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        """Apply the mixer; with `state`, continue from it and leave the new state in it.
+
+        A mask zeroes padded positions before the projection and after the convolution (as HF's
+        Mamba does), so left padding leaves every real token's output as without padding.
+        """
+        T = x_BTD.shape[1]
+        if mask_BT is not None:
+            x_BTD = x_BTD * mask_BT.unsqueeze(-1).to(x_BTD.dtype)
+        xz_BTE2 = self.in_proj(x_BTD)
+        x_BET, z_BTE = xz_BTE2[..., : self.d_inner].transpose(1, 2), xz_BTE2[..., self.d_inner:]
+
+        K = self.conv_kernel
+        if state is None:
+            past_BEK = x_BET.new_zeros(x_BET.shape[0], self.d_inner, K - 1)
+        else:
+            past_BEK = state.conv_LBEK[layer_idx].to(x_BET.dtype)
+        padded_BET = torch.cat([past_BEK, x_BET], dim=2)
+        if state is not None:
+            state.conv_LBEK[layer_idx] = padded_BET[:, :, -(K - 1):] if K > 1 else padded_BET[:, :, :0]
+        x_BTE = F.silu(F.conv1d(padded_BET, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner)).transpose(1, 2)
+        if mask_BT is not None:
+            x_BTE = x_BTE * mask_BT.unsqueeze(-1).to(x_BTE.dtype)
+
+        delta_low_BTR, B_BTN, C_BTN = torch.split(self.x_proj(x_BTE), [self.dt_rank, self.state_size, self.state_size], dim=-1)
+        delta_BTE = F.softplus(self.dt_proj(delta_low_BTR).float())
+        A_EN = -torch.exp(self.A_log.float())
+        h0_BEN = None if state is None else state.ssm_LBEN[layer_idx]
+        if state is not None and T == 1:  # one token: the recurrence itself
+            dA_BEN = torch.exp(delta_BTE[:, 0, :, None] * A_EN)
+            h_BEN = dA_BEN * h0_BEN + (delta_BTE[:, 0] * x_BTE[:, 0].float())[..., None] * B_BTN[:, 0, None, :].float()
+            y_BTE = torch.einsum("ben,bn->be", h_BEN, C_BTN[:, 0].float()).unsqueeze(1)
+        else:
+            y_BTE, h_BEN = selective_scan(x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN)
+        if state is not None:
+            state.ssm_LBEN[layer_idx] = h_BEN
+        y_BTE = (y_BTE + x_BTE.float() * self.D.float()) * F.silu(z_BTE.float())
+        return self.out_proj(y_BTE.to(x_BTD.dtype))
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm residual block around a `MambaMixer`: x + drop(mixer(rmsnorm(x)))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MambaMixer(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, mask_BT: torch.Tensor | None, state: MambaState | None) -> torch.Tensor:
+        return x_BTD + self.resid_dropout(self.mixer(self.norm(x_BTD), mask_BT, state, self.layer_idx))
+
+
+class MambaLM(nn.Module):
+    """Mamba language model configured by a `ModelConfig` with arch 'mamba'.
+
+    It answers the Transformer's calls (`forward(ids, attention_mask_BT, kv_cache)` returning a
+    `ModelOutput`, `new_kv_cache`, `init_weights`, `tie_weights`, `layers`), so training, generation
+    and serving take either.
+
+    Args:
+        cfg: the model config.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig) or cfg.arch != "mamba":
+            raise ValueError(f"MambaLM expects a ModelConfig with arch 'mamba', got {cfg!r}")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head share tok_embeddings' Parameter when cfg.tie_embeddings (idempotent)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Set every parameter: linears and the embedding ~ normal(0, init_std) with zero biases,
+        out_proj ~ normal(0, init_std / sqrt(n_layers)) (one residual branch per block, GPT-2's
+        rule), norms 1, and the SSM dynamics as `MambaMixer.init_dynamics`."""
+        self.tie_weights()
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for block in self.layers:
+            nn.init.normal_(block.mixer.out_proj.weight, 0.0, std / math.sqrt(self.cfg.n_layers), generator=generator)
+            block.mixer.init_dynamics(generator)
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None = None,
+        kv_cache: MambaState | None = None,
+        return_attention: bool = False,
+    ) -> ModelOutput:
+        """Next-token logits for every input position.
+
+        Args:
+            input_ids_BT: token ids.
+            attention_mask_BT: 1 = real token, 0 = pad (left padding); None = all real.
+            kv_cache: a `MambaState` to continue from and update (generation), or None.
+            return_attention: must be False (Mamba has no attention weights).
+
+        Returns:
+            models.transformer.ModelOutput (zero aux_loss, no MoE stats).
+
+        Raises:
+            ValueError: on bad shapes, return_attention, or a sequence longer than max_seq_len.
+        """
+        if return_attention:
+            raise ValueError("return_attention: arch 'mamba' has no attention weights")
+        if input_ids_BT.dim() != 2:
+            raise ValueError(f"input_ids_BT must be 2-D (B, T), got shape {tuple(input_ids_BT.shape)}")
+        if attention_mask_BT is not None and attention_mask_BT.shape != input_ids_BT.shape:
+            raise ValueError(
+                f"attention_mask_BT shape {tuple(attention_mask_BT.shape)} != input shape {tuple(input_ids_BT.shape)}"
+            )
+        past = kv_cache.length if kv_cache is not None else 0
+        T = input_ids_BT.shape[1]
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {past} cached + {T} new exceeds max_seq_len {self.cfg.max_seq_len}")
+        x_BTD = self.emb_dropout(self.tok_embeddings(input_ids_BT))
+        for block in self.layers:
+            x_BTD = block(x_BTD, attention_mask_BT, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        logits_BTV = self.lm_head(self.norm(x_BTD))
+        aux_loss = torch.zeros((), device=input_ids_BT.device, dtype=torch.float32)
+        return ModelOutput(logits_BTV, aux_loss, [], None, kv_cache)
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> MambaState:
+        """An empty generation state on this model's device and dtype. Its size does not depend on
+        the length, so max_len is only accepted for the Transformer's signature."""
+        p = self.tok_embeddings.weight
+        return MambaState(self.cfg, batch_size, device=p.device, dtype=p.dtype)
