@@ -164,7 +164,7 @@ class MambaMixer(nn.Module):
         padded_BET = torch.cat([past_BEK, x_BET], dim=2)
         if state is not None:
             state.conv_LBEK[layer_idx] = padded_BET[:, :, -(K - 1):] if K > 1 else padded_BET[:, :, :0]
-        x_BTE = F.silu(F.conv1d(padded_BET, self.conv1d.weight, self.conv1d.bias, groups=self.d_inner)).transpose(1, 2)
+        x_BTE = F.silu(self.conv1d(padded_BET)).transpose(1, 2)  # the module call: ZeRO-3 gathers its weights
         if mask_BT is not None:
             x_BTE = x_BTE * mask_BT.unsqueeze(-1).to(x_BTE.dtype)
 

@@ -9,6 +9,9 @@ its own seeded generator). Two things make that true:
 - a row that has finished (end of text, or its own budget spent) is fed as a pad from then on, so
   its position counter stops and the other rows carry on unaffected.
 
+A Mamba model has no positions: it zeroes masked inputs, so pads before a prompt leave its state as
+without them, and a finished row's state no longer matters.
+
 The KV cache is sized for the batch (longest prompt + largest budget), which may exceed
 ``max_seq_len`` in slots; every row's own positions stay below it (``check_fits``).
 
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import KVCache
 from models.generate import sample_next
 
 
@@ -93,8 +95,7 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
     ids_BT, mask_BT = _pad_left(requests, p.device)
     B, T = ids_BT.shape
     budgets = [r.max_new_tokens for r in requests]
-    cache = KVCache(cfg.n_layers, B, cfg.resolved_num_kv_heads, cfg.head_dim, T + max(budgets),
-                    device=p.device, dtype=p.dtype)
+    cache = model.new_kv_cache(B, max_len=T + max(budgets))  # a KVCache, or a Mamba model's state
     gens = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
     out: list[list[int]] = [[] for _ in requests]
     active = [True] * B

@@ -74,7 +74,10 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
 
 
 def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, blocks: np.ndarray, tracker) -> dict[str, float]:
-    """Log the attention heatmap grid and, for MoE models, the expert-load heatmap; returns routing metrics."""
+    """Log the attention heatmap grid and, for MoE models, the expert-load heatmap; returns routing metrics.
+    A Mamba model has neither attention nor experts: nothing to draw."""
+    if model.cfg.arch == "mamba":
+        return {}
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
     tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
     if model.cfg.num_experts == 0:

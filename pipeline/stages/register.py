@@ -6,7 +6,7 @@ data, config, code and metrics it came from (``metric.<name>`` tags are what ``j
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
 and ``register.hf_export`` is on, a Hugging Face export (``hf/``: config.json, model.safetensors and
 the tokenizer as ``tokenizer.json``, equal to the sentencepiece ``tokenizer.model`` shipped beside it)
-that ``transformers`` loads as Llama / Mixtral without ``sentencepiece`` or ``protobuf``.
+that ``transformers`` loads as Llama / Mixtral / Mamba without ``sentencepiece`` or ``protobuf``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.3f}")
     return (
-        f"Conduit {'MoE' if mc.num_experts else 'dense'} LM (preset {cfg.model['preset']}, d_model "
+        f"Conduit {'Mamba' if mc.arch == 'mamba' else 'MoE' if mc.num_experts else 'dense'} LM (preset {cfg.model['preset']}, d_model "
         f"{mc.d_model}, {mc.n_layers} layers), trained {cfg.train.steps} steps on "
         f"{', '.join(cfg.data.train_paths)}; " + "; ".join(parts) + "."
     )

@@ -12,7 +12,7 @@ from pipeline.batch_generation import GenRequest, check_fits, generate_batch
 EOS = 3
 
 
-@pytest.mark.parametrize("preset", ["debug_dense", "debug_moe"])
+@pytest.mark.parametrize("preset", ["debug_dense", "debug_moe", "debug_mamba"])
 def test_each_row_of_a_padded_batch_equals_its_unbatched_output(preset):
     torch.manual_seed(0)
     model = build_model(preset, max_seq_len=64).eval()

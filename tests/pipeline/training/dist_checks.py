@@ -42,6 +42,9 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0
 # jumps; the check would then measure rounding, not whether the distributed step is the same step.
 MOE_AUX = dataclasses.replace(MOE, moe_aux_loss_coef=0.01)
 MOE_CAPACITY = dataclasses.replace(MOE_AUX, moe_capacity_factor=1.0)
+# Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
+MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
+                    ssm_state_size=4)
 TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
                      warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
@@ -207,6 +210,8 @@ def main(out_dir: str) -> None:
         "dense_zero3_offload_all": (DENSE, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}),
         "dense_zero1_activation_ckpt": (DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_zero1": (MOE, {"zero_stage": 1}), "moe_zero2": (MOE, {"zero_stage": 2}),
+        "mamba_zero1": (MAMBA, {"zero_stage": 1}), "mamba_zero3": (MAMBA, {"zero_stage": 3}),
+        "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
     }
     for case, (model_cfg, fields) in variants.items():
         train = dataclasses.replace(TRAIN, **fields)

@@ -21,8 +21,8 @@ def grads(model_name: str, checkpointed: bool) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_checkpointing_gives_identical_gradients_dense_and_moe():
-    for name in ("debug_dense", "debug_moe"):
+def test_checkpointing_gives_identical_gradients_dense_moe_and_mamba():
+    for name in ("debug_dense", "debug_moe", "debug_mamba"):
         loss_a, a = grads(name, False)
         loss_b, b = grads(name, True)
         assert loss_a == loss_b
