@@ -256,7 +256,7 @@ def _check_mamba(cfg: ModelConfig) -> None:
     for name, (value, needed) in wrong.items():
         if value != needed:
             raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
-                             f"or experts), got {value!r}")
+                             f"or experts), got {value!r}; the presets debug_mamba and mamba set it")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -114,6 +114,7 @@ class MambaMixer(nn.Module):
         super().__init__()
         D, E, N, R, K = cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
         self.d_inner, self.state_size, self.dt_rank, self.conv_kernel = E, N, R, K
+        self.scan_chunk = SCAN_CHUNK  # a speed setting, not a weight: any value computes the same function
         self.in_proj = nn.Linear(D, 2 * E, bias=cfg.bias)
         self.conv1d = nn.Conv1d(E, E, K, groups=E, bias=True)  # causal padding is added in forward
         self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
@@ -177,7 +178,7 @@ class MambaMixer(nn.Module):
             h_BEN = dA_BEN * h0_BEN + (delta_BTE[:, 0] * x_BTE[:, 0].float())[..., None] * B_BTN[:, 0, None, :].float()
             y_BTE = torch.einsum("ben,bn->be", h_BEN, C_BTN[:, 0].float()).unsqueeze(1)
         else:
-            y_BTE, h_BEN = selective_scan(x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN)
+            y_BTE, h_BEN = selective_scan(x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, self.scan_chunk)
         if state is not None:
             state.ssm_LBEN[layer_idx] = h_BEN
         y_BTE = (y_BTE + x_BTE.float() * self.D.float()) * F.silu(z_BTE.float())

@@ -34,6 +34,16 @@ def test_defaults_yaml_and_overrides_precedence(tmp_path):
     assert (mc.n_layers, mc.d_model) == (3, 96)  # YAML and override beat the preset
 
 
+def test_model_arch_mamba_from_yaml_and_overrides():
+    mc = load_config(None, ["model.preset=debug_mamba", "model.ssm_state_size=8"]).model_config()
+    assert (mc.arch, mc.d_model, mc.ssm_state_size, mc.vocab_size) == ("mamba", 64, 8, 512)
+    # A Transformer preset's RoPE under arch mamba would be silently unused: refused, naming the field.
+    with pytest.raises(ConfigError, match=r"model: pos_encoding must be 'none' when arch is 'mamba'.*debug_mamba"):
+        load_config(None, ["model.arch=mamba"]).model_config()
+    with pytest.raises(ConfigError, match=r"model: arch must be one of \['decoder', 'mamba'\], got 'rnn'"):
+        load_config(None, ["model.arch=rnn"]).model_config()
+
+
 def test_unknown_key_names_it_and_suggests(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  stpes: 7\n")
