@@ -1,7 +1,8 @@
 """Mamba against the Transformer of the same width and depth, on this CPU, in one run.
 
 The Transformer is ``--preset`` (cpu_small: d 128, 4 layers, 4 heads, SwiGLU, RoPE); the Mamba model
-keeps its vocabulary, d_model, n_layers and context (expand 2, state 16, conv 4: preset ``mamba``).
+keeps its vocabulary, d_model and context with twice its layers, which matches its parameter count
+(expand 2, state 16, conv 4: for cpu_small, preset ``mamba``).
 Interleaved A/B pairs, repeated (``--repeats``), median and range:
 
 1. Training (one process, ``--threads`` threads, fp32, AdamW, random tokens, LM loss): tokens/s of
@@ -38,9 +39,9 @@ from models.loss import lm_loss
 
 
 def mamba_like(cfg: ModelConfig) -> ModelConfig:
-    """The Mamba model of `cfg`'s vocabulary, width, depth and context."""
+    """The Mamba model of `cfg`'s vocabulary, width and context, and about its parameters (2x the layers)."""
     return ModelConfig(arch="mamba", pos_encoding="none", vocab_size=cfg.vocab_size, d_model=cfg.d_model,
-                       n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len)
+                       n_layers=2 * cfg.n_layers, max_seq_len=cfg.max_seq_len)
 
 
 def train_tokens_per_s(model, ids_BT: torch.Tensor, steps: int, chunk: int | None = None) -> float:

@@ -2,8 +2,8 @@
 
 debug_* run a training step in well under a second on one CPU core; cpu_* are for laptop-scale runs;
 gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
-a Mixtral-style 8-expert top-2 model); debug_mamba and mamba are Mamba models at debug_dense's and
-cpu_small's width and depth.
+a Mixtral-style 8-expert top-2 model); debug_mamba is a Mamba model at debug_dense's width and depth,
+mamba one with cpu_small's width and parameter count (8 layers).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ PRESETS: dict[str, ModelConfig] = {
     "moe_8x_top2": ModelConfig(
         vocab_size=32000, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048, num_experts=8, moe_top_k=2
     ),
-    # Mamba at cpu_small's width and depth (about the same parameters as cpu_small: 2 x 128 x 256 in_proj
-    # + 256 x 128 out_proj + the SSM's small matrices per layer, against attention + SwiGLU).
+    # Mamba at cpu_small's width with twice its layers: a Mamba block (in_proj D x 2E, out_proj E x D, E = 2D)
+    # holds about half a Transformer block's parameters, so 8 of them match cpu_small's 4 (933k against
+    # 853k non-embedding parameters), as Gu & Dao pair two Mamba blocks with one attention + MLP block.
     "mamba": ModelConfig(
-        arch="mamba", vocab_size=512, d_model=128, n_layers=4, max_seq_len=256, pos_encoding="none"
+        arch="mamba", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, pos_encoding="none"
     ),
     "debug_mamba": ModelConfig(
         arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none"

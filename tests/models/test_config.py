@@ -121,7 +121,7 @@ PRESET_SHAPES = {
     "llama_1b": dict(d_model=2048, n_layers=16, n_heads=32, num_kv_heads=8, max_seq_len=2048, vocab_size=32000),
     "moe_8x_top2": dict(d_model=1024, n_layers=16, n_heads=16, num_experts=8, moe_top_k=2, vocab_size=32000),
     "debug_mamba": dict(arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, ssm_state_size=16),
-    "mamba": dict(arch="mamba", vocab_size=512, d_model=128, n_layers=4, max_seq_len=256, ssm_state_size=16),
+    "mamba": dict(arch="mamba", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, ssm_state_size=16),
 }
 
 
