@@ -141,6 +141,9 @@ def main() -> None:
         "params": {"transformer": param_counts(dec_cfg)["total"], "mamba": param_counts(mam_cfg)["total"]},
         "train_tokens_per_s": {n: summary(v) for n, v in tok_s.items()},
         "decode_ms_per_token": decode, "checks": checks,
+        # What benchmarks/report.py draws as the table (a generic list of rows).
+        "rows": [{"model": n, "train tokens/s": summary(tok_s[n])} for n in names]
+        + [{"model": f"{k} decode", "ms per token": v} for k, v in decode.items()],
     })
     print(f"\nwrote {path}")
 

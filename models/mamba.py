@@ -56,6 +56,81 @@ class MambaState:
         self.length = 0
 
 
+def _chunk_states(logdecay_BCEN: torch.Tensor, inject_BCEN: torch.Tensor, h0_BEN: torch.Tensor) -> torch.Tensor:
+    """Every state of one chunk, h_t = exp(logdecay_t) h_{t-1} + inject_t from h0, by a Hillis-Steele scan.
+
+    After the step with offset d, element t holds the state reached from zero over the window
+    (t - 2d, t] (b) and that window's summed log decay (w); at the end the window is [chunk start, t].
+    Plain tensors, no autograd: the caller owns the gradient (`_SelectiveScan`). Modifies nothing it is given.
+    """
+    w_BCEN, b_BCEN = logdecay_BCEN.clone(), inject_BCEN.clone()
+    d = 1
+    while d < w_BCEN.shape[1]:
+        b_BCEN[:, d:] += torch.exp(w_BCEN[:, d:]) * b_BCEN[:, :-d]  # the right side is a new tensor: no overlap
+        w_BCEN[:, d:] = w_BCEN[:, d:] + w_BCEN[:, :-d]
+        d *= 2
+    return b_BCEN.add_(torch.exp_(w_BCEN).mul_(h0_BEN.unsqueeze(1)))
+
+
+class _SelectiveScan(torch.autograd.Function):
+    """The scan with a hand-written backward that recomputes the states chunk by chunk.
+
+    Autograd through the scan would keep every Hillis-Steele step's (B, C, E, N) tensors of every
+    layer alive until backward (gigabytes at cpu_small's size, and slower from the memory traffic alone);
+    this keeps only the inputs and one state per chunk. The backward is itself a scan, run backwards in
+    time: g_t = dL/dh_t = C_t dy_t + exp(delta_{t+1} A) g_{t+1}; from g and the states,
+    dL/d(delta_t A) = g_t * h_{t-1} * exp(delta_t A) and dL/d(delta_t x_t B_t) = g_t.
+    """
+
+    @staticmethod
+    def forward(ctx, x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, chunk):
+        T = x_BTE.shape[1]
+        h_BEN = h0_BEN
+        starts, ys = [], []
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            starts.append(h_BEN)
+            states_BCEN = _chunk_states(delta_BTE[:, s:e, :, None] * A_EN,
+                                        (delta_BTE[:, s:e] * x_BTE[:, s:e])[..., None] * B_BTN[:, s:e, None, :], h_BEN)
+            ys.append(torch.einsum("bcen,bcn->bce", states_BCEN, C_BTN[:, s:e]))
+            h_BEN = states_BCEN[:, -1].clone()
+        ctx.chunk = chunk
+        ctx.save_for_backward(x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, torch.stack(starts, 1))
+        return torch.cat(ys, 1), h_BEN
+
+    @staticmethod
+    def backward(ctx, dy_BTE, dhT_BEN):
+        x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, starts_BKEN = ctx.saved_tensors
+        chunk, T = ctx.chunk, x_BTE.shape[1]
+        dy_BTE = torch.zeros_like(x_BTE) if dy_BTE is None else dy_BTE
+        dx_BTE, ddelta_BTE = torch.empty_like(x_BTE), torch.empty_like(delta_BTE)
+        dB_BTN, dC_BTN, dA_EN = torch.empty_like(B_BTN), torch.empty_like(C_BTN), torch.zeros_like(A_EN)
+        # dL/dh at the first step of the chunk after this one, times that step's decay: what flows back in.
+        carry_BEN = torch.zeros_like(starts_BKEN[:, 0]) if dhT_BEN is None else dhT_BEN.clone()
+        for k, s in reversed(list(enumerate(range(0, T, chunk)))):
+            e = min(s + chunk, T)
+            logdecay_BCEN = delta_BTE[:, s:e, :, None] * A_EN
+            dx_in_BCE = delta_BTE[:, s:e] * x_BTE[:, s:e]
+            h_start_BEN = starts_BKEN[:, k]
+            states_BCEN = _chunk_states(logdecay_BCEN, dx_in_BCE[..., None] * B_BTN[:, s:e, None, :], h_start_BEN)
+            # g backwards in time: flipped, it is the forward scan with each step's decay taken from the step after.
+            q_BCEN = dy_BTE[:, s:e, :, None] * C_BTN[:, s:e, None, :]
+            q_BCEN[:, -1] += carry_BEN
+            next_decay_BCEN = torch.cat([logdecay_BCEN[:, 1:], torch.zeros_like(logdecay_BCEN[:, :1])], 1)
+            g_BCEN = _chunk_states(next_decay_BCEN.flip(1), q_BCEN.flip(1), torch.zeros_like(h_start_BEN)).flip(1)
+            decay_BCEN = torch.exp(logdecay_BCEN)
+            carry_BEN = decay_BCEN[:, 0] * g_BCEN[:, 0]
+            prev_BCEN = torch.cat([h_start_BEN.unsqueeze(1), states_BCEN[:, :-1]], 1)
+            dlog_BCEN = g_BCEN * prev_BCEN * decay_BCEN
+            d_dx_BCE = torch.einsum("bcen,bcn->bce", g_BCEN, B_BTN[:, s:e])
+            dC_BTN[:, s:e] = torch.einsum("bcen,bce->bcn", states_BCEN, dy_BTE[:, s:e])
+            dB_BTN[:, s:e] = torch.einsum("bcen,bce->bcn", g_BCEN, dx_in_BCE)
+            dA_EN += torch.einsum("bcen,bce->en", dlog_BCEN, delta_BTE[:, s:e])
+            ddelta_BTE[:, s:e] = torch.einsum("bcen,en->bce", dlog_BCEN, A_EN) + d_dx_BCE * x_BTE[:, s:e]
+            dx_BTE[:, s:e] = d_dx_BCE * delta_BTE[:, s:e]
+        return dx_BTE, ddelta_BTE, dA_EN, dB_BTN, dC_BTN, carry_BEN, None
+
+
 def selective_scan(
     x_BTE: torch.Tensor,
     delta_BTE: torch.Tensor,
@@ -78,27 +153,10 @@ def selective_scan(
     Returns:
         (y_BTE without the D skip term, h_BEN the state after the last step), both fp32.
     """
-    Bsz, T, E = x_BTE.shape
-    N = A_EN.shape[1]
-    delta_BTE = delta_BTE.float()
-    logdecay_BTEN = delta_BTE.unsqueeze(-1) * A_EN.float()
-    inject_BTEN = (delta_BTE * x_BTE.float()).unsqueeze(-1) * B_BTN.float().unsqueeze(2)
-    h_BEN = x_BTE.new_zeros(Bsz, E, N, dtype=torch.float32) if h0_BEN is None else h0_BEN.float()
-    ys = []
-    for start in range(0, T, chunk):
-        # After the step with offset d, element t holds the state reached from zero over the window
-        # (t - 2d, t] (b) and that window's summed log decay (w); at the end the window is [chunk start, t].
-        w_BCEN = logdecay_BTEN[:, start:start + chunk]
-        b_BCEN = inject_BTEN[:, start:start + chunk]
-        d = 1
-        while d < w_BCEN.shape[1]:
-            b_BCEN = torch.cat([b_BCEN[:, :d], b_BCEN[:, d:] + torch.exp(w_BCEN[:, d:]) * b_BCEN[:, :-d]], dim=1)
-            w_BCEN = torch.cat([w_BCEN[:, :d], w_BCEN[:, d:] + w_BCEN[:, :-d]], dim=1)
-            d *= 2
-        states_BCEN = b_BCEN + torch.exp(w_BCEN) * h_BEN.unsqueeze(1)
-        ys.append(torch.einsum("bcen,bcn->bce", states_BCEN, C_BTN[:, start:start + chunk].float()))
-        h_BEN = states_BCEN[:, -1]
-    return torch.cat(ys, dim=1), h_BEN
+    Bsz, _, E = x_BTE.shape
+    h0_BEN = x_BTE.new_zeros(Bsz, E, A_EN.shape[1], dtype=torch.float32) if h0_BEN is None else h0_BEN.float()
+    return _SelectiveScan.apply(x_BTE.float(), delta_BTE.float(), A_EN.float(), B_BTN.float(), C_BTN.float(),
+                                h0_BEN, chunk)
 
 
 class MambaMixer(nn.Module):
