@@ -12,6 +12,10 @@ Interleaved A/B pairs, repeated (``--repeats``), median and range:
 2. Generation (batch 1, greedy, eval mode): milliseconds per new token after a short and after a long
    context. The Transformer's KV cache grows with the context; Mamba's state does not.
 
+One thread by default: the scan is thousands of small elementwise ops per step, and with 2 threads on
+a shared 2-core machine each op's thread barrier made steps vary from 1.4 s to 120 s; 1 thread gave
+repeatable times for both models.
+
 Prints tables and writes ``benchmarks/results/mamba.json``.
 
     .venv/bin/python benchmarks/mamba_speed.py [--preset cpu_small] [--seq-len 256] [--batch 8]
@@ -84,8 +88,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 32])
     ap.add_argument("--contexts", type=int, nargs=2, default=[16, 224])
     ap.add_argument("--decode-tokens", type=int, default=16)
     args = ap.parse_args()

@@ -13,7 +13,9 @@ A = -exp(A_log) is input independent; delta, B and C are functions of the input:
 Training runs the scan in parallel: the sequence is cut into chunks of `SCAN_CHUNK` steps; inside a
 chunk a Hillis-Steele scan combines the pairs (decay, input) in log2(chunk) whole-tensor steps, and a
 loop over the chunks (not over tokens) carries the state from one chunk to the next. Decays are kept
-as log sums (<= 0) and only exponentiated where applied, so nothing overflows.
+as log sums (<= 0) and only exponentiated where applied, so nothing overflows. The backward pass is a
+scan too, written by hand (`_SelectiveScan`), so that training keeps one state per chunk rather than
+every intermediate of every layer.
 
 Generation keeps per layer the last K-1 convolution inputs and the (E, N) SSM state (`MambaState`),
 so each new token costs the same whatever the length of what came before.
@@ -34,7 +36,12 @@ from models.config import ModelConfig
 from models.norms import RMSNorm
 from models.transformer import ModelOutput
 
-SCAN_CHUNK = 32  # steps per chunk of the parallel scan (benchmarks/mamba_speed.py measures the choice)
+SCAN_CHUNK = 4  # steps per chunk of the parallel scan: the fastest of 1-32 on CPU (benchmarks/mamba_speed.py)
+
+# Window decays below exp(-60) ~ 1e-26 are computed as exp(-60): the difference is far below fp32's
+# resolution of any state it is added to, and it keeps the products out of subnormal floats, which x86
+# CPUs compute tens of times slower (they made training steps several times slower here).
+LOG_DECAY_FLOOR = -60.0
 
 # HF MambaConfig's delta initialisation: delta ~ log-uniform in [DT_MIN, DT_MAX], floored at DT_FLOOR.
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -66,10 +73,11 @@ def _chunk_states(logdecay_BCEN: torch.Tensor, inject_BCEN: torch.Tensor, h0_BEN
     w_BCEN, b_BCEN = logdecay_BCEN.clone(), inject_BCEN.clone()
     d = 1
     while d < w_BCEN.shape[1]:
-        b_BCEN[:, d:] += torch.exp(w_BCEN[:, d:]) * b_BCEN[:, :-d]  # the right side is a new tensor: no overlap
+        # The right side is a new tensor, so the overlapping slices are read before they are written.
+        b_BCEN[:, d:] += torch.exp(w_BCEN[:, d:].clamp(min=LOG_DECAY_FLOOR)) * b_BCEN[:, :-d]
         w_BCEN[:, d:] = w_BCEN[:, d:] + w_BCEN[:, :-d]
         d *= 2
-    return b_BCEN.add_(torch.exp_(w_BCEN).mul_(h0_BEN.unsqueeze(1)))
+    return b_BCEN.add_(torch.exp_(w_BCEN.clamp_(min=LOG_DECAY_FLOOR)).mul_(h0_BEN.unsqueeze(1)))
 
 
 class _SelectiveScan(torch.autograd.Function):
