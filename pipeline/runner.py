@@ -132,6 +132,12 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def ray_runtime_env() -> dict:
+    """The runtime_env of the driver's ``ray.init``: ``worker_env()`` and the hook that quiets Ray's
+    own noise in each worker process (``pipeline.ray_logging``)."""
+    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.ray_logging.setup"}
+
+
 def connect_ray(cfg: RunConfig) -> bool:
     """Connect to ``cluster.address`` / $RAY_ADDRESS, or start a local Ray in-process.
 
@@ -164,7 +170,7 @@ def _init_ray(cfg: RunConfig) -> None:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
-            ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+            ray.init(address=address, runtime_env=ray_runtime_env(), log_to_driver=True)
         except (AuthenticationError, ConnectionError) as e:
             raise cluster.connection_error(address, e) from e
     else:
@@ -182,7 +188,7 @@ def local_ray_options(cfg: RunConfig) -> dict:
         "num_cpus": cfg.cluster.num_cpus or os.cpu_count(),
         "include_dashboard": cfg.cluster.include_dashboard,
         "dashboard_host": cfg.cluster.dashboard_host,
-        "runtime_env": {"env_vars": worker_env()},
+        "runtime_env": ray_runtime_env(),
     }
 
 
