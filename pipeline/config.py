@@ -186,6 +186,14 @@ class EvalSection:
     max_text_tokens: int = 8192  # per benchmark text set (split evenly over its files)
     lambada_max_examples: int = 300
     attention_sentence: str = "The old man looked at the sea and said nothing."
+    # Where the scoring runs. auto: a GPU when the Ray cluster has one (the task then holds one GPU),
+    # else CPU with eval.cpus logical CPUs and eval.threads torch threads (null: eval.cpus).
+    device: Literal["auto", "cpu", "cuda"] = _unhashed("auto")
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    cpus: int = _unhashed(1)
+    threads: int | None = _unhashed(None)
+    # On a GPU, batches grow from eval.batch_size by doubling while they fit in memory; false keeps it.
+    fit_gpu_batch: bool = _unhashed(True)
 
 
 @dataclass

@@ -45,6 +45,8 @@ RANGES: dict[str, Range] = {
     "eval.max_text_tokens": AT_LEAST_1,
     "eval.lambada_max_examples": AT_LEAST_1,
     "eval.attention_sentence": NON_EMPTY,
+    "eval.cpus": AT_LEAST_1,
+    "eval.threads": AT_LEAST_1,
     "register.model_name": NON_EMPTY,
     "cluster.num_cpus": AT_LEAST_1,
 }
