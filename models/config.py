@@ -149,7 +149,9 @@ class ModelConfig:
                     f"got {self.num_kv_heads!r}"
                 )
             if self.resolved_qk_rope_head_dim % 2 != 0:
-                raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.resolved_qk_rope_head_dim}")
+                raise ValueError(
+                    f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.resolved_qk_rope_head_dim}"
+                )
         else:
             for name in MLA_FIELDS:
                 if getattr(self, name) is not None:

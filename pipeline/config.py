@@ -209,7 +209,8 @@ class EvalSection:
 class RegisterSection:
     model_name: str = "conduit-lm"
     alias: str = "challenger"
-    hf_export: bool = True  # also log a Hugging Face (Llama / Mixtral) export where the architecture allows
+    # also log a Hugging Face (Llama / Mixtral / DeepseekV2) export where the architecture allows
+    hf_export: bool = True
 
 
 @dataclass
