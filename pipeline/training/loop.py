@@ -112,7 +112,8 @@ def main(config: dict) -> None:
     dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
     if rank == 0:
         tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
-                          "mfu.flops_per_token": flops_tok, "mfu.formula": "6N + 12*L*H*Q*T (PaLM app. B)",
+                          "mfu.flops_per_token": flops_tok,
+                          "mfu.formula": "6N + 6*L*H*(Q+V)*T (PaLM app. B; Q = V = head_dim but for MLA)",
                           "train.loss": loss_definition(t.label_smoothing)})
     moe_stats = MoEStats() if model_cfg.is_moe else None
     bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
@@ -150,7 +151,8 @@ def main(config: dict) -> None:
             if rank == 0:
                 history.append({"step": done, **metrics})
                 tracker.log_metrics(metrics, step=done)
-                bar.set_postfix(**{"loss" if not t.label_smoothing else "smoothed_loss": f"{metrics['loss']:.3f}"}, tok_s=f"{metrics['tokens_per_s']:.0f}")
+                loss_name = "smoothed_loss" if t.label_smoothing else "loss"
+                bar.set_postfix(**{loss_name: f"{metrics['loss']:.3f}"}, tok_s=f"{metrics['tokens_per_s']:.0f}")
         if done == t.steps or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
             last_checkpoint = time.monotonic()
             _checkpoint(engine, scheduler, done, loader.state_dict(), layout, {"history": history, "starts": starts})
