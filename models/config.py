@@ -85,7 +85,9 @@ class ModelConfig:
 
     num_experts: int = 0  # 0 = dense model
     moe_top_k: int = 2
-    moe_every: int = 1  # layer i is MoE iff num_experts > 0 and (i + 1) % moe_every == 0
+    # Layer i is MoE iff num_experts > 0, i >= moe_first_dense_layers and (i + 1) % moe_every == 0.
+    moe_every: int = 1
+    moe_first_dense_layers: int = 0  # the first layers stay dense (DeepSeek's first_k_dense_replace)
     moe_capacity_factor: float | None = None  # None = dropless
     moe_renormalize: bool = True  # renormalise the selected top-k router probabilities to sum to 1
     moe_shared_experts: int = 0  # dense experts that every token passes through
@@ -99,6 +101,7 @@ class ModelConfig:
         ints = {
             "vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_multiple_of": 1,
             "max_seq_len": 1, "num_experts": 0, "moe_top_k": 1, "moe_every": 1, "moe_shared_experts": 0,
+            "moe_first_dense_layers": 0,
         }
         for name, minimum in ints.items():
             _check_int(name, getattr(self, name), minimum)
@@ -236,11 +239,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         """True when at least one layer is a mixture-of-experts layer."""
-        return self.num_experts > 0 and self.n_layers >= self.moe_every
+        return self.num_moe_layers > 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` (0-based) uses MoE: num_experts > 0 and (i + 1) % moe_every == 0."""
-        return self.num_experts > 0 and (layer_idx + 1) % self.moe_every == 0
+        """Whether layer `layer_idx` (0-based) uses MoE: num_experts > 0, i >= moe_first_dense_layers and
+        (i + 1) % moe_every == 0."""
+        return (self.num_experts > 0 and layer_idx >= self.moe_first_dense_layers
+                and (layer_idx + 1) % self.moe_every == 0)
 
     @property
     def num_moe_layers(self) -> int:

@@ -138,6 +138,8 @@ def hf_unsupported_options(cfg: ModelConfig) -> list[str]:
     if cfg.num_experts > 0:
         if cfg.moe_every != 1:
             problems.append(f"moe_every={cfg.moe_every} (Mixtral has MoE in every layer)")
+        if cfg.moe_first_dense_layers:
+            problems.append(f"moe_first_dense_layers={cfg.moe_first_dense_layers} (Mixtral has MoE in every layer)")
         if cfg.moe_shared_experts:
             problems.append(f"moe_shared_experts={cfg.moe_shared_experts} (Mixtral has no shared experts)")
         if cfg.moe_capacity_factor is not None:
@@ -286,6 +288,7 @@ def _architecture(cfg: ModelConfig) -> tuple:
         cfg.moe_top_k if cfg.num_experts else None,
         cfg.resolved_moe_d_ff if cfg.num_experts else cfg.resolved_d_ff,
         cfg.moe_shared_experts if cfg.num_experts else None, cfg.moe_renormalize if cfg.num_experts else None,
+        tuple(cfg.is_moe_layer(i) for i in range(cfg.n_layers)),
         cfg.attention, cfg.q_lora_rank if mla else None,
         tuple(getattr(cfg, f"resolved_{f}") for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                         "v_head_dim")) if mla else None,

@@ -19,8 +19,8 @@ What maps how:
   renormalising the k weights (its norm_topk_prob is unused by the V2 router), scaled by
   routed_scaling_factor. Export therefore needs moe_renormalize=False and writes
   routed_scaling_factor 1.0, topk_method "greedy", n_group/topk_group null.
-- layer kinds: DeepseekV2 makes layer i MoE iff i >= first_k_dense_replace; Conduit's moe_every=1 is
-  first_k_dense_replace 0, a dense model is first_k_dense_replace = num_hidden_layers.
+- layer kinds: DeepseekV2 makes layer i MoE iff i >= first_k_dense_replace, which is Conduit's
+  moe_first_dense_layers with moe_every=1; a dense model is first_k_dense_replace = num_hidden_layers.
 - attention: num_key_value_heads = num_attention_heads (the expanded keys are per head); the softmax
   scale (qk_nope + qk_rope)^-0.5 is DeepseekV2's with rope_type default or linear (no YaRN mscale).
 """
@@ -69,7 +69,7 @@ def unsupported_options(cfg: ModelConfig) -> list[str]:
     if cfg.num_experts > 0:
         if cfg.moe_every != 1:
             problems.append(f"moe_every={cfg.moe_every} (DeepseekV2's MoE layers are all layers from "
-                            "first_k_dense_replace on)")
+                            "first_k_dense_replace = moe_first_dense_layers on)")
         if cfg.moe_capacity_factor is not None:
             problems.append(f"moe_capacity_factor={cfg.moe_capacity_factor} (DeepseekV2 is dropless)")
         if cfg.moe_renormalize:
@@ -200,7 +200,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "n_routed_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.moe_top_k if moe else None,
         "n_shared_experts": cfg.moe_shared_experts,
-        "first_k_dense_replace": 0 if moe else cfg.n_layers,
+        "first_k_dense_replace": cfg.moe_first_dense_layers if cfg.is_moe else cfg.n_layers,
         "topk_method": "greedy",
         "n_group": None,
         "topk_group": None,
@@ -220,9 +220,6 @@ def config_fields(hf: dict) -> dict:
     first_dense = hf.get("first_k_dense_replace", 0)
     experts = hf.get("n_routed_experts", 0) or 0
     moe = experts > 0 and first_dense < n_layers
-    if moe and first_dense != 0:
-        raise ValueError(f"first_k_dense_replace={first_dense}: Conduit's MoE layers are every moe_every-th "
-                         "layer, so only 0 (all MoE) or num_hidden_layers (dense) load")
     if moe:
         if hf.get("topk_method", "greedy") != "greedy":
             raise ValueError(f"topk_method={hf['topk_method']!r}: only 'greedy' routing loads")
@@ -241,5 +238,6 @@ def config_fields(hf: dict) -> dict:
     )
     if moe:
         fields.update(num_experts=experts, moe_top_k=hf["num_experts_per_tok"], moe_d_ff=hf["moe_intermediate_size"],
-                      moe_shared_experts=hf.get("n_shared_experts") or 0, moe_renormalize=False)
+                      moe_shared_experts=hf.get("n_shared_experts") or 0, moe_renormalize=False,
+                      moe_first_dense_layers=first_dense)
     return fields

@@ -19,7 +19,8 @@ VARIANTS = [
     dict(attention="mla"),
     dict(attention="mla", kv_lora_rank=12, q_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
          bias=True, tie_embeddings=True),
-    dict(attention="mla", kv_lora_rank=16, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_d_ff=16),
+    dict(attention="mla", kv_lora_rank=16, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_d_ff=16,
+         moe_first_dense_layers=1, n_layers=3),
 ]
 
 

@@ -103,6 +103,7 @@ def test_generation_with_the_cache_equals_generation_without_it(make_model, kw):
     (dict(attention="mla", qk_rope_head_dim=3), r"qk_rope_head_dim must be even"),
     (dict(attention="mla", kv_lora_rank=0), r"kv_lora_rank must be an int >= 1, got 0"),
     (dict(attention="mla", q_lora_rank=True), r"q_lora_rank must be an int >= 1, got True"),
+    (dict(moe_first_dense_layers=-1), r"moe_first_dense_layers must be an int >= 0, got -1"),
 ])
 def test_config_errors_name_the_field(make_cfg, kw, message):
     with pytest.raises(ValueError, match=message):
@@ -121,8 +122,8 @@ HF_CASES = [
     ("dense", dict(**MLA)),
     ("dense_q_lora_tied_rope_scaled", dict(**MLA, q_lora_rank=10, tie_embeddings=True, rope_scaling=2.0,
                                            rope_base=500.0, norm_eps=1e-6)),
-    ("moe_shared2_top2", dict(**MLA, num_experts=4, moe_top_k=2, moe_shared_experts=2, moe_d_ff=16,
-                              moe_renormalize=False)),
+    ("moe_shared2_top2_first_dense", dict(**MLA, num_experts=4, moe_top_k=2, moe_shared_experts=2, moe_d_ff=16,
+                                          moe_renormalize=False, moe_first_dense_layers=1, n_layers=3)),
     ("moe_no_shared_top1_q_lora", dict(**MLA, q_lora_rank=10, num_experts=3, moe_top_k=1, moe_renormalize=False)),
 ]
 
@@ -155,6 +156,8 @@ IMPORT_CASES = [
     ("dense", dict(q_lora_rank=None, n_routed_experts=0, first_k_dense_replace=2)),
     ("moe", dict(q_lora_rank=10, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
                  first_k_dense_replace=0)),
+    ("moe_first_layer_dense", dict(n_routed_experts=4, num_experts_per_tok=3, n_shared_experts=1,
+                                   first_k_dense_replace=1, n_group=1, topk_group=1)),
 ]
 
 
@@ -174,6 +177,8 @@ def test_import_of_a_deepseek_v2_checkpoint_equals_it(tmp_path, name, kw):
     hf.save_pretrained(tmp_path)
     ours = load_hf(tmp_path).eval()
     assert ours.cfg.attention == "mla" and ours.cfg.num_experts == kw["n_routed_experts"]
+    assert [b.is_moe for b in ours.layers] == [kw["n_routed_experts"] > 0 and i >= kw["first_k_dense_replace"]
+                                               for i in range(2)]
     x = torch.randint(0, 64, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, hf(x).logits, atol=1e-5, rtol=1e-5)
@@ -202,9 +207,19 @@ def test_load_refuses_deepseek_options_it_cannot_express(tmp_path):
                 qk_rope_head_dim=4, v_head_dim=5, intermediate_size=40, moe_intermediate_size=16,
                 n_routed_experts=4, num_experts_per_tok=2)
     save_file({"a": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    for extra, message in ((dict(first_k_dense_replace=1), "first_k_dense_replace=1"),
-                           (dict(topk_method="group_limited_greedy"), "topk_method"),
+    for extra, message in ((dict(topk_method="group_limited_greedy"), "topk_method"),
                            (dict(routed_scaling_factor=2.0), "routed_scaling_factor")):
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         with pytest.raises(ValueError, match=message):
             load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["cpu_mla_moe", "mla_moe_32x_top4"])
+def test_mla_presets_export_to_deepseek_v2(name):
+    from models import PRESETS
+    from models.export import hf_unsupported_options
+
+    cfg = PRESETS[name]
+    assert cfg.attention == "mla" and cfg.num_experts > 0 and cfg.moe_shared_experts > 0
+    assert hf_unsupported_options(cfg) == []
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]  # DeepSeek's first layer is dense
