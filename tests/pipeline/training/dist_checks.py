@@ -46,8 +46,9 @@ MOE_CAPACITY = dataclasses.replace(MOE_AUX, moe_capacity_factor=1.0)
 MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_rank=16, q_lora_rank=12,
                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
-                              moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
-MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)  # EP: no shared experts
+                              moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
+# EP: no shared experts (pipeline.limits); layer 0 dense, layer 1 experts split over the ranks.
+MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
                      warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
