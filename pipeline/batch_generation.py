@@ -93,8 +93,7 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
     ids_BT, mask_BT = _pad_left(requests, p.device)
     B, T = ids_BT.shape
     budgets = [r.max_new_tokens for r in requests]
-    cache = KVCache(cfg.n_layers, B, cfg.resolved_num_kv_heads, cfg.head_dim, T + max(budgets),
-                    device=p.device, dtype=p.dtype)
+    cache = KVCache.for_config(cfg, B, T + max(budgets), device=p.device, dtype=p.dtype)
     gens = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
     out: list[list[int]] = [[] for _ in requests]
     active = [True] * B

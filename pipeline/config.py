@@ -127,10 +127,20 @@ class TrainSection:
     steps: int = 20
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size_per_rank: int = 4
-    lr: float = 3e-3
+    # The base learning rate: the schedule's value multiplies it. None: 1.0 for schedule noam (whose
+    # value is the learning rate of Vaswani et al. 2017 itself, so train.lr is a plain multiplier of
+    # the paper's formula), 3e-3 for every other schedule. See ``resolved_lr``.
+    lr: float | None = None
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
-    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt"] = "cosine"
+    # constant, cosine (warmup then cosine to min_lr_ratio), wsd (warmup-stable-decay), noam
+    # (d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), times train.lr), inverse_sqrt (the same
+    # curve, kept for older configs; times train.lr, which defaults to 3e-3 for it).
+    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt", "noam"] = "cosine"
+    # Label smoothing eps of the training loss (Szegedy et al. 2016): the target is (1 - eps) one-hot
+    # + eps uniform over the vocabulary. The logged training loss is then the smoothed one (logged as
+    # ``loss`` with the tag train.loss_smoothing); evaluation always reports the plain cross-entropy.
+    label_smoothing: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -161,6 +171,13 @@ class TrainSection:
     # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
     # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
     resume_from: str | None = None
+
+    @property
+    def resolved_lr(self) -> float:
+        """The base learning rate: ``lr`` when set, else 1.0 for schedule noam and 3e-3 otherwise."""
+        if self.lr is not None:
+            return self.lr
+        return 1.0 if self.schedule == "noam" else 3e-3
 
 
 @dataclass
@@ -200,7 +217,8 @@ class EvalSection:
 class RegisterSection:
     model_name: str = "conduit-lm"
     alias: str = "challenger"
-    hf_export: bool = True  # also log a Hugging Face (Llama / Mixtral) export where the architecture allows
+    # also log a Hugging Face (Llama / Mixtral / DeepseekV2) export where the architecture allows
+    hf_export: bool = True
 
 
 @dataclass
@@ -533,8 +551,11 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
-    need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
+    need(tr.lr is None or tr.lr > 0, f"train.lr={tr.lr} must be > 0 (or null for the schedule's default)")
+    need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(tr.schedule != "noam" or tr.warmup_steps >= 1,
+         f"train.schedule=noam divides by train.warmup_steps, so train.warmup_steps={tr.warmup_steps} must be >= 1")
     need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
          f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
          f"below train.steps={tr.steps}")

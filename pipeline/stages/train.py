@@ -163,6 +163,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "tokens": cfg.train.steps * cfg.train.global_batch_size * cfg.tokenize.seq_len,
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],
+        "loss_label_smoothing": cfg.train.label_smoothing,  # > 0: the two losses above are smoothed
         "device": device,
         "precision": precision,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,

@@ -42,7 +42,9 @@ from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.checksums import verify_checkpoint, write_checksums
 from pipeline.training.resume import usable_checkpoint
 from pipeline.training.data import BlockLoader
-from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
+from pipeline.training.engine import (
+    build_engine, full_state_dict, load_state, local_threads, loss_definition, save_state, train_step,
+)
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
 from pipeline.training.outbox import Outbox
 from pipeline.training.parallel import ParallelDims
@@ -110,14 +112,16 @@ def main(config: dict) -> None:
     dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
     if rank == 0:
         tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
-                          "mfu.flops_per_token": flops_tok, "mfu.formula": "6N + 12*L*H*Q*T (PaLM app. B)"})
+                          "mfu.flops_per_token": flops_tok,
+                          "mfu.formula": "6N + 6*L*H*(Q+V)*T (PaLM app. B; Q = V = head_dim but for MLA)",
+                          "train.loss": loss_definition(t.label_smoothing)})
     moe_stats = MoEStats() if model_cfg.is_moe else None
     bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
                disable=rank != 0 or not t.progress_bar, mininterval=1.0)
     window_t0, window_tokens = time.perf_counter(), 0
     last_checkpoint = time.monotonic()
     for step in range(start_step, t.steps):
-        loss = train_step(engine, loader.next_step(), device, moe_stats)
+        loss = train_step(engine, loader.next_step(), device, moe_stats, t.label_smoothing)
         window_tokens += dims.global_batch_tokens
         done = step + 1
         due_by_time = False
@@ -147,7 +151,8 @@ def main(config: dict) -> None:
             if rank == 0:
                 history.append({"step": done, **metrics})
                 tracker.log_metrics(metrics, step=done)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                loss_name = "smoothed_loss" if t.label_smoothing else "loss"
+                bar.set_postfix(**{loss_name: f"{metrics['loss']:.3f}"}, tok_s=f"{metrics['tokens_per_s']:.0f}")
         if done == t.steps or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
             last_checkpoint = time.monotonic()
             _checkpoint(engine, scheduler, done, loader.state_dict(), layout, {"history": history, "starts": starts})

@@ -42,6 +42,13 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0
 # jumps; the check would then measure rounding, not whether the distributed step is the same step.
 MOE_AUX = dataclasses.replace(MOE, moe_aux_loss_coef=0.01)
 MOE_CAPACITY = dataclasses.replace(MOE_AUX, moe_capacity_factor=1.0)
+# Multi-head latent attention (with a query latent), dense and with DeepSeek-style shared + routed experts.
+MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_rank=16, q_lora_rank=12,
+                          qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
+                              moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
+# EP: no shared experts (pipeline.limits); layer 0 dense, layer 1 experts split over the ranks.
+MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
                      warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
@@ -59,7 +66,8 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
         for x, y in loader.next_step():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = model(x)
-            ((lm_loss(out.logits.float(), y) + out.aux_loss) * micro / GLOBAL).backward()
+            lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
+            ((lm + out.aux_loss) * micro / GLOBAL).backward()
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
@@ -72,7 +80,8 @@ def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
     engine, _ = build_engine(model_cfg, train, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
-    losses = [train_step(engine, loader.next_step(), CPU, moe_stats).item() for _ in range(steps)]
+    losses = [train_step(engine, loader.next_step(), CPU, moe_stats, train.label_smoothing).item()
+              for _ in range(steps)]
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
         for _, layer in moe_layers(engine.module):
             assert len(layer.experts) == 0
@@ -207,6 +216,8 @@ def main(out_dir: str) -> None:
         "dense_zero3_offload_all": (DENSE, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}),
         "dense_zero1_activation_ckpt": (DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_zero1": (MOE, {"zero_stage": 1}), "moe_zero2": (MOE, {"zero_stage": 2}),
+        "dense_zero1_label_smoothing": (DENSE, {"zero_stage": 1, "label_smoothing": 0.1}),
+        "mla_zero3": (MLA, {"zero_stage": 3}), "mla_moe_shared_zero2": (MLA_MOE, {"zero_stage": 2}),
     }
     for case, (model_cfg, fields) in variants.items():
         train = dataclasses.replace(TRAIN, **fields)
@@ -221,7 +232,8 @@ def main(out_dir: str) -> None:
     # Expert parallelism: experts split over the 2 ranks, tokens exchanged by all-to-all. The
     # reference accumulates the same micro-batches, so capacity (computed per forward) and the
     # load-balancing loss see the same tokens as each rank does.
-    ep_cases = (("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1))
+    ep_cases = (("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1),
+                ("ep2_mla_zero1", MLA_MOE_AUX, 1))
     for name, model_cfg, zero in ep_cases:
         train = dataclasses.replace(TRAIN, zero_stage=zero)
         stats = MoEStats()
@@ -262,6 +274,8 @@ def main(out_dir: str) -> None:
     }
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
+    results["resume_mla_ep2"] = resume_check(tokens, out / "ckpt_mla_ep", world, rank, MLA_MOE_AUX, zero=2,
+                                             ep_size=world)
     try:
         build_engine(MOE, dataclasses.replace(TRAIN, zero_stage=3), ParallelDims(world, world, GLOBAL, MICRO, SEQ),
                      precision="fp32", device=CPU, seed=SEED)

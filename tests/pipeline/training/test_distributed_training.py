@@ -47,7 +47,7 @@ def test_canonical_checkpoint_resumes_on_another_layout_of_the_same_world(result
 @pytest.mark.parametrize("case", [
     "dense_zero0", "dense_zero1", "dense_zero2", "dense_zero3", "dense_zero2_offload", "dense_zero3_offload_all",
     "dense_zero1_activation_ckpt", "moe_zero1", "moe_zero2", "dense_zero1_amp_bf16", "dense_zero1_compile",
-    "dense_zero1_compile_activation_ckpt",
+    "dense_zero1_compile_activation_ckpt", "dense_zero1_label_smoothing", "mla_zero3", "mla_moe_shared_zero2",
 ])
 def test_two_ranks_match_one_process(results, case):
     r = results[case]
@@ -55,7 +55,7 @@ def test_two_ranks_match_one_process(results, case):
     assert r["max_abs_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1"])
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_mla_zero1"])
 def test_expert_parallel_matches_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3
@@ -70,7 +70,7 @@ def test_expert_parallel_with_zero3_is_refused_clearly(results):
     assert "train.zero_stage=3 with parallel.ep_size > 1 is not supported" in results["ep_zero3_refused"]
 
 
-@pytest.mark.parametrize("case", ["resume", "resume_ep2"])
+@pytest.mark.parametrize("case", ["resume", "resume_ep2", "resume_mla_ep2"])
 def test_resume_is_bit_exact(results, case):
     r = results[case]
     assert r["step_restored"] == 2
@@ -83,3 +83,10 @@ def test_expert_load_is_summed_over_ranks(results):
     assert r["distributed"] == r["reference"]  # exact integer counts, every layer and expert
     assert r["micro_batches"] == 4  # 2 ranks x 2 accumulation steps
     assert abs(r["load_shares_sum"] - 1.0) < 1e-12
+
+
+def test_label_smoothing_is_what_the_engine_trains_on(results):
+    """Same data and start as dense_zero1, another loss: the reported losses differ from the first step on
+    (the weights' match with the smoothed single-process reference is in test_two_ranks_match_one_process)."""
+    plain, smoothed = results["dense_zero1"]["losses"], results["dense_zero1_label_smoothing"]["losses"]
+    assert all(s != p for s, p in zip(smoothed, plain)), (smoothed, plain)
