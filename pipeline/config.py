@@ -156,6 +156,12 @@ class TrainSection:
     compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
+    # Validation during training (pipeline.training.validation): every eval_every steps (a multiple of
+    # log_every; 0: never) the loss on the first eval_batches global batches of the validation split,
+    # logged as val_loss; early_stop_patience > 0 stops after that many validations without a new best.
+    eval_every: int = 0
+    eval_batches: int = 4
+    early_stop_patience: int = 0
     # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
     checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
     # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
@@ -560,6 +566,11 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
          f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
          f"below train.steps={tr.steps}")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(tr.eval_every % tr.log_every == 0,
+         f"train.eval_every={tr.eval_every} must be a multiple of train.log_every={tr.log_every} (val_loss is "
+         "logged with that step's metrics)")
+    need(tr.early_stop_patience == 0 or tr.eval_every > 0,
+         f"train.early_stop_patience={tr.early_stop_patience} needs validation: set train.eval_every")
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")

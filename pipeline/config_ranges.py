@@ -35,6 +35,9 @@ RANGES: dict[str, Range] = {
     "train.beta2": UNIT_HALF_OPEN,
     "train.adam_eps": POSITIVE,
     "train.grad_clip": AT_LEAST_0,  # 0 turns clipping off
+    "train.eval_every": AT_LEAST_0,  # 0: no validation during training
+    "train.eval_batches": AT_LEAST_1,
+    "train.early_stop_patience": AT_LEAST_0,
     "parallel.threads_per_worker": AT_LEAST_1,
     "eval.max_batches": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -132,6 +133,33 @@ def test_training_loss_went_down(smoke):
     metrics = result.artifacts["evaluate"].manifest["counts"]
     # Clearly better than the unigram floor on held-out text, not just "trained a bit".
     assert metrics["val_bits_per_byte"] < 0.85 * metrics["unigram_bits_per_byte"], metrics
+
+
+def test_validation_during_training_is_logged_and_equals_one_process_on_the_final_weights(smoke):
+    """smoke.yaml validates every train.eval_every steps on 2 workers; at the last step the weights are
+    the registered ones, so one process here must get the loss the two ranks reduced."""
+    import torch
+
+    from models.export import load_safetensors
+    from pipeline.stage_io import WEIGHTS_FILE, tokens_file
+    from pipeline.training.parallel import ParallelDims
+    from pipeline.training.validation import validation_loss
+
+    cfg, result, _, _ = smoke
+    t = cfg.train
+    assert t.eval_every and cfg.parallel.num_workers == 2
+    c = tracking.client(result.tracking_uri)
+    train_run = result.artifacts["train"]
+    (run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id],
+                           f"tags.`conduit.stage` = 'train' and tags.mlflow.parentRunId = '{result.run_id}'")
+    logged = {int(m.step): m.value for m in c.get_metric_history(run.info.run_id, "val_loss")}
+    assert sorted(logged) == list(range(t.eval_every, t.steps + 1, t.eval_every))
+    assert {int(k): v for k, v in train_run.manifest["counts"]["val_losses"].items()} == logged
+    model = load_safetensors(str(train_run.path / WEIGHTS_FILE))
+    blocks = np.load(result.artifacts["tokenize"].path / tokens_file("validation"), mmap_mode="r")
+    dims = ParallelDims(1, 1, t.global_batch_size, t.micro_batch_size_per_rank, cfg.tokenize.seq_len)
+    one = validation_loss(model, blocks, dims, 0, t.eval_batches, torch.device("cpu"), all_reduce=None)
+    assert one == pytest.approx(logged[t.steps], rel=1e-5)
 
 
 def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
