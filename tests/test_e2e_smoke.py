@@ -341,7 +341,9 @@ def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
 
     The counts are checked against the router itself: at step 1 every rank still has the initial
     weights (the seed's), so the same model, built here, routes the step's micro-batches of both
-    ranks (the run's loader) and must count exactly what MLflow holds. At every step each layer's
+    ranks (the run's loader, the workers' micro-batch shapes and thread count) and must count
+    exactly what MLflow holds: a rank's counts left out of the sum, a micro-batch missed or counted
+    twice, or a window that is not one step would all show here. At every step each layer's
     counts add up to the global batch's tokens x top_k (dropless: every slot is kept), and the
     logged shares are those counts over that total.
     """
