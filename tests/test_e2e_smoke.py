@@ -354,9 +354,10 @@ def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
     steps = list(range(1, cfg.train.steps + 1))
     model_cfg = cfg.model_config()
     E, layers = model_cfg.num_experts, model_cfg.n_layers
+    logged = {}
     for name in ("tokens_per_s", "moe_load_balance_loss", "moe_z_loss"):
-        values = metric_by_step(c, run_id, name)
-        assert sorted(values) == steps and all(v > 0 for v in values.values()), (name, values)
+        logged[name] = metric_by_step(c, run_id, name)
+        assert sorted(logged[name]) == steps and all(v > 0 for v in logged[name].values()), (name, logged[name])
     counts = {(i, j): metric_by_step(c, run_id, f"expert_tokens/l{i}/e{j}") for i in range(layers) for j in range(E)}
     shares = {(i, j): metric_by_step(c, run_id, f"expert_load/l{i}/e{j}") for i in range(layers) for j in range(E)}
     slots = cfg.train.global_batch_size * cfg.tokenize.seq_len * model_cfg.moe_top_k
@@ -365,13 +366,17 @@ def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
             layer = [counts[i, j][step] for j in range(E)]
             assert sum(layer) == slots and all(v == int(v) for v in layer), (step, i, layer)
             assert [shares[i, j][step] for j in range(E)] == [v / slots for v in layer], (step, i)
-    routed = router_counts_at_first_step(cfg, result.artifacts["tokenize"].path)
+    routed, losses = router_at_first_step(cfg, result.artifacts["tokenize"].path)
     assert [[counts[i, j][1] for j in range(E)] for i in range(layers)] == routed
+    # The losses are float64 means of the same float32 values, summed in another order.
+    for name, value in losses.items():
+        assert logged[name][1] == pytest.approx(value, rel=1e-12, abs=0), name
 
 
-def router_counts_at_first_step(cfg, tokens_dir: Path) -> list[list[int]]:
+def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[str, float]]:
     """Per layer, the tokens the initial model's router sends to each expert over step 1's
-    micro-batches of every rank, as the training workers were given them."""
+    micro-batches of every rank, as the training workers were given them; and the load-balancing
+    and z losses of those forwards, each the mean over micro-batches and layers."""
     import torch
 
     from models import build_model
@@ -388,13 +393,16 @@ def router_counts_at_first_step(cfg, tokens_dir: Path) -> list[list[int]]:
     try:
         seed_everything(cfg.run.seed)  # what build_engine does before it builds the model
         model = build_model(cfg.model_config())
-        total = None
+        total, stats = None, []
         with torch.no_grad():
             for rank in range(p.num_workers):
                 loader = BlockLoader(tokens_dir / tokens_file("train"), dims, rank, seed=cfg.run.seed)
                 for x_BT, _ in loader.next_step():
-                    layer_counts = torch.stack([s["tokens_per_expert"] for s in model(x_BT).moe_stats])
+                    layers = model(x_BT).moe_stats
+                    stats += layers
+                    layer_counts = torch.stack([s["tokens_per_expert"] for s in layers])
                     total = layer_counts if total is None else total + layer_counts
     finally:
         torch.set_num_threads(threads)
-    return total.tolist()
+    losses = {f"moe_{key}": sum(float(s[key]) for s in stats) / len(stats) for key in ("load_balance_loss", "z_loss")}
+    return total.tolist(), losses
