@@ -4,8 +4,9 @@
     python -m tests.pipeline.training.dist_checks canonical-resume OUT_DIR   (1 rank)
     python -m tests.pipeline.training.dist_checks ep-replicas OUT_DIR        (4 ranks)
 
-Rank 0 writes ``OUT_DIR/results.json``; the test asserts on it. Everything here goes through the
-same functions the Ray Train worker uses (``pipeline.training.engine`` and ``BlockLoader``).
+Rank 0 writes ``OUT_DIR/results.json`` (``canonical_resume.json``, ``ep_replicas.json``); the test
+asserts on it. Everything here goes through the same functions the Ray Train worker uses
+(``pipeline.training.engine`` and ``BlockLoader``).
 """
 
 from __future__ import annotations
