@@ -313,7 +313,8 @@ def test_moe_registered_model_loads_and_generates(smoke_moe):
     mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
     assert mv.tags["conduit.train_hash"] == result.artifacts["train"].hash
     model = tracking.load_registered_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger")
-    out = model.predict(pd.DataFrame({"prompt": ["Once upon a time"]}), params={"max_new_tokens": 6, "temperature": 0.0})
+    out = model.predict(pd.DataFrame({"prompt": ["Once upon a time"]}),
+                        params={"max_new_tokens": 6, "temperature": 0.0})
     (text,) = out["text"].tolist()
     assert isinstance(text, str) and text.strip(), text
 
