@@ -122,7 +122,8 @@ def main(config: dict) -> None:
     cluster_peak = torch.tensor(peak, dtype=torch.float64, device=device)
     dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
     if rank == 0:
-        tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
+        # repr: every digit, so that mfu = tokens_per_s * mfu.flops_per_token / mfu.peak_flops can be checked.
+        tracker.set_tags({"mfu.peak_flops": repr(cluster_peak.item()), "mfu.peak_source": peak_source,
                           "mfu.flops_per_token": flops_tok,
                           "mfu.formula": "6N + 6*L*H*(Q+V)*T (PaLM app. B; Q = V = head_dim but for MLA)",
                           "train.loss": loss_definition(t.label_smoothing)})

@@ -1,4 +1,5 @@
-"""2 ranks == 1 rank, and exact resume, through DeepSpeed over gloo (one 2-process launch)."""
+"""2 ranks == 1 rank, and exact resume, through DeepSpeed over gloo (one 2-process launch, and one
+4-process launch for experts with replicas)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def test_expert_parallel_matches_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3
     assert r["max_abs_diff"] < 1e-5, r
+    assert_grad_norms_match(r)
     if "capacity" in case:
         assert r["dropped_fraction"] > 0.05  # tokens were dropped, and the same ones as in one process
     else:
@@ -90,3 +92,48 @@ def test_label_smoothing_is_what_the_engine_trains_on(results):
     (the weights' match with the smoothed single-process reference is in test_two_ranks_match_one_process)."""
     plain, smoothed = results["dense_zero1"]["losses"], results["dense_zero1_label_smoothing"]["losses"]
     assert all(s != p for s, p in zip(smoothed, plain)), (smoothed, plain)
+
+
+def assert_grad_norms_match(r: dict) -> None:
+    """The global gradient norm DeepSpeed clipped with, each step, is the single process's."""
+    assert len(r["grad_norms"]) == len(r["reference_grad_norms"]) == 2
+    for got, ref in zip(r["grad_norms"], r["reference_grad_norms"]):
+        assert abs(got - ref) < 1e-5 * ref, r
+
+
+@pytest.fixture(scope="module")
+def ep_replicas(tmp_path_factory):
+    """One 4-process world, ep_size 2: two replicas of every expert (dist_checks.ep_replicas)."""
+    out = tmp_path_factory.mktemp("ep_replicas")
+    run_world("tests.pipeline.training.dist_checks", "ep-replicas", str(out), world_size=4, timeout=900)
+    return json.loads((out / "ep_replicas.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_capacity_zero2"])
+def test_replicated_experts_match_one_process(ep_replicas, case):
+    """4 ranks, ep_size 2: expert gradients reduced over the expert-data-parallel groups, dense ones
+    over all ranks; the weights after 2 steps are one process's, and so is the gradient norm that
+    clipping used (each expert's gradient counted once, not once per replica)."""
+    r = ep_replicas[case]
+    assert ep_replicas["world_size"] == 4
+    assert r["moved"] > 1e-3
+    assert r["max_abs_diff"] < 1e-5, r
+    assert_grad_norms_match(r)
+    if "capacity" in case:
+        assert r["dropped_fraction"] > 0.05
+    else:
+        assert r["dropped_fraction"] == 0.0
+
+
+def test_replicated_experts_resume_bit_exact(ep_replicas):
+    r = ep_replicas["resume_ep2"]
+    assert r["step_restored"] == 2 and r["losses_equal"] is True and r["weights_identical"] is True
+
+
+@pytest.mark.parametrize("case", ["ep2_to_ep1_zero1", "ep2_to_ep4_zero2"])
+def test_replicated_experts_canonical_checkpoint_resumes_on_ep_1_and_4(ep_replicas, case):
+    """Saved by 4 ranks with ep_size 2 (ZeRO-2); continued by 4 ranks with every expert on every rank
+    (ep_size 1) and with one expert per rank (ep_size 4): 2 more steps equal 4 single-process steps."""
+    r = ep_replicas["canonical"][case]
+    assert r["world_size"] == 4 and r["step"] == 2, r
+    assert r["max_abs_diff"] < 1e-5, r
