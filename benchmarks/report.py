@@ -260,9 +260,28 @@ def pipeline_tables(d: dict) -> list[str]:
     return out + table(["stage", "body", "range", "run", "range"], rows)
 
 
+def data_stages_tables(d: dict) -> list[str]:
+    runs = d["runs"]
+    first = runs[0]
+    out = [f"`jobs.run configs/demo.yaml --until tokenize` on the Gutenberg training books x{d['scale']} "
+           f"({first['files']} files, {first['text_bytes'] / 1e6:.0f} MB of text; {' '.join(d['overrides'])}), "
+           "fresh workdir; peak RSS sampled over the whole process tree. Shard peak: the largest process of the "
+           "shard stage (its task, or a read or write task it started).", ""]
+    if d.get("note"):
+        out += [d["note"], ""]
+    rows = []
+    for r in runs:
+        s = r["stage_seconds"]
+        shard = max(v for k, v in r["peak_rss_bytes"].items() if k.startswith("ray::conduit.shard"))
+        rows.append([r["label"], s["shard"], s["tokenize"], r["wall_s"], f"{shard / 2**20:.0f}",
+                     r["largest_process"]["role"], f"{r['largest_process']['rss_bytes'] / 2**20:.0f}"])
+    return out + table(["checkout", "shard s", "tokenize s", "wall s", "shard peak MiB", "largest process",
+                        "its peak MiB"], rows)
+
+
 TABLES: dict[str, Callable[[dict], list[str]]] = {"peak": peak_tables, "train_throughput": train_tables,
                                                   "tokenize": tokenize_tables, "moe": moe_tables,
-                                                  "pipeline": pipeline_tables}
+                                                  "pipeline": pipeline_tables, "data_stages": data_stages_tables}
 
 
 def kind_of(name: str) -> str:

@@ -1,6 +1,6 @@
 """Run a Conduit pipeline here (embedded Ray and MLflow by default) or inside a Ray job.
 
-    python -m jobs.run configs/smoke.yaml [section.field=value ...] [--dry-run] [--only STAGE] [--force STAGE]
+    python -m jobs.run configs/smoke.yaml [section.field=value ...] [--dry-run] [--only STAGE | --until STAGE] [--force STAGE]
                                           [--verbose]
 
 The terminal shows the stages, one live status line and a closing summary; everything else (every
@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50")
     p.add_argument("--dry-run", action="store_true", help="print the plan with hashes and what is cached")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
+    p.add_argument("--until", choices=ORDER,
+                   help="run the stages up to and including this one (e.g. train: evaluate and register later)")
     p.add_argument("--force", action="append", default=[], choices=ORDER,
                    help="rerun this stage and everything after it (repeatable)")
     p.add_argument("--verbose", action="store_true",
@@ -76,10 +78,12 @@ def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: Tex
     """
     try:
         if args.dry_run:
-            run_pipeline(cfg, only=args.only, force=tuple(args.force), dry_run=True, echo=console.line)
+            run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force), dry_run=True,
+                         echo=console.line)
             return 0
         with StageStatus(console, cfg, live=log is not None) as status:
-            result = run_pipeline(cfg, only=args.only, force=tuple(args.force), echo=status.echo)
+            result = run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force),
+                                      echo=status.echo)
     except EXPECTED_ERRORS as e:
         with contextlib.redirect_stderr(errors):
             return main_exit_code(e)

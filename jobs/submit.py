@@ -1,7 +1,7 @@
 """Submit a Conduit pipeline to a Ray cluster as a Ray job (the config is validated here first).
 
     python -m jobs.submit configs/smoke.yaml [section.field=value ...] [--address http://HOST:8265]
-        [--tracking-uri URI] [--follow] [--only STAGE] [--force STAGE] [--dry-run] [--keep-paths]
+        [--tracking-uri URI] [--follow] [--only STAGE | --until STAGE] [--force STAGE] [--dry-run] [--keep-paths]
 
 Prints the job id on stdout. With --follow, streams the job's logs and exits 0 if it SUCCEEDED,
 1 if it FAILED or was STOPPED. A bad config exits 2 before anything is sent.
@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tracking-uri", help="MLflow server for the job (default: config, $MLFLOW_TRACKING_URI, env file)")
     p.add_argument("--follow", action="store_true", help="stream the logs and exit with the job's status")
     p.add_argument("--only", choices=ORDER, help="passed to jobs.run")
+    p.add_argument("--until", choices=ORDER, help="passed to jobs.run")
     p.add_argument("--force", action="append", default=[], choices=ORDER, help="passed to jobs.run (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="passed to jobs.run: the job prints the plan")
     p.add_argument("--keep-paths", action="store_true",
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     uri = cluster.resolve_tracking_uri(args.tracking_uri, cfg)
     if uri:
         env_vars["MLFLOW_TRACKING_URI"] = uri
-    run_args = [*(["--only", args.only] if args.only else []), *[a for s in args.force for a in ("--force", s)],
+    run_args = [*(["--only", args.only] if args.only else []), *(["--until", args.until] if args.until else []),
+                *[a for s in args.force for a in ("--force", s)],
                 *(["--dry-run"] if args.dry_run else [])]
     try:
         spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args)

@@ -14,12 +14,22 @@ with N = active non-embedding parameters + V * D (the output projection is a mat
 the input lookup is not), L layers, H query heads, K head_dim, T the sequence length. The attention
 term counts Q K^T and A V (2 matmuls * 2 FLOPs per multiply-add) over the full T keys, as PaLM does,
 i.e. it does not halve for the causal mask. total = forward + backward (backward = 2 * forward).
+Under MLA the two matmuls have different widths, Q K^T over qk_nope_head_dim + qk_rope_head_dim and
+A V over v_head_dim, so its attention term is 6 * L * H * (Q + V) * T (forward 2 * ...), which is
+PaLM's when Q = V = K. The key/value up-projection (kv_b_proj) is in N: it runs once per token in
+training, like every other projection.
 Use `total * tokens_per_second / peak_flops` for MFU.
 
 Mamba (arch 'mamba'): the same 6 * N for the projections and the convolution, and in place of the
 attention term the selective scan's 9 * E * N FLOPs per token and layer forward (Gu & Dao 2023, section
 3.3.2, which counts 9 B L D N for the scan), times 3 for forward + backward. Unlike attention it does not
 grow with T.
+
+KV-cache bytes per token (`kv_cache_bytes_per_token`), what `models.attention.KVCache` stores per
+generated or prompt token, over all layers:
+    mha / gqa / mqa:  L * 2 * G * K * bytes       (a key and a value for each of G key/value heads)
+    mla:              L * (R + P) * bytes          (the latent c_KV and the one shared RoPE key)
+with G num_kv_heads (H for MHA, 1 for MQA), R kv_lora_rank, P qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -40,7 +50,25 @@ def _norm_params(cfg: ModelConfig) -> int:
     return cfg.d_model * (2 if cfg.bias else 1)
 
 
+def _mla_params(cfg: ModelConfig) -> int:
+    D, H = cfg.d_model, cfg.n_heads
+    R, P = cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim
+    Q, V = cfg.resolved_qk_nope_head_dim + P, cfg.resolved_v_head_dim
+    b = 1 if cfg.bias else 0
+    if cfg.q_lora_rank is None:
+        query = D * H * Q + b * H * Q
+    else:
+        rq = cfg.q_lora_rank
+        query = D * rq + b * rq + rq + rq * H * Q + b * H * Q  # q_a_proj, q_a_norm, q_b_proj
+    latent = D * (R + P) + b * (R + P) + R  # kv_a_proj, kv_a_norm
+    expand = R * H * (Q - P + V) + b * H * (Q - P + V)  # kv_b_proj
+    out = H * V * D + b * D
+    return query + latent + expand + out
+
+
 def _attention_params(cfg: ModelConfig) -> int:
+    if cfg.attention == "mla":
+        return _mla_params(cfg)
     D, H, G, K = cfg.d_model, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim
     weights = D * H * K + 2 * D * G * K + H * K * D
     biases = (H * K + 2 * G * K + D) if cfg.bias else 0
@@ -107,8 +135,36 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     if cfg.arch == "mamba":
         scan = 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size
         return {"total": 6 * n + 3 * scan, "forward": 2 * n + scan}
-    attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-    return {"total": 6 * n + 12 * attn, "forward": 2 * n + 4 * attn}
+    if cfg.attention == "mla":
+        qk_plus_v = cfg.resolved_qk_nope_head_dim + cfg.resolved_qk_rope_head_dim + cfg.resolved_v_head_dim
+    else:
+        qk_plus_v = 2 * cfg.head_dim
+    attn = cfg.n_layers * cfg.n_heads * qk_plus_v * seq_len  # = 2 * L * H * K * T for MHA
+    return {"total": 6 * n + 6 * attn, "forward": 2 * n + 2 * attn}
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
+    """Bytes the KV cache holds per token over all layers (formula in the module docstring).
+
+    Args:
+        cfg: the model config.
+        bytes_per_element: 2 for a bf16/fp16 cache (the default), 4 for fp32.
+
+    Returns:
+        Bytes per cached token.
+
+    Raises:
+        ValueError: if bytes_per_element < 1.
+    """
+    if bytes_per_element < 1:
+        raise ValueError(f"bytes_per_element must be >= 1, got {bytes_per_element}")
+    if cfg.arch == "mamba":
+        return 0  # a fixed-size state (models.mamba.MambaState), nothing per token
+    if cfg.attention == "mla":
+        per_layer = cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim
+    else:
+        per_layer = 2 * cfg.resolved_num_kv_heads * cfg.head_dim
+    return cfg.n_layers * per_layer * bytes_per_element
 
 
 def _mamba_param_counts(cfg: ModelConfig) -> dict[str, int]:

@@ -36,6 +36,13 @@ class KVCache:
     at step s. Pad tokens (attention_mask 0) take a slot but are masked out as keys, and do not advance
     their row's position counter, so a left-padded prompt decodes exactly like the unpadded one.
 
+    What a slot holds per layer is two tensors, written by `update` as "k" and "v":
+    - attention 'mha': the RoPE'd keys and the values of the G key/value heads, (B, G, S, K) each;
+    - attention 'mla': the compressed latent c_KV, (B, 1, S, kv_lora_rank), and the one RoPE'd key
+      shared by all heads, (B, 1, S, qk_rope_head_dim) (see models.mla). Per-head keys and values are
+      re-expanded from these at every step; storing them would defeat MLA's purpose.
+    `for_config` picks the sizes; `models.accounting.kv_cache_bytes_per_token` counts them.
+
     Attributes:
         length: number of filled slots (same for every row).
         max_len: capacity in slots.
@@ -53,10 +60,13 @@ class KVCache:
         max_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        value_dim: int | None = None,
     ) -> None:
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k_BGSK = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v_BGSK = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        value_dim = head_dim if value_dim is None else value_dim
+        k_shape = (batch_size, num_kv_heads, max_len, head_dim)
+        v_shape = (batch_size, num_kv_heads, max_len, value_dim)
+        self.k_BGSK = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v_BGSK = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.key_mask_BS = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.positions_BS = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.next_pos_B = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -78,6 +88,9 @@ class KVCache:
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KVCache max_len ({max_len}) exceeds max_seq_len ({cfg.max_seq_len})")
+        if cfg.attention == "mla":
+            return cls(cfg.n_layers, batch_size, 1, cfg.resolved_kv_lora_rank, max_len, device, dtype,
+                       value_dim=cfg.resolved_qk_rope_head_dim)
         return cls(cfg.n_layers, batch_size, cfg.resolved_num_kv_heads, cfg.head_dim, max_len, device, dtype)
 
     def begin_step(self, attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -108,7 +121,9 @@ class KVCache:
         return positions_BT
 
     def update(self, layer_idx: int, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys/values of one layer and return all keys/values so far, (B, G, S, K)."""
+        """Write the new keys/values of one layer and return all keys/values so far, (B, G, S, K).
+
+        Under MLA the pair is (latent, RoPE key), see the class docstring."""
         end = self.length + k_BGTK.shape[2]
         self.k_BGSK[layer_idx][:, :, self.length:end] = k_BGTK
         self.v_BGSK[layer_idx][:, :, self.length:end] = v_BGTK
@@ -227,7 +242,7 @@ class Attention(nn.Module):
         dropout_p = self.attn_dropout if self.training else 0.0
 
         if return_attention:
-            out_BHTK, weights_BHTS = self._explicit(q_BHTK, k_BGSK, v_BGSK, attn_mask, dropout_p)
+            out_BHTK, weights_BHTS = explicit_attention(q_BHTK, k_BGSK, v_BGSK, attn_mask, dropout_p)
         else:
             out_BHTK = F.scaled_dot_product_attention(
                 q_BHTK, k_BGSK, v_BGSK,
@@ -240,28 +255,31 @@ class Attention(nn.Module):
         y_BTD = self.o_proj(out_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return y_BTD, weights_BHTS
 
-    def _explicit(
-        self,
-        q_BHTK: torch.Tensor,
-        k_BGSK: torch.Tensor,
-        v_BGSK: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        dropout_p: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """softmax(QK^T / sqrt(K) + mask) V written out; returns (out_BHTK, pre-dropout weights_BHTS)."""
-        group = self.n_heads // self.n_kv_heads
-        # Query head h reads kv head h // group.
-        k_BHSK = k_BGSK.repeat_interleave(group, dim=1)
-        v_BHSK = v_BGSK.repeat_interleave(group, dim=1)
-        scores_BHTS = (q_BHTK @ k_BHSK.transpose(-2, -1)).float() / math.sqrt(self.head_dim)
-        T, S = scores_BHTS.shape[-2:]
-        if attn_mask is None:
-            causal_TS = torch.ones(T, S, dtype=torch.bool, device=scores_BHTS.device).tril()
-            scores_BHTS = scores_BHTS.masked_fill(~causal_TS, float("-inf"))
-        elif attn_mask.dtype == torch.bool:
-            scores_BHTS = scores_BHTS.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores_BHTS = scores_BHTS + attn_mask.float()
-        weights_BHTS = torch.softmax(scores_BHTS, dim=-1).to(q_BHTK.dtype)
-        probs_BHTS = F.dropout(weights_BHTS, p=dropout_p) if dropout_p > 0 else weights_BHTS
-        return probs_BHTS @ v_BHSK, weights_BHTS
+
+def explicit_attention(
+    q_BHTK: torch.Tensor,
+    k_BGSK: torch.Tensor,
+    v_BGSV: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(QK^T / sqrt(K) + mask) V written out; returns (out_BHTV, pre-dropout weights_BHTS).
+
+    K is the query/key width (q's last dimension); values may be of another width V (MLA). Query head h
+    reads key/value head h // (H / G).
+    """
+    group = q_BHTK.shape[1] // k_BGSK.shape[1]
+    k_BHSK = k_BGSK.repeat_interleave(group, dim=1)
+    v_BHSV = v_BGSV.repeat_interleave(group, dim=1)
+    scores_BHTS = (q_BHTK @ k_BHSK.transpose(-2, -1)).float() / math.sqrt(q_BHTK.shape[-1])
+    T, S = scores_BHTS.shape[-2:]
+    if attn_mask is None:
+        causal_TS = torch.ones(T, S, dtype=torch.bool, device=scores_BHTS.device).tril()
+        scores_BHTS = scores_BHTS.masked_fill(~causal_TS, float("-inf"))
+    elif attn_mask.dtype == torch.bool:
+        scores_BHTS = scores_BHTS.masked_fill(~attn_mask, float("-inf"))
+    else:
+        scores_BHTS = scores_BHTS + attn_mask.float()
+    weights_BHTS = torch.softmax(scores_BHTS, dim=-1).to(q_BHTK.dtype)
+    probs_BHTS = F.dropout(weights_BHTS, p=dropout_p) if dropout_p > 0 else weights_BHTS
+    return probs_BHTS @ v_BHSV, weights_BHTS

@@ -17,12 +17,13 @@ from torch import nn
 from models.attention import Attention, KVCache
 from models.config import ModelConfig
 from models.ffn import FeedForward
+from models.mla import MultiHeadLatentAttention
 from models.moe import MoEFeedForward
 from models.norms import build_norm
 
 
 class TransformerBlock(nn.Module):
-    """Attention + (dense or MoE) feed-forward.
+    """Attention (multi-head or multi-head latent, `cfg.attention`) + (dense or MoE) feed-forward.
 
     Args:
         cfg: model config.
@@ -35,7 +36,7 @@ class TransformerBlock(nn.Module):
         self.pre_norm = cfg.norm_position == "pre"
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn: nn.Module = MultiHeadLatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = build_norm(cfg)
         self.ffn: nn.Module = (
             MoEFeedForward(cfg) if self.is_moe else FeedForward(cfg.d_model, cfg.resolved_d_ff, cfg.ffn, cfg.bias)

@@ -19,6 +19,8 @@ FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 ARCHS = ("decoder", "mamba")
+ATTENTION_KINDS = ("mha", "mla")
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
@@ -35,8 +37,9 @@ def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
 class ModelConfig:
     """Architecture of a decoder-only Transformer language model.
 
-    Field groups: sizes (vocab_size .. max_seq_len), positions (pos_encoding, rope_*), block layout
-    (ffn, norm, norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
+    Field groups: sizes (vocab_size .. max_seq_len), attention kind (attention and the MLA sizes
+    kv_lora_rank .. v_head_dim), positions (pos_encoding, rope_*), block layout (ffn, norm,
+    norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
     initialisation (init_std) and mixture of experts (num_experts, moe_*). See the field comments.
 
     Raises:
@@ -52,6 +55,20 @@ class ModelConfig:
     d_ff: int | None = None  # None: 4*d for relu/gelu, int(8/3*d) rounded up to ffn_multiple_of for swiglu
     ffn_multiple_of: int = 64
     max_seq_len: int = 256
+
+    # mha: multi-head attention with n_heads query heads and num_kv_heads key/value heads (MHA/GQA/MQA).
+    # mla: multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024): keys and values come from one
+    # kv_lora_rank-wide latent per token, which (with one shared qk_rope_head_dim RoPE key) is all the
+    # KV cache holds. The five sizes below are MLA's; they must stay None (unset) with mha. None under
+    # mla takes DeepSeek-V2's proportions of a head_dim (= d_model / n_heads) model: kv_lora_rank
+    # 4 * head_dim, q_lora_rank None (queries through a full-rank projection), qk_nope_head_dim
+    # head_dim, qk_rope_head_dim head_dim / 2, v_head_dim head_dim.
+    attention: str = "mha"
+    kv_lora_rank: int | None = None  # width of the compressed key/value latent c_KV
+    q_lora_rank: int | None = None  # width of the compressed query latent c_Q; None: no query compression
+    qk_nope_head_dim: int | None = None  # per-head query/key features without position
+    qk_rope_head_dim: int | None = None  # per-head query features (and the one shared key) carrying RoPE; even
+    v_head_dim: int | None = None  # per-head value width
 
     pos_encoding: str = "rope"
     rope_base: float = 10000.0
@@ -69,7 +86,9 @@ class ModelConfig:
 
     num_experts: int = 0  # 0 = dense model
     moe_top_k: int = 2
-    moe_every: int = 1  # layer i is MoE iff num_experts > 0 and (i + 1) % moe_every == 0
+    # Layer i is MoE iff num_experts > 0, i >= moe_first_dense_layers and (i + 1) % moe_every == 0.
+    moe_every: int = 1
+    moe_first_dense_layers: int = 0  # the first layers stay dense (DeepSeek's first_k_dense_replace)
     moe_capacity_factor: float | None = None  # None = dropless
     moe_renormalize: bool = True  # renormalise the selected top-k router probabilities to sum to 1
     moe_shared_experts: int = 0  # dense experts that every token passes through
@@ -92,15 +111,17 @@ class ModelConfig:
         ints = {
             "vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_multiple_of": 1,
             "max_seq_len": 1, "num_experts": 0, "moe_top_k": 1, "moe_every": 1, "moe_shared_experts": 0,
+            "moe_first_dense_layers": 0,
         }
         for name, minimum in ints.items():
             _check_int(name, getattr(self, name), minimum)
-        for name in ("num_kv_heads", "d_ff", "moe_d_ff"):
+        for name in ("num_kv_heads", "d_ff", "moe_d_ff", *MLA_FIELDS):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         for name in ("bias", "tie_embeddings", "moe_renormalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
+        _check_choice("attention", self.attention, ATTENTION_KINDS)
         _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
         _check_choice("ffn", self.ffn, FFN_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
@@ -129,7 +150,29 @@ class ModelConfig:
                 f"num_kv_heads ({kv}) must divide n_heads ({self.n_heads}); allowed: None or "
                 f"{[h for h in range(1, self.n_heads + 1) if self.n_heads % h == 0]}"
             )
-        if self.pos_encoding == "rope" and self.head_dim % 2 != 0:
+        if self.attention == "mla":
+            if self.pos_encoding != "rope":
+                raise ValueError(
+                    f"attention 'mla' carries positions in its decoupled RoPE features, so pos_encoding must be "
+                    f"'rope', got {self.pos_encoding!r}"
+                )
+            if self.num_kv_heads is not None:
+                raise ValueError(
+                    f"num_kv_heads must be None with attention 'mla' (every head reads the shared latent), "
+                    f"got {self.num_kv_heads!r}"
+                )
+            if self.resolved_qk_rope_head_dim % 2 != 0:
+                raise ValueError(
+                    f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.resolved_qk_rope_head_dim}"
+                )
+        else:
+            for name in MLA_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} is an option of attention 'mla'; with attention {self.attention!r} it must be "
+                        f"None, got {getattr(self, name)!r}"
+                    )
+        if self.attention == "mha" and self.pos_encoding == "rope" and self.head_dim % 2 != 0:
             raise ValueError(f"pos_encoding 'rope' needs an even head_dim, got d_model/n_heads = {self.head_dim}")
         if self.pos_encoding == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"pos_encoding 'sinusoidal' needs an even d_model, got {self.d_model}")
@@ -151,6 +194,35 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Per-head width d_model // n_heads."""
         return self.d_model // self.n_heads
+
+    def _mla_size(self, name: str, default: int) -> int:
+        value = getattr(self, name)
+        return default if value is None else value
+
+    @property
+    def resolved_kv_lora_rank(self) -> int:
+        """MLA latent width (4 * head_dim when kv_lora_rank is None)."""
+        return self._mla_size("kv_lora_rank", 4 * self.head_dim)
+
+    @property
+    def resolved_qk_nope_head_dim(self) -> int:
+        """MLA per-head non-positional query/key width (head_dim when None)."""
+        return self._mla_size("qk_nope_head_dim", self.head_dim)
+
+    @property
+    def resolved_qk_rope_head_dim(self) -> int:
+        """MLA per-head RoPE query/key width (head_dim // 2 rounded down to even, at least 2, when None)."""
+        return self._mla_size("qk_rope_head_dim", max(2, self.head_dim // 2 // 2 * 2))
+
+    @property
+    def resolved_v_head_dim(self) -> int:
+        """MLA per-head value width (head_dim when None)."""
+        return self._mla_size("v_head_dim", self.head_dim)
+
+    @property
+    def rope_head_dim(self) -> int:
+        """How many features of each query/key head RoPE rotates: head_dim (mha) or qk_rope_head_dim (mla)."""
+        return self.resolved_qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def resolved_num_kv_heads(self) -> int:
@@ -178,11 +250,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         """True when at least one layer is a mixture-of-experts layer."""
-        return self.num_experts > 0 and self.n_layers >= self.moe_every
+        return self.num_moe_layers > 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` (0-based) uses MoE: num_experts > 0 and (i + 1) % moe_every == 0."""
-        return self.num_experts > 0 and (layer_idx + 1) % self.moe_every == 0
+        """Whether layer `layer_idx` (0-based) uses MoE: num_experts > 0, i >= moe_first_dense_layers and
+        (i + 1) % moe_every == 0."""
+        return (self.num_experts > 0 and layer_idx >= self.moe_first_dense_layers
+                and (layer_idx + 1) % self.moe_every == 0)
 
     @property
     def num_moe_layers(self) -> int:
@@ -250,7 +324,7 @@ def _check_mamba(cfg: ModelConfig) -> None:
         return
     # A Mamba block is pre-norm RMSNorm with no positions, attention or FFN: a value here that asks for
     # something else would be silently ignored, so it is refused instead.
-    wrong = {"pos_encoding": (cfg.pos_encoding, "none"), "norm": (cfg.norm, "rmsnorm"),
+    wrong = {"attention": (cfg.attention, "mha"), "pos_encoding": (cfg.pos_encoding, "none"), "norm": (cfg.norm, "rmsnorm"),
              "norm_position": (cfg.norm_position, "pre"), "num_experts": (cfg.num_experts, 0),
              "attn_dropout": (cfg.attn_dropout, 0.0)}
     for name, (value, needed) in wrong.items():

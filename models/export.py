@@ -1,11 +1,13 @@
-"""Save and load weights: Conduit's own safetensors format and Hugging Face Llama / Mixtral.
+"""Save and load weights: Conduit's own safetensors format and Hugging Face Llama / Mixtral / DeepseekV2.
 
 Own format (`save_safetensors` / `load_safetensors`): one .safetensors file holding the state dict
 (without lm_head.weight when tied) and, in the file's metadata under "conduit_model_config", the
 ModelConfig as JSON. This is what the pipeline's evaluate and register stages read.
 
 Hugging Face format (`save_hf` / `load_hf`): a folder with config.json and model.safetensors that
-`transformers` loads as LlamaForCausalLM (dense) or MixtralForCausalLM (MoE). Our layout was chosen so
+`transformers` loads as LlamaForCausalLM (dense) or MixtralForCausalLM (MoE), or, for multi-head
+latent attention (attention='mla'), as DeepseekV2ForCausalLM, dense or MoE (the mapping, a renaming
+plus a RoPE-row permutation and a shared-expert concatenation, is in `models.hf_deepseek`). Our layout was chosen so
 that the conversion is a pure renaming: same RoPE feature pairing as HF's rotate_half (no q/k
 permutation), same GQA head grouping, and per-expert w1/w2/w3 tensors in Mixtral's checkpoint naming.
 Our full config also goes into the safetensors metadata, so `load_hf` returns exactly the saved
@@ -32,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from models import hf_deepseek
 from models.config import ModelConfig
 from models.mamba import MambaLM
 from models.mamba_export import (
@@ -127,10 +130,12 @@ def load_safetensors(path: str | os.PathLike, device: torch.device | str | None 
 
 
 def hf_unsupported_options(cfg: ModelConfig) -> list[str]:
-    """Options of `cfg` that HF Llama / Mixtral (Mamba for arch 'mamba') cannot express, as
-    "field=value (reason)" strings."""
+    """Options of `cfg` that HF Llama / Mixtral (DeepseekV2 for MLA, Mamba for arch 'mamba') cannot express,
+    as "field=value (reason)"."""
     if cfg.arch == "mamba":
         return mamba_unsupported_options(cfg)
+    if cfg.attention == "mla":
+        return hf_deepseek.unsupported_options(cfg)
     problems = []
     if cfg.pos_encoding != "rope":
         problems.append(f"pos_encoding={cfg.pos_encoding!r} (HF Llama/Mixtral use rope)")
@@ -145,6 +150,8 @@ def hf_unsupported_options(cfg: ModelConfig) -> list[str]:
     if cfg.num_experts > 0:
         if cfg.moe_every != 1:
             problems.append(f"moe_every={cfg.moe_every} (Mixtral has MoE in every layer)")
+        if cfg.moe_first_dense_layers:
+            problems.append(f"moe_first_dense_layers={cfg.moe_first_dense_layers} (Mixtral has MoE in every layer)")
         if cfg.moe_shared_experts:
             problems.append(f"moe_shared_experts={cfg.moe_shared_experts} (Mixtral has no shared experts)")
         if cfg.moe_capacity_factor is not None:
@@ -209,7 +216,9 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
-    if cfg.num_experts > 0:
+    if cfg.attention == "mla":
+        out.update(hf_deepseek.hf_config(cfg))
+    elif cfg.num_experts > 0:
         out.update(
             architectures=["MixtralForCausalLM"],
             model_type="mixtral",
@@ -238,7 +247,7 @@ def save_hf(
     dtype: torch.dtype | None = None,
     extra_config: dict | None = None,
 ) -> None:
-    """Write config.json + model.safetensors loadable by transformers' Llama/MixtralForCausalLM.
+    """Write config.json + model.safetensors loadable by transformers' Llama/Mixtral/DeepseekV2ForCausalLM.
 
     Args:
         model_or_state: the Transformer or its state dict (our names).
@@ -256,10 +265,13 @@ def save_hf(
         raise ValueError("cannot export to Hugging Face format: " + "; ".join(problems))
     moe = cfg.num_experts > 0
     state = _state_of(model_or_state, cfg)
-    tensors = {}
-    for name, t in state.items():
-        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        tensors[mamba_hf_name(name) if cfg.arch == "mamba" else _hf_name(name, moe)] = t
+    if cfg.arch == "mamba":
+        renamed = {mamba_hf_name(name): t for name, t in state.items()}
+    elif cfg.attention == "mla":
+        renamed = hf_deepseek.to_hf_tensors(state, cfg)
+    else:
+        renamed = {_hf_name(name, moe): t for name, t in state.items()}
+    tensors = {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t for k, t in renamed.items()}
     out_dtype = dtype if dtype is not None else state["tok_embeddings.weight"].dtype
     hf_cfg = mamba_hf_config(cfg, out_dtype) if cfg.arch == "mamba" else _hf_config(cfg, out_dtype)
     if extra_config:
@@ -285,22 +297,28 @@ def _architecture(cfg: ModelConfig) -> tuple:
     """What config.json determines, with derived sizes resolved (d_ff=None and d_ff=192 can be equal)."""
     if cfg.arch == "mamba":
         return mamba_architecture(cfg)
+    mla = cfg.attention == "mla"
     return (
         cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.max_seq_len,
         cfg.norm_eps, cfg.rope_base, cfg.rope_scaling, cfg.tie_embeddings, cfg.num_experts,
         cfg.moe_top_k if cfg.num_experts else None,
         cfg.resolved_moe_d_ff if cfg.num_experts else cfg.resolved_d_ff,
+        cfg.moe_shared_experts if cfg.num_experts else None, cfg.moe_renormalize if cfg.num_experts else None,
+        tuple(cfg.is_moe_layer(i) for i in range(cfg.n_layers)),
+        cfg.attention, cfg.q_lora_rank if mla else None,
+        tuple(getattr(cfg, f"resolved_{f}") for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                        "v_head_dim")) if mla else None,
     )
 
 
 def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral", "mamba"):
-        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral' or 'mamba', got {model_type!r}")
+    if model_type not in ("llama", "mixtral", "deepseek_v2", "mamba"):
+        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2' or 'mamba', got {model_type!r}")
     if model_type == "mamba":
         return _with_metadata(mamba_config_from_hf(hf), metadata)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", d // heads) != d // heads:
+    if model_type != "deepseek_v2" and hf.get("head_dim", d // heads) != d // heads:
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({d // heads})")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act must be 'silu', got {hf['hidden_act']!r}")
@@ -324,7 +342,10 @@ def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02)),
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
     )
-    if model_type == "mixtral":
+    if model_type == "deepseek_v2":
+        fields.update(hf_deepseek.config_fields(hf))
+        fields.pop("num_kv_heads")  # MLA has no separate key/value heads
+    elif model_type == "mixtral":
         fields.update(
             num_experts=hf["num_local_experts"],
             moe_top_k=hf["num_experts_per_tok"],
@@ -382,7 +403,7 @@ def _our_name(hf_name: str) -> str:
 
 
 def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -> Transformer | MambaLM:
-    """Load a Llama / Mixtral / Mamba folder (config.json + model.safetensors) as our model.
+    """Load a Llama / Mixtral / DeepseekV2 / Mamba folder (config.json + model.safetensors) as our model.
 
     Reads the per-expert Mixtral layout that `save_hf` writes (experts.{e}.w1/w2/w3).
 
@@ -402,8 +423,12 @@ def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -
     with safe_open(weights, framework="pt") as f:
         metadata = f.metadata() or {}
     cfg = _config_from_hf(hf, metadata)
-    our_name = mamba_our_name if cfg.arch == "mamba" else _our_name
-    state = {our_name(k): v for k, v in load_file(weights).items()}
+    if cfg.arch == "mamba":
+        state = {mamba_our_name(k): v for k, v in load_file(weights).items()}
+    elif cfg.attention == "mla":
+        state = hf_deepseek.from_hf_tensors(load_file(weights), cfg)
+    else:
+        state = {_our_name(k): v for k, v in load_file(weights).items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     return _materialise(cfg, state, device)

@@ -4,6 +4,15 @@ debug_* run a training step in well under a second on one CPU core; cpu_* are fo
 gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
 a Mixtral-style 8-expert top-2 model); debug_mamba is a Mamba model at debug_dense's width and depth,
 mamba one with cpu_small's width and parameter count (8 layers).
+
+cpu_mla_moe and mla_moe_32x_top4 pair multi-head latent attention with shared plus routed experts, as
+DeepSeek-V2 does (narrow routed experts, no top-k renormalisation, the first layer dense), so they export
+to DeepseekV2ForCausalLM.
+mla_moe_32x_top4, by models.accounting: 2.56 B parameters, 0.68 B active per token; weights 5.1 GB in
+bf16; training with bf16 mixed precision and AdamW holds about 16 bytes per parameter (bf16 weights and
+gradients, fp32 master weights and two Adam moments), 41.0 GB before activations, to be split by ZeRO
+over the GPUs; its KV cache holds 23,040 bytes per token in bf16 (94 MB for one 4,096-token sequence),
+against 122,880 for MHA with the same 12 x 128 heads, 5.3 times less.
 """
 
 from __future__ import annotations
@@ -31,6 +40,17 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "moe_8x_top2": ModelConfig(
         vocab_size=32000, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048, num_experts=8, moe_top_k=2
+    ),
+    "cpu_mla_moe": _cpu_small.replace(
+        attention="mla", kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_experts=8, moe_top_k=2, moe_shared_experts=1, moe_d_ff=128, moe_renormalize=False,
+        moe_first_dense_layers=1,
+    ),
+    "mla_moe_32x_top4": ModelConfig(
+        vocab_size=32000, d_model=1536, n_layers=20, n_heads=12, max_seq_len=4096, attention="mla",
+        kv_lora_rank=512, q_lora_rank=768, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=32, moe_top_k=4, moe_shared_experts=2, moe_d_ff=768, moe_renormalize=False,
+        moe_first_dense_layers=1,
     ),
     # Mamba at cpu_small's width with twice its layers: a Mamba block (in_proj D x 2E, out_proj E x D, E = 2D)
     # holds about half a Transformer block's parameters, so 8 of them match cpu_small's 4 (933k against

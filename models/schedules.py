@@ -5,8 +5,11 @@ step 1). With `torch.optim.lr_scheduler.LambdaLR`, whose counter starts at 0, pa
 `lambda s: lr_multiplier(kind, s + 1, ...)`.
 
 `warmup_cosine`, `warmup_stable_decay` and `constant` return a multiplier of the peak learning rate in
-[0, 1]. `inverse_sqrt` returns the Noam schedule's own value (Vaswani et al. 2017), which is the learning
-rate itself when the optimizer's lr is 1.0 (times any scale factor).
+[0, 1]. `noam` returns the learning rate of "Attention Is All You Need" (Vaswani et al. 2017, section
+5.3) itself, lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): the optimizer's base lr multiplies
+it, so with a base lr of 1.0 it is the paper's schedule exactly. `inverse_sqrt` is the same curve kept
+under its older name; the training config scales it by train.lr whatever that is (3e-3 by default), so
+it is the paper's schedule only at lr 1.0.
 """
 
 from __future__ import annotations
@@ -36,8 +39,35 @@ def constant(step: int, warmup: int = 0) -> float:
     return _warmup(step, warmup)
 
 
+def noam(step: int, d_model: int, warmup: int) -> float:
+    """The learning rate of Vaswani et al. (2017), eq. 3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+    It rises linearly for `warmup` steps, peaks at step == warmup with d_model^-0.5 * warmup^-0.5, then
+    falls as step^-0.5. The value is an absolute learning rate (about 7e-4 at the peak for the paper's
+    d_model 512 and warmup 4000), not a fraction of a peak.
+
+    Args:
+        step: 1-based update index.
+        d_model: model width.
+        warmup: warmup steps (>= 1).
+
+    Returns:
+        The learning rate at `step`.
+
+    Raises:
+        ValueError: if step < 1, d_model < 1 or warmup < 1.
+    """
+    _check_step(step)
+    if d_model < 1 or warmup < 1:
+        raise ValueError(f"d_model and warmup must be >= 1, got d_model={d_model}, warmup={warmup}")
+    return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
 def inverse_sqrt(step: int, d_model: int, warmup: int) -> float:
-    """Noam schedule: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+    """The `noam` curve under its older name: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+    Kept for configs that use it; the training engine multiplies it by train.lr like every schedule,
+    and train.lr's default for it is 3e-3, so use `noam` for the paper's schedule.
 
     Args:
         step: 1-based update index.
@@ -50,10 +80,7 @@ def inverse_sqrt(step: int, d_model: int, warmup: int) -> float:
     Raises:
         ValueError: if step < 1, d_model < 1 or warmup < 1.
     """
-    _check_step(step)
-    if d_model < 1 or warmup < 1:
-        raise ValueError(f"d_model and warmup must be >= 1, got d_model={d_model}, warmup={warmup}")
-    return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    return noam(step, d_model, warmup)
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
@@ -109,6 +136,7 @@ def _check_window(warmup: int, total: int, min_ratio: float) -> None:
 SCHEDULES = {
     "constant": constant,
     "inverse_sqrt": inverse_sqrt,
+    "noam": noam,
     "cosine": warmup_cosine,
     "wsd": warmup_stable_decay,
 }
@@ -118,7 +146,7 @@ def lr_multiplier(kind: str, step: int, **kw) -> float:
     """Dispatch to a schedule by name.
 
     Args:
-        kind: one of "constant", "inverse_sqrt", "cosine", "wsd".
+        kind: one of "constant", "inverse_sqrt", "noam", "cosine", "wsd".
         step: 1-based update index.
         **kw: the schedule's own arguments (see each function).
 

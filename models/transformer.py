@@ -2,7 +2,8 @@
 
 Layout (names chosen to map one-to-one onto Hugging Face Llama / Mixtral tensors):
     tok_embeddings (V, D) -> [+ pos_embeddings (learned) | + sinusoidal] -> dropout
-    -> layers[i]: TransformerBlock (attn_norm, attn.{q,k,v,o}_proj, ffn_norm, ffn)
+    -> layers[i]: TransformerBlock (attn_norm, attn.{q,k,v,o}_proj or MLA's attn.{q,kv_a,kv_b,o}_proj...,
+       ffn_norm, ffn)
     -> norm (pre-norm models only; a post-norm block already ends in a norm) -> lm_head (D -> V)
 With `tie_embeddings`, lm_head.weight is the same Parameter as tok_embeddings.weight.
 
@@ -170,7 +171,7 @@ class Transformer(nn.Module):
         x_BTD = self.emb_dropout(x_BTD)
 
         rope = (
-            rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+            rope_cos_sin(positions_BT, cfg.rope_head_dim, cfg.rope_base, cfg.rope_scaling)
             if cfg.pos_encoding == "rope"
             else None
         )

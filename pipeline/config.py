@@ -127,10 +127,20 @@ class TrainSection:
     steps: int = 20
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size_per_rank: int = 4
-    lr: float = 3e-3
+    # The base learning rate: the schedule's value multiplies it. None: 1.0 for schedule noam (whose
+    # value is the learning rate of Vaswani et al. 2017 itself, so train.lr is a plain multiplier of
+    # the paper's formula), 3e-3 for every other schedule. See ``resolved_lr``.
+    lr: float | None = None
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
-    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt"] = "cosine"
+    # constant, cosine (warmup then cosine to min_lr_ratio), wsd (warmup-stable-decay), noam
+    # (d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), times train.lr), inverse_sqrt (the same
+    # curve, kept for older configs; times train.lr, which defaults to 3e-3 for it).
+    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt", "noam"] = "cosine"
+    # Label smoothing eps of the training loss (Szegedy et al. 2016): the target is (1 - eps) one-hot
+    # + eps uniform over the vocabulary. The logged training loss is then the smoothed one (logged as
+    # ``loss`` with the tag train.loss_smoothing); evaluation always reports the plain cross-entropy.
+    label_smoothing: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -146,6 +156,12 @@ class TrainSection:
     compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
+    # Validation during training (pipeline.training.validation): every eval_every steps (a multiple of
+    # log_every; 0: never) the loss on the first eval_batches global batches of the validation split,
+    # logged as val_loss; early_stop_patience > 0 stops after that many validations without a new best.
+    eval_every: int = 0
+    eval_batches: int = 4
+    early_stop_patience: int = 0
     # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
     checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
     # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
@@ -161,6 +177,13 @@ class TrainSection:
     # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
     # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
     resume_from: str | None = None
+
+    @property
+    def resolved_lr(self) -> float:
+        """The base learning rate: ``lr`` when set, else 1.0 for schedule noam and 3e-3 otherwise."""
+        if self.lr is not None:
+            return self.lr
+        return 1.0 if self.schedule == "noam" else 3e-3
 
 
 @dataclass
@@ -186,13 +209,22 @@ class EvalSection:
     max_text_tokens: int = 8192  # per benchmark text set (split evenly over its files)
     lambada_max_examples: int = 300
     attention_sentence: str = "The old man looked at the sea and said nothing."
+    # Where the scoring runs. auto: a GPU when the Ray cluster has one (the task then holds one GPU),
+    # else CPU with eval.cpus logical CPUs and eval.threads torch threads (null: eval.cpus).
+    device: Literal["auto", "cpu", "cuda"] = _unhashed("auto")
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    cpus: int = _unhashed(1)
+    threads: int | None = _unhashed(None)
+    # On a GPU, batches grow from eval.batch_size by doubling while they fit in memory; false keeps it.
+    fit_gpu_batch: bool = _unhashed(True)
 
 
 @dataclass
 class RegisterSection:
     model_name: str = "conduit-lm"
     alias: str = "challenger"
-    hf_export: bool = True  # also log a Hugging Face (Llama / Mixtral) export where the architecture allows
+    # also log a Hugging Face (Llama / Mixtral / DeepseekV2) export where the architecture allows
+    hf_export: bool = True
 
 
 @dataclass
@@ -525,12 +557,20 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
-    need(tr.lr > 0, f"train.lr={tr.lr} must be > 0")
+    need(tr.lr is None or tr.lr > 0, f"train.lr={tr.lr} must be > 0 (or null for the schedule's default)")
+    need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")
     need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(tr.schedule != "noam" or tr.warmup_steps >= 1,
+         f"train.schedule=noam divides by train.warmup_steps, so train.warmup_steps={tr.warmup_steps} must be >= 1")
     need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
          f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
          f"below train.steps={tr.steps}")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(tr.eval_every % tr.log_every == 0,
+         f"train.eval_every={tr.eval_every} must be a multiple of train.log_every={tr.log_every} (val_loss is "
+         "logged with that step's metrics)")
+    need(tr.early_stop_patience == 0 or tr.eval_every > 0,
+         f"train.early_stop_patience={tr.early_stop_patience} needs validation: set train.eval_every")
     need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
     need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
     need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")

@@ -35,6 +35,9 @@ RANGES: dict[str, Range] = {
     "train.beta2": UNIT_HALF_OPEN,
     "train.adam_eps": POSITIVE,
     "train.grad_clip": AT_LEAST_0,  # 0 turns clipping off
+    "train.eval_every": AT_LEAST_0,  # 0: no validation during training
+    "train.eval_batches": AT_LEAST_1,
+    "train.early_stop_patience": AT_LEAST_0,
     "parallel.threads_per_worker": AT_LEAST_1,
     "eval.max_batches": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,
@@ -45,6 +48,8 @@ RANGES: dict[str, Range] = {
     "eval.max_text_tokens": AT_LEAST_1,
     "eval.lambada_max_examples": AT_LEAST_1,
     "eval.attention_sentence": NON_EMPTY,
+    "eval.cpus": AT_LEAST_1,
+    "eval.threads": AT_LEAST_1,
     "register.model_name": NON_EMPTY,
     "cluster.num_cpus": AT_LEAST_1,
 }

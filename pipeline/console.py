@@ -269,7 +269,8 @@ def _headline(stage: str, counts: dict) -> str:
     if stage == "tokenize":
         return f"{sum(s['tokens'] for s in counts['splits'].values()):,} tokens"
     if stage == "train":
-        return f"final loss {counts['final_loss']:.3f}"
+        smoothed = counts.get("loss_label_smoothing") or 0  # absent in manifests written before it existed
+        return f"final {'smoothed (eps=' + str(smoothed) + ') ' if smoothed else ''}loss {counts['final_loss']:.3f}"
     if stage == "evaluate":
         return (f"validation {counts['val_bits_per_byte']:.3f} bits/byte "
                 f"(unigram {counts['unigram_bits_per_byte']:.3f})")

@@ -70,30 +70,34 @@ def downstream(names: set[str], stages: dict[str, Stage] = STAGES) -> set[str]:
 
 
 def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = (),
-              stages: dict[str, Stage] = STAGES) -> list[PlanItem]:
+              stages: dict[str, Stage] = STAGES, until: str | None = None) -> list[PlanItem]:
     """Hash every stage and decide what runs.
 
     Args:
         only: run just this stage (its inputs must be cached).
+        until: run the stages up to and including this one, none after it.
         force: rerun these stages and everything downstream of them, cached or not.
         stages: the stage table in dependency order (``pipeline.stages.in_order``); the pipeline's six by default.
 
     Raises:
         ConfigError: an unknown stage name, or ``only`` whose inputs are not finished.
     """
-    for name in [*force, *([only] if only else [])]:
+    for name in [*force, *([only] if only else []), *([until] if until else [])]:
         if name not in stages:
             raise ConfigError(f"unknown stage {name!r}; stages are {list(stages)}")
+    if only and until:
+        raise ConfigError("--only and --until exclude each other: --only runs one stage, --until a prefix")
+    last = list(stages).index(until) if until else len(stages) - 1
     forced = downstream(set(force), stages)
     store = store_for(cfg.artifact_root())
     hashes: dict[str, str] = {}
     plan = []
-    for name, stage in stages.items():
+    for index, (name, stage) in enumerate(stages.items()):
         h = content_hash(name, stage.version, stage.hash_config(cfg), {i: hashes[i] for i in stage.inputs})
         hashes[name] = h
         path = store.location(name, h)
         cached = store.is_complete(name, h)
-        selected = only is None or name == only
+        selected = (only is None or name == only) and index <= last
         plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached),
                              forced=selected and name in forced))
     if only:
@@ -128,6 +132,12 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def ray_runtime_env() -> dict:
+    """The runtime_env of the driver's ``ray.init``: ``worker_env()`` and the hook that quiets Ray's
+    own noise in each worker process (``pipeline.ray_logging``)."""
+    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.ray_logging.setup"}
+
+
 def connect_ray(cfg: RunConfig) -> bool:
     """Connect to ``cluster.address`` / $RAY_ADDRESS, or start a local Ray in-process.
 
@@ -160,7 +170,7 @@ def _init_ray(cfg: RunConfig) -> None:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
-            ray.init(address=address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+            ray.init(address=address, runtime_env=ray_runtime_env(), log_to_driver=True)
         except (AuthenticationError, ConnectionError) as e:
             raise cluster.connection_error(address, e) from e
     else:
@@ -178,7 +188,7 @@ def local_ray_options(cfg: RunConfig) -> dict:
         "num_cpus": cfg.cluster.num_cpus or os.cpu_count(),
         "include_dashboard": cfg.cluster.include_dashboard,
         "dashboard_host": cfg.cluster.dashboard_host,
-        "runtime_env": {"env_vars": worker_env()},
+        "runtime_env": ray_runtime_env(),
     }
 
 
@@ -239,8 +249,8 @@ def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Arti
     return store.transfer
 
 
-def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, ...] = (),
-                 dry_run: bool = False, echo: Callable[[str], None] = print,
+def run_pipeline(cfg: RunConfig, *, only: str | None = None, until: str | None = None,
+                 force: tuple[str, ...] = (), dry_run: bool = False, echo: Callable[[str], None] = print,
                  stages: dict[str, Stage] = STAGES) -> PipelineResult:
     """Run (or, with ``dry_run``, just plan) the pipeline for ``cfg``.
 
@@ -255,7 +265,7 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, force: tuple[str, .
     import ray
 
     cfg = resolve(cfg)
-    plan = make_plan(cfg, only=only, force=force, stages=stages)
+    plan = make_plan(cfg, only=only, force=force, stages=stages, until=until)
     uri = cfg.tracking_uri()
     if dry_run:
         echo(format_plan(plan))

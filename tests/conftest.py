@@ -29,7 +29,7 @@ for _var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", "MLFLOW_TRA
     os.environ.pop(_var, None)  # a developer's cluster pointers and tokens never reach the tests
 
 from pipeline.config import DEFAULT_DATA_ROOT
-from pipeline.runner import worker_env
+from pipeline.runner import ray_runtime_env, worker_env
 
 os.environ.update(worker_env())
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -62,7 +62,7 @@ def ray_cluster():
     plus stage tasks must fit at once (STACK.md: streaming on 2 logical CPUs deadlocks)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=ray_runtime_env())
     yield ray
     ray.shutdown()
 

@@ -2,7 +2,9 @@
 
 The pipeline runs once, as a person runs it: ``python -m jobs.run`` on a terminal (a pseudo-terminal),
 on the session's Ray cluster. Its terminal output is checked for what a person reads, and the
-artifacts, MLflow runs and registered model it left for everything else.
+artifacts, MLflow runs and registered model it left for everything else. Then configs/smoke_moe.yaml
+(an MoE with expert parallelism) runs beside it, in-process, reusing its data stages; its training
+metrics are checked where users read them, in MLflow.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
+from models.accounting import flops_per_token
 from pipeline import tracking
 from pipeline.config import load_config
+from pipeline.ray_logging import STATE_API_NOISE
 from pipeline.runner import ORDER, PipelineResult, make_plan, resolve, run_pipeline
 from pipeline.storage import store_for
 
@@ -112,6 +117,7 @@ def test_the_terminal_shows_stages_live_progress_and_a_summary_and_the_log_the_r
     assert log.parent == cfg.workdir() / "logs"
     logged = log.read_text(encoding="utf-8")
     assert "(RayTrainWorker pid=" in logged and "Started a local Ray instance" not in logged  # the session's Ray
+    assert STATE_API_NOISE not in logged  # a line per second of training without pipeline.ray_logging's filter
     # The live status, redrawn in place: training's step and loss from rank 0's MLflow metrics.
     statuses = [s for s in raw.split("\r\x1b[K") if s.startswith("train: ")]
     assert any(re.search(rf"step \d+/{cfg.train.steps}, loss \d", s) for s in statuses), statuses[-5:]
@@ -130,6 +136,33 @@ def test_training_loss_went_down(smoke):
     metrics = result.artifacts["evaluate"].manifest["counts"]
     # Clearly better than the unigram floor on held-out text, not just "trained a bit".
     assert metrics["val_bits_per_byte"] < 0.85 * metrics["unigram_bits_per_byte"], metrics
+
+
+def test_validation_during_training_is_logged_and_equals_one_process_on_the_final_weights(smoke):
+    """smoke.yaml validates every train.eval_every steps on 2 workers; at the last step the weights are
+    the registered ones, so one process here must get the loss the two ranks reduced."""
+    import torch
+
+    from models.export import load_safetensors
+    from pipeline.stage_io import WEIGHTS_FILE, tokens_file
+    from pipeline.training.parallel import ParallelDims
+    from pipeline.training.validation import validation_loss
+
+    cfg, result, _, _ = smoke
+    t = cfg.train
+    assert t.eval_every and cfg.parallel.num_workers == 2
+    c = tracking.client(result.tracking_uri)
+    train_run = result.artifacts["train"]
+    (run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id],
+                           f"tags.`conduit.stage` = 'train' and tags.mlflow.parentRunId = '{result.run_id}'")
+    logged = {int(m.step): m.value for m in c.get_metric_history(run.info.run_id, "val_loss")}
+    assert sorted(logged) == list(range(t.eval_every, t.steps + 1, t.eval_every))
+    assert {int(k): v for k, v in train_run.manifest["counts"]["val_losses"].items()} == logged
+    model = load_safetensors(str(train_run.path / WEIGHTS_FILE))
+    blocks = np.load(result.artifacts["tokenize"].path / tokens_file("validation"), mmap_mode="r")
+    dims = ParallelDims(1, 1, t.global_batch_size, t.micro_batch_size_per_rank, cfg.tokenize.seq_len)
+    one = validation_loss(model, blocks, dims, 0, t.eval_batches, torch.device("cpu"), all_reduce=None)
+    assert one == pytest.approx(logged[t.steps], rel=1e-5)
 
 
 def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
@@ -243,3 +276,164 @@ def test_cli_dry_run_and_only(smoke):
     rows = {ln.split()[0]: ln.split()[2] for ln in forced.stdout.splitlines()[1:]}
     assert rows == {"shard": "cached", "tokenizer": "cached", "tokenize": "cached", "train": "cached",
                     "evaluate": "run", "register": "cached"}
+
+
+def test_dense_mfu_is_the_accounting_formula_over_the_logged_tokens_per_s_and_peak(smoke):
+    """MFU as MLflow holds it, every logged step: tokens_per_s x models.accounting's FLOPs per token
+    over the cluster's peak (the run's tags), and a fraction of that peak."""
+    cfg, result, _, _ = smoke
+    check_mfu(cfg, result)
+
+
+def check_mfu(cfg, result) -> None:
+    c = tracking.client(result.tracking_uri)
+    run = c.get_run(train_run_id(result))
+    flops = flops_per_token(cfg.model_config(), cfg.tokenize.seq_len)["total"]
+    assert run.data.tags["mfu.flops_per_token"] == str(flops)
+    peak = float(run.data.tags["mfu.peak_flops"])
+    steps = list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
+    mfu, tps = (metric_by_step(c, run.info.run_id, name) for name in ("mfu", "tokens_per_s"))
+    assert sorted(mfu) == sorted(tps) == steps
+    for step in steps:
+        assert 0 < mfu[step] < 1, (step, mfu[step])
+        assert mfu[step] == tps[step] * flops / peak, (step, mfu[step], tps[step], flops, peak)
+
+
+def train_run_id(result: PipelineResult) -> str:
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    (train,) = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}' "
+                                                          "and tags.conduit.stage = 'train'")
+    return train.info.run_id
+
+
+def metric_by_step(c, run_id: str, name: str) -> dict[int, float]:
+    history = c.get_metric_history(run_id, name)
+    by_step = {m.step: m.value for m in history}
+    assert len(by_step) == len(history), f"{name} logged twice at one step"
+    return by_step
+
+
+@pytest.fixture(scope="module")
+def smoke_moe(smoke):
+    """configs/smoke_moe.yaml on the session's Ray, in the smoke run's workdir: its data stages are the
+    same as smoke.yaml's and are reused from that run; train (2 workers, ep_size 2), evaluate and
+    register run for the MoE model."""
+    dense_cfg, dense, _, _ = smoke
+    cfg = load_config(ROOT / "configs" / "smoke_moe.yaml", [f"run.workdir={dense_cfg.run.workdir}"])
+    lines: list[str] = []
+    result = run_pipeline(cfg, echo=lines.append)
+    return cfg, result, lines, dense
+
+
+def test_moe_pipeline_walks_all_six_stages(smoke_moe):
+    cfg, result, lines, dense = smoke_moe
+    data_stages = ["shard", "tokenizer", "tokenize"]
+    assert [ln for ln in lines if ": cached" in ln] == [f"{n}: cached ({dense.artifacts[n].hash})" for n in data_stages]
+    assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ["train", "evaluate", "register"]
+    assert sorted(result.artifacts) == sorted(ORDER)
+    train = result.artifacts["train"]
+    assert train.manifest["run_config"]["parallel"]["ep_size"] == 2 and cfg.model_config().num_experts == 4
+    assert train.manifest["counts"]["final_loss"] < train.manifest["counts"]["first_loss"]
+
+
+def test_moe_registered_model_loads_and_generates(smoke_moe):
+    cfg, result, _, _ = smoke_moe
+    c = tracking.client(result.tracking_uri)
+    mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
+    assert mv.tags["conduit.train_hash"] == result.artifacts["train"].hash
+    model = tracking.load_registered_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger")
+    out = model.predict(pd.DataFrame({"prompt": ["Once upon a time"]}),
+                        params={"max_new_tokens": 6, "temperature": 0.0})
+    (text,) = out["text"].tolist()
+    assert isinstance(text, str) and text.strip(), text
+
+
+def test_moe_evaluation_has_the_expert_load_plot_and_routing_metrics(smoke_moe):
+    cfg, result, _, _ = smoke_moe
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    (run,) = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}' "
+                                                        "and tags.conduit.stage = 'evaluate'")
+    assert "plots/expert_load.png" in [a.path for a in c.list_artifacts(run.info.run_id, "plots")]
+    layers = cfg.model_config().n_layers
+    routing = ["router_entropy", "router_entropy_normalized", *(f"router_entropy_layer{i}" for i in range(layers)),
+               *(f"expert_load_max_over_uniform_layer{i}" for i in range(layers))]
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    for name in routing:
+        assert run.data.metrics[name] == metrics[name], name
+    assert 0 < metrics["router_entropy_normalized"] <= 1
+    assert all(1 <= metrics[f"expert_load_max_over_uniform_layer{i}"] <= 4 for i in range(layers))
+
+
+def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
+    """The train run holds, at every step: mfu (the accounting formula), tokens/s, the load-balancing
+    (aux) and z losses, and per layer each expert's token count summed over both ranks.
+
+    The counts are checked against the router itself: at step 1 every rank still has the initial
+    weights (the seed's), so the same model, built here, routes the step's micro-batches of both
+    ranks (the run's loader, the workers' micro-batch shapes and thread count) and must count
+    exactly what MLflow holds: a rank's counts left out of the sum, a micro-batch missed or counted
+    twice, or a window that is not one step would all show here. At every step each layer's
+    counts add up to the global batch's tokens x top_k (dropless: every slot is kept), and the
+    logged shares are those counts over that total.
+    """
+    cfg, result, _, _ = smoke_moe
+    check_mfu(cfg, result)
+    c = tracking.client(result.tracking_uri)
+    run_id = train_run_id(result)
+    steps = list(range(1, cfg.train.steps + 1))
+    model_cfg = cfg.model_config()
+    E, layers = model_cfg.num_experts, model_cfg.n_layers
+    logged = {}
+    for name in ("tokens_per_s", "moe_load_balance_loss", "moe_z_loss"):
+        logged[name] = metric_by_step(c, run_id, name)
+        assert sorted(logged[name]) == steps and all(v > 0 for v in logged[name].values()), (name, logged[name])
+    counts = {(i, j): metric_by_step(c, run_id, f"expert_tokens/l{i}/e{j}") for i in range(layers) for j in range(E)}
+    shares = {(i, j): metric_by_step(c, run_id, f"expert_load/l{i}/e{j}") for i in range(layers) for j in range(E)}
+    slots = cfg.train.global_batch_size * cfg.tokenize.seq_len * model_cfg.moe_top_k
+    for step in steps:
+        for i in range(layers):
+            layer = [counts[i, j][step] for j in range(E)]
+            assert sum(layer) == slots and all(v == int(v) for v in layer), (step, i, layer)
+            assert [shares[i, j][step] for j in range(E)] == [v / slots for v in layer], (step, i)
+    routed, losses = router_at_first_step(cfg, result.artifacts["tokenize"].path)
+    assert [[counts[i, j][1] for j in range(E)] for i in range(layers)] == routed
+    # The losses are float64 means of the same float32 values, summed in another order.
+    for name, value in losses.items():
+        assert logged[name][1] == pytest.approx(value, rel=1e-12, abs=0), name
+
+
+def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[str, float]]:
+    """Per layer, the tokens the initial model's router sends to each expert over step 1's
+    micro-batches of every rank, as the training workers were given them; and the load-balancing
+    and z losses of those forwards, each the mean over micro-batches and layers."""
+    import torch
+
+    from models import build_model
+    from pipeline.stage_io import tokens_file
+    from pipeline.training.data import BlockLoader
+    from pipeline.training.engine import local_threads, seed_everything
+    from pipeline.training.parallel import ParallelDims
+
+    t, p = cfg.train, cfg.parallel
+    dims = ParallelDims(p.num_workers, p.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
+                        cfg.tokenize.seq_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(local_threads(p.num_workers, p.threads_per_worker))  # as each worker computed
+    try:
+        seed_everything(cfg.run.seed)  # what build_engine does before it builds the model
+        model = build_model(cfg.model_config())
+        total, stats = None, []
+        with torch.no_grad():
+            for rank in range(p.num_workers):
+                loader = BlockLoader(tokens_dir / tokens_file("train"), dims, rank, seed=cfg.run.seed)
+                for x_BT, _ in loader.next_step():
+                    layers = model(x_BT).moe_stats
+                    stats += layers
+                    layer_counts = torch.stack([s["tokens_per_expert"] for s in layers])
+                    total = layer_counts if total is None else total + layer_counts
+    finally:
+        torch.set_num_threads(threads)
+    losses = {f"moe_{key}": sum(float(s[key]) for s in stats) / len(stats) for key in ("load_balance_loss", "z_loss")}
+    return total.tolist(), losses

@@ -19,3 +19,33 @@ def test_importing_the_stages_and_the_served_model_prints_no_warning():
                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"})
     assert out.returncode == 0, out.stderr
     assert out.stdout == "" and out.stderr == "", out.stderr
+
+
+def test_the_ray_worker_hook_drops_only_the_state_api_noise():
+    import logging
+
+    from pipeline import ray_logging
+
+    logger = logging.getLogger(ray_logging.PLACEMENT_GROUP_CLEANER_LOGGER)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    before = list(logger.filters)
+    try:
+        ray_logging.setup()
+        logger.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
+                       "unavailable. Continuing to monitor.")
+        logger.warning("Detected that the Ray Train controller actor (abc) is dead. Cleaning up placement group")
+    finally:
+        logger.removeHandler(handler)
+        logger.filters[:] = before
+    assert seen == ["Detected that the Ray Train controller actor (abc) is dead. Cleaning up placement group"]
+    # Ray imports the hook by this name in each worker.
+    from pipeline.runner import ray_runtime_env
+
+    assert ray_runtime_env()["worker_process_setup_hook"] == "pipeline.ray_logging.setup"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.evaluation.device import on_model
 from pipeline.text import EOS_ID
 
 
@@ -62,7 +63,7 @@ def score_targets(logits_TV: torch.Tensor, target_ids: list[int]) -> tuple[bool,
     Returns:
         (every argmax equals its target, summed negative log-likelihood).
     """
-    targets_T = torch.tensor(target_ids, dtype=torch.long)
+    targets_T = torch.tensor(target_ids, dtype=torch.long, device=logits_TV.device)
     logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
     nll = -logp_TV.gather(1, targets_T[:, None]).sum().item()
     return bool((logits_TV.argmax(dim=-1) == targets_T).all()), nll
@@ -90,7 +91,7 @@ def lambada_metrics(model: torch.nn.Module, examples: list[Example], context: in
         x_BT = torch.full((len(seqs), T), EOS_ID, dtype=torch.long)
         for i, s in enumerate(seqs):
             x_BT[i, : len(s)] = torch.tensor(s)
-        logits_BTV = model(x_BT).logits
+        logits_BTV = model(on_model(model, x_BT)).logits
         for i, (ex, s) in enumerate(zip(batch, seqs)):
             n = len(ex.target_ids)
             hit, nll = score_targets(logits_BTV[i, len(s) - n : len(s)], ex.target_ids)

@@ -11,6 +11,8 @@ import math
 import numpy as np
 import torch
 
+from pipeline.evaluation.device import on_model
+
 
 @torch.no_grad()
 def routing_stats(model: torch.nn.Module, blocks: np.ndarray, batch_size: int) -> dict[str, np.ndarray]:
@@ -31,11 +33,11 @@ def routing_stats(model: torch.nn.Module, blocks: np.ndarray, batch_size: int) -
     model.eval()
     counts, entropy_sum, n_tokens = None, None, 0
     for b in range(0, len(blocks), batch_size):
-        x_BT = torch.from_numpy(np.asarray(blocks[b : b + batch_size, :-1]).astype(np.int64))
+        x_BT = on_model(model, torch.from_numpy(np.asarray(blocks[b : b + batch_size, :-1]).astype(np.int64)))
         stats = model(x_BT).moe_stats
         if not stats:
             raise ValueError("routing_stats needs an MoE model (model.num_experts > 0); this one has no MoE layer")
-        batch_counts = np.stack([s["tokens_per_expert"].double().numpy() for s in stats])
+        batch_counts = np.stack([s["tokens_per_expert"].double().cpu().numpy() for s in stats])
         batch_entropy = np.array([float(s["router_entropy"]) for s in stats]) * x_BT.numel()
         counts = batch_counts if counts is None else counts + batch_counts
         entropy_sum = batch_entropy if entropy_sum is None else entropy_sum + batch_entropy

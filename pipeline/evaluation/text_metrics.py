@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.evaluation.device import on_model
 from pipeline.text import EOS_ID
 
 IGNORE = -100
@@ -134,8 +135,8 @@ def summed_nll(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, 
     model.eval()
     total, count = 0.0, 0
     for b in range(0, len(inputs), batch_size):
-        x_BT = torch.from_numpy(inputs[b : b + batch_size])
-        y_BT = torch.from_numpy(targets[b : b + batch_size])
+        x_BT = on_model(model, torch.from_numpy(inputs[b : b + batch_size]))
+        y_BT = on_model(model, torch.from_numpy(targets[b : b + batch_size]))
         logits_BTV = model(x_BT).logits.float()
         total += F.cross_entropy(logits_BTV.flatten(0, 1), y_BT.flatten(), ignore_index=IGNORE, reduction="sum").item()
         count += int((y_BT != IGNORE).sum())

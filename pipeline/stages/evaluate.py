@@ -7,7 +7,9 @@ times tokens per UTF-8 byte of the split, over ln 2. A unigram model fitted on t
 Beyond the validation split (``pipeline.evaluation``): bits per byte and perplexity on held-out
 Gutenberg books and WikiText-2 ``wiki.test.raw``, LAMBADA last-word accuracy and perplexity (with
 GPT-2 117M's published numbers beside ours), word-order sensitivity, an attention heatmap grid and,
-for MoE models, expert load and router entropy. ``metrics.json`` holds ``metrics`` (flat numbers, which
+for MoE models, expert load and router entropy. The scoring runs on a GPU when the cluster has one
+(``eval.device``; bf16 autocast, batches grown to fit memory), else on ``eval.cpus`` CPUs with
+``eval.threads`` torch threads (``pipeline.evaluation.device``). ``metrics.json`` holds ``metrics`` (flat numbers, which
 register copies into version tags and promote gates on), ``samples`` and ``references``.
 """
 
@@ -24,9 +26,10 @@ import torch
 from models.export import load_safetensors
 from pipeline.config import RunConfig, hash_view
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
+from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
 from pipeline.generation import TextGenerator
 from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex, tokens_file
-from pipeline.stages.stage import Stage
+from pipeline.stages.stage import Resources, Stage
 from pipeline.text import load_sentencepiece
 
 
@@ -42,14 +45,15 @@ def unigram_loss(train_blocks: np.ndarray, eval_targets: np.ndarray, vocab_size:
 
 
 def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
-                      on_scored: Callable[[], None] = lambda: None) -> dict[str, float]:
+                      on_scored: Callable[[], None] = lambda: None, batch_size: int | None = None) -> dict[str, float]:
     """Held-out Gutenberg, WikiText-2 and LAMBADA metrics, each skipped when its config path is null;
-    ``on_scored`` is called after each set.
+    ``on_scored`` is called after each set; ``batch_size`` defaults to ``eval.batch_size``.
 
     Raises:
         ValueError: naming the ``eval.*`` field with a bad value; FileNotFoundError for missing data.
     """
     e, root, context = cfg.eval, cfg.data_root(), cfg.tokenize.seq_len
+    batch_size = batch_size or e.batch_size
     if e.max_text_tokens < 1:
         raise ValueError(f"eval.max_text_tokens={e.max_text_tokens} must be >= 1")
     out: dict[str, float] = {}
@@ -60,7 +64,7 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
             continue
         files = text_metrics.resolve_files(root, patterns, field_name)
         encoded = text_metrics.encode_files(sp, files, e.max_text_tokens)
-        m = text_metrics.text_metrics(model, encoded, context, e.batch_size)
+        m = text_metrics.text_metrics(model, encoded, context, batch_size)
         out.update({f"{prefix}_{k}": float(v) for k, v in m.items()})
         on_scored()
     if e.lambada_path:
@@ -68,34 +72,82 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
         if not path.is_file():
             raise FileNotFoundError(f"eval.lambada_path: {path} is not a file")
         examples = lambada.load_examples(path, sp, e.lambada_max_examples)
-        out.update({f"lambada_{k}": float(v) for k, v in lambada.lambada_metrics(model, examples, context, e.batch_size).items()})
+        out.update({f"lambada_{k}": float(v) for k, v in lambada.lambada_metrics(model, examples, context, batch_size).items()})
         on_scored()
     return out
 
 
-def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, blocks: np.ndarray, tracker) -> dict[str, float]:
-    """Log the attention heatmap grid and, for MoE models, the expert-load heatmap; returns routing metrics.
-    A Mamba model has neither attention nor experts: nothing to draw."""
-    if model.cfg.arch == "mamba":
-        return {}
+def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, routing_stats: dict | None, tracker) -> None:
+    """Log the attention heatmap grid and, for MoE models (``routing_stats`` from the scoring), the
+    expert-load heatmap."""
+    if model.cfg.arch == "mamba":  # neither attention nor experts: nothing to draw
+        return
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
     tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
-    if model.cfg.num_experts == 0:
-        return {}
-    stats = routing.routing_stats(model, blocks, cfg.eval.batch_size)
-    tracker.log_figure(plots.expert_load_figure(stats["load_share"], stats["router_entropy"]), "plots/expert_load.png")
-    return routing.routing_metrics(stats)
+    if routing_stats is not None:
+        tracker.log_figure(plots.expert_load_figure(routing_stats["load_share"], routing_stats["router_entropy"]),
+                           "plots/expert_load.png")
+
+
+def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
+    """What the runner reserves for the evaluate task on the running Ray cluster (``resources_on``)."""
+    import ray
+
+    return resources_on(cfg, ray.cluster_resources().get("GPU", 0))
+
+
+def resources_on(cfg: RunConfig, gpus_in_cluster: float) -> Resources:
+    """One GPU (and a CPU) when the evaluation runs on a GPU (``eval.device``), else ``eval.cpus`` CPUs.
+
+    Raises:
+        ValueError: ``eval.device=cuda`` on a cluster without GPUs.
+    """
+    if eval_device(cfg.eval.device, gpus_in_cluster) == "cuda":
+        return Resources(cpus=1, gpus=1)
+    return Resources(cpus=cfg.eval.cpus)
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tok_dir = inputs["tokenize"].path
     val = TokenIndex.read(tok_dir).splits["validation"]
     tokens_per_byte = val.tokens / val.bytes
-    model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE))
+    device = eval_device(cfg.eval.device)
+    precision = eval_precision(cfg.eval.precision, device)
+    if device == "cpu":
+        torch.set_num_threads(cfg.eval.threads or cfg.eval.cpus)
+    model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE)).to(device)
     blocks = np.load(tok_dir / tokens_file("validation"), mmap_mode="r")
     evaluated = np.asarray(blocks[: cfg.eval.max_batches * cfg.eval.batch_size])
+    batch_size = cfg.eval.batch_size
+    if device == "cuda" and cfg.eval.fit_gpu_batch:
+        batch_size = fit_batch_size(model, cfg.tokenize.seq_len, batch_size, limit=len(evaluated))
+    with autocast(device, precision):
+        metrics, stats = _score(cfg, model, evaluated, batch_size, tok_dir, tokens_per_byte, inputs, tracker)
+    tracker.set_tags({"conduit.eval_device": device, "conduit.eval_precision": precision,
+                      "conduit.eval_batch_size": batch_size})
+    model = model.to("cpu")  # pictures and samples: small, and sampling draws from a CPU generator
+    sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
+    log_pictures(cfg, model, sp, stats, tracker)
+    samples = TextGenerator(model, sp).generate(
+        cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature
+    )
+    table = references.reference_table(metrics)
+    report = EvalReport(metrics=metrics, samples=dict(zip(cfg.eval.prompts, samples)),
+                        references={"gpt2_117m": table, "text": references.format_table(table)})
+    report_file = report.write(out_dir)
+    tracker.log_metrics(metrics)
+    tracker.log_table({"prompt": cfg.eval.prompts, "continuation": samples}, "samples.json")
+    tracker.log_table(table, "references.json")
+    tracker.log_artifact(report_file)
+    return metrics
+
+
+def _score(cfg: RunConfig, model: torch.nn.Module, evaluated: np.ndarray, batch_size: int, tok_dir: Path,
+           tokens_per_byte: float, inputs: dict, tracker) -> tuple[dict[str, float], dict | None]:
+    """Every number that needs a pass of the model over text: validation, word order, the benchmarks and,
+    for an MoE model, routing (whose statistics are returned too, for the picture)."""
     # One pass gives the validation loss (the text as written) and the word-order control beside it.
-    order = word_order.word_order_metrics(model, evaluated, cfg.eval.batch_size, cfg.run.seed)
+    order = word_order.word_order_metrics(model, evaluated, batch_size, cfg.run.seed)
     loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size
     uni = unigram_loss(np.load(tok_dir / tokens_file("train"), mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
     scored = itertools.count(1)
@@ -115,20 +167,12 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     }
     sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
     metrics.update(order)
-    metrics.update(benchmark_metrics(cfg, model, sp, on_scored=one_more_set_scored))
-    metrics.update(log_pictures(cfg, model, sp, evaluated, tracker))
-    samples = TextGenerator(model, sp).generate(
-        cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature
-    )
-    table = references.reference_table(metrics)
-    report = EvalReport(metrics=metrics, samples=dict(zip(cfg.eval.prompts, samples)),
-                        references={"gpt2_117m": table, "text": references.format_table(table)})
-    report_file = report.write(out_dir)
-    tracker.log_metrics(metrics)
-    tracker.log_table({"prompt": cfg.eval.prompts, "continuation": samples}, "samples.json")
-    tracker.log_table(table, "references.json")
-    tracker.log_artifact(report_file)
-    return metrics
+    metrics.update(benchmark_metrics(cfg, model, sp, on_scored=one_more_set_scored, batch_size=batch_size))
+    stats = routing.routing_stats(model, evaluated, batch_size) if model.cfg.num_experts else None
+    if stats is not None:
+        metrics.update(routing.routing_metrics(stats))
+    return metrics, stats
 
 
-STAGE = Stage(name="evaluate", version=2, inputs=("tokenizer", "tokenize", "train"), hash_config=hash_config, run=run)
+STAGE = Stage(name="evaluate", version=2, inputs=("tokenizer", "tokenize", "train"), hash_config=hash_config, run=run,
+              resources_for=task_resources)

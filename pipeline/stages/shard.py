@@ -22,6 +22,12 @@ by reason in ``counts.skipped`` (and each input's ``skipped``); they are not doc
 not in ``documents_read``. Native .txt and .jsonl inputs are read in bounded memory
 (``pipeline.data.stream``); version 3 added ``skipped``.
 
+Memory: with Ray, each input's read task keeps its documents in Ray's object store and hands the
+stage's own process only their ids and byte sizes, from which it decides duplicates, splits and shard
+bounds; each shard is then encoded to parquet by a task of its own from the inputs that hold its rows,
+and the stage process writes one shard's bytes at a time (a few shards in flight). No process holds
+the corpus, only the largest input (its read task) or the largest shard (its writer).
+
 Output: ``train-NNNNN.parquet``, ``validation-00000.parquet`` (``test-00000.parquet`` when
 ``data.test_fraction > 0``), columns ``text`` (string), ``doc_id`` (sha256 hex of the text) and
 ``source`` (input URI).
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -76,24 +83,48 @@ def split_of(doc_id: str, validation_fraction: float, test_fraction: float = 0.0
     return "test" if u < validation_fraction + test_fraction else "train"
 
 
-def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[pa.Table, dict]]:
-    """Read and clean every input, in input order: in parallel Ray tasks when Ray is running."""
+def read_for_shards(src: InputFile, *args) -> tuple[dict, dict, pa.Table]:
+    """Read and clean one input (a Ray task in the pipeline).
+
+    Returns:
+        (its documents' ``doc_id`` list and UTF-8 ``bytes`` array, the input's stats, the documents):
+        the stage's own process takes only the first two; the table goes from this task's object
+        straight to the tasks that write the shards holding its documents.
+    """
+    table, stats = read_and_clean(src, *args)
+    keys = {"doc_id": table.column("doc_id").to_pylist(),
+            "bytes": pc.binary_length(table.column("text")).to_numpy(zero_copy_only=False)}
+    return keys, stats, table
+
+
+def encode_shard(pieces: list[np.ndarray], *tables: pa.Table) -> pa.Buffer:
+    """One shard's parquet file, of rows ``pieces[i]`` of ``tables[i]`` in order (a Ray task in the pipeline)."""
+    parts = [t.take(pa.array(rows)) for t, rows in zip(tables, pieces)]
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.concat_tables(parts) if parts else DOCUMENT_SCHEMA.empty_table(), sink)
+    return sink.getvalue()
+
+
+def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[dict, dict, object]]:
+    """Read and clean every input, in input order: in parallel Ray tasks when Ray is running, each
+    input's table then staying in Ray's object store (the third item is its ``ObjectRef``)."""
     d = cfg.data
     opts = CleanOptions(d.normalize, d.strip_control_chars, d.min_doc_chars, d.max_doc_chars)
     args = (d.text_field, d.separator, d.encoding_errors, opts, d.reader, d.on_bad_document)
     if not ray_running():
         for src in tqdm(files, desc="shard: read", unit="file", disable=None):
-            yield read_and_clean(src, *args)
+            yield read_for_shards(src, *args)
         return
     import ray
 
-    task = ray.remote(num_cpus=1)(read_and_clean)
+    task = ray.remote(num_cpus=1, num_returns=3)(read_for_shards)
     refs = [task.options(name=f"conduit.shard.read[{i}]").remote(src, *args) for i, src in enumerate(files)]
-    for ref in tqdm(refs, desc="shard: read", unit="file", disable=None):
+    for keys_ref, stats_ref, table_ref in tqdm(refs, desc="shard: read", unit="file", disable=None):
         try:
-            yield ray.get(ref)
+            keys, stats = ray.get([keys_ref, stats_ref])
         except ray.exceptions.RayTaskError as e:
             raise e.cause  # the DataError itself, naming the file, not Ray's wrapper
+        yield keys, stats, table_ref
 
 
 def shard_bounds(sizes: np.ndarray, n_shards: int) -> list[tuple[int, int]]:
@@ -111,15 +142,51 @@ def shard_bounds(sizes: np.ndarray, n_shards: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list) -> dict[str, list[pa.Table]]:
+@dataclass
+class SplitRows:
+    """Which rows of which input make up one split, in input order: ``rows[k]`` of input ``inputs[k]``."""
+
+    inputs: list[int] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
+    sizes: list[np.ndarray] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def head(self, n: int) -> SplitRows:
+        """The first ``n`` rows."""
+        out, left = SplitRows(), n
+        for i, rows, sizes in zip(self.inputs, self.rows, self.sizes):
+            if left <= 0:
+                break
+            out.inputs.append(i)
+            out.rows.append(rows[:left])
+            out.sizes.append(sizes[:left])
+            left -= len(out.rows[-1])
+        return out
+
+    def slice(self, a: int, b: int) -> tuple[list[int], list[np.ndarray]]:
+        """Rows ``a:b`` of the split, as (inputs, their row indices)."""
+        inputs, pieces, offset = [], [], 0
+        for i, rows in zip(self.inputs, self.rows):
+            lo, hi = max(a - offset, 0), min(b - offset, len(rows))
+            if lo < hi:
+                inputs.append(i)
+                pieces.append(rows[lo:hi])
+            offset += len(rows)
+        return inputs, pieces
+
+
+def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list, tables: list) -> dict[str, SplitRows]:
     seen: set[str] = set()
-    by_split: dict[str, list[pa.Table]] = {s: [] for s in SPLITS}
-    for table, stats in parts:
+    by_split = {s: SplitRows() for s in SPLITS}
+    for index, (keys, stats, table) in enumerate(parts):
         per_input.append(stats)
+        tables.append(table)
         for rule, n in stats["removed"].items():
             removed[rule] += n
         picks: dict[str, list[int]] = {s: [] for s in SPLITS}
-        for i, did in enumerate(table.column("doc_id").to_pylist()):
+        for i, did in enumerate(keys["doc_id"]):
             if did in seen:
                 removed["duplicate"] += 1
                 continue
@@ -127,8 +194,33 @@ def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list) -> d
             picks[split_of(did, cfg.data.validation_fraction, cfg.data.test_fraction)].append(i)
         for s in SPLITS:
             if picks[s]:
-                by_split[s].append(table.take(picks[s]))
+                rows = np.asarray(picks[s], dtype=np.int64)
+                by_split[s].inputs.append(index)
+                by_split[s].rows.append(rows)
+                by_split[s].sizes.append(np.asarray(keys["bytes"], dtype=np.int64)[rows])
     return by_split
+
+
+def _write_shards(jobs: list[tuple[str, list[int], list[np.ndarray]]], tables: list, out_dir: Path) -> None:
+    """Write each (file name, inputs, rows) shard. With Ray, ``tables`` are object refs and each shard is
+    encoded in a task of its own from the inputs it needs; this process holds one shard's bytes at a time."""
+    if not ray_running():
+        for name, inputs, pieces in jobs:
+            (out_dir / name).write_bytes(encode_shard(pieces, *[tables[i] for i in inputs]).to_pybytes())
+        return
+    import ray
+
+    task = ray.remote(num_cpus=1)(encode_shard)
+    window = max(2, int(ray.cluster_resources().get("CPU", 2)))  # shards in flight: bounds the object store too
+    pending: list[tuple[str, object]] = []
+    for name, inputs, pieces in tqdm(jobs, desc="shard: write", unit="shard", disable=None):
+        pending.append((name, task.options(name=f"conduit.shard.write[{name}]").remote(
+            pieces, *[tables[i] for i in inputs])))
+        while len(pending) >= window:
+            done, ref = pending.pop(0)
+            (out_dir / done).write_bytes(memoryview(ray.get(ref)))
+    for done, ref in pending:
+        (out_dir / done).write_bytes(memoryview(ray.get(ref)))
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
@@ -136,17 +228,17 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     files = resolve_inputs(cfg)
     removed = {**dict.fromkeys(REMOVAL_RULES, 0), "duplicate": 0, "over_max_documents": 0}
     per_input: list[dict] = []
-    by_split = _dedup_and_split(_read_all(files, cfg), cfg, removed, per_input)
-    tables = {s: pa.concat_tables(by_split[s]) if by_split[s] else DOCUMENT_SCHEMA.empty_table() for s in SPLITS}
+    tables: list = []  # per input: its documents (or, with Ray, the ref of the task's table)
+    by_split = _dedup_and_split(_read_all(files, cfg), cfg, removed, per_input, tables)
     splits = [s for s in SPLITS if s != "test" or d.test_fraction > 0]
-    unique = sum(len(t) for t in tables.values())
+    unique = sum(len(by_split[s]) for s in SPLITS)
     if d.max_documents is not None:
         for s in splits:  # a cap keeps the split shares: each split keeps its fraction
-            keep = max(1, round(d.max_documents * len(tables[s]) / max(1, unique)))
-            removed["over_max_documents"] += max(0, len(tables[s]) - keep)
-            tables[s] = tables[s].slice(0, keep)
+            keep = max(1, round(d.max_documents * len(by_split[s]) / max(1, unique)))
+            removed["over_max_documents"] += max(0, len(by_split[s]) - keep)
+            by_split[s] = by_split[s].head(keep)
     for s in splits:
-        if len(tables[s]) == 0:
+        if len(by_split[s]) == 0:
             raise DataError(
                 f"no {s} documents are left after reading and filtering {len(files)} input(s) "
                 f"(removed: {removed}); add data or change data.validation_fraction / data.test_fraction"
@@ -161,19 +253,21 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "control_chars_removed": sum(s["control_chars_removed"] for s in per_input),
         "skipped": {r: sum(s["skipped"][r] for s in per_input) for r in SKIP_REASONS},
     }
+    jobs = []
     for s in splits:
-        table = tables[s]
-        sizes = pc.binary_length(table.column("text")).to_numpy()
+        rows = by_split[s]
+        sizes = np.concatenate(rows.sizes)
         split_bytes = int(sizes.sum())
         if d.target_shard_bytes is not None:
             n_shards = math.ceil(split_bytes / d.target_shard_bytes)
         else:
             n_shards = d.num_shards if s == "train" else 1
-        sizes_by_split.documents[s], sizes_by_split.bytes[s], counts["shards"][s] = len(table), split_bytes, []
+        sizes_by_split.documents[s], sizes_by_split.bytes[s], counts["shards"][s] = len(rows), split_bytes, []
         for k, (a, b) in enumerate(shard_bounds(sizes, n_shards)):
             name = shard_file_name(s, k)
-            pq.write_table(table.slice(a, b - a), out_dir / name)
+            jobs.append((name, *rows.slice(a, b)))
             counts["shards"][s].append({"file": name, "documents": b - a, "bytes": int(sizes[a:b].sum())})
+    _write_shards(jobs, tables, out_dir)
     counts.update(sizes_by_split.counts())
     read = sum(s["documents"] for s in per_input)
     kept = sum(sizes_by_split.documents.values())

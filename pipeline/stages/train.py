@@ -27,6 +27,7 @@ from pipeline.stage_io import read_train_metrics, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.storage import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
+from pipeline.training.validation import check_split
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
 # the training loop gets as its ``failpoints`` (see pipeline.training.loop).
@@ -126,6 +127,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
     precision = resolve_precision(cfg.train.precision, device)
+    if cfg.train.eval_every:  # before any worker starts: the validation subset must exist
+        check_split(cfg.train.eval_batches, cfg.train.global_batch_size,
+                    inputs["tokenize"].manifest["counts"]["splits"]["validation"]["blocks"])
     storage, name = checkpoint_location(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
     tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
                       "checkpoints": f"{storage}/{name}"})
@@ -160,9 +164,12 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     return {
         "starts": starts,  # [0] for a run that never restarted; a rerun after a crash begins past 0
         "steps": cfg.train.steps,
-        "tokens": cfg.train.steps * cfg.train.global_batch_size * cfg.tokenize.seq_len,
+        "steps_trained": history[-1]["step"],  # below steps when train.early_stop_patience stopped it
+        "tokens": history[-1]["step"] * cfg.train.global_batch_size * cfg.tokenize.seq_len,
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],
+        "val_losses": {h["step"]: h["val_loss"] for h in history if "val_loss" in h},
+        "loss_label_smoothing": cfg.train.label_smoothing,  # > 0: the two losses above are smoothed
         "device": device,
         "precision": precision,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,

@@ -46,7 +46,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def schedule_kwargs(train: TrainSection, d_model: int) -> dict:
-    if train.schedule == "inverse_sqrt":
+    if train.schedule in ("inverse_sqrt", "noam"):
         return {"d_model": d_model, "warmup": max(1, train.warmup_steps)}
     if train.schedule == "constant":
         return {}
@@ -62,7 +62,7 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int, ex
     groups = param_groups(model, train.weight_decay)
     if expert_parallel:
         groups = moe_param_groups(groups)
-    optimizer = torch.optim.AdamW(groups, lr=train.lr,
+    optimizer = torch.optim.AdamW(groups, lr=train.resolved_lr,
                                   betas=(train.beta1, train.beta2), eps=train.adam_eps)
     kw = schedule_kwargs(train, d_model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(train.schedule, s + 1, **kw))
@@ -101,8 +101,16 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
     return engine, scheduler
 
 
+def loss_definition(label_smoothing: float) -> str:
+    """What the logged training ``loss`` is, for the run's tags (evaluation's losses are always plain)."""
+    if label_smoothing == 0:
+        return "cross-entropy (nats per token)"
+    return (f"label-smoothed cross-entropy, eps={label_smoothing} (nats per token; not comparable to the "
+            "unsmoothed evaluation loss)")
+
+
 def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-               moe_stats=None) -> torch.Tensor:
+               moe_stats=None, label_smoothing: float = 0.0) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns this rank's mean LM loss (detached).
 
     DeepSpeed divides each micro-batch loss by the accumulation steps in ``backward`` and applies
@@ -111,11 +119,13 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], d
 
     Args:
         moe_stats: a ``metrics.MoEStats`` that collects routing statistics, or None.
+        label_smoothing: train.label_smoothing; the returned loss is the one trained on, so it is the
+            smoothed cross-entropy when this is > 0.
     """
     losses = []
     for inputs_BT, targets_BT in micro_batches:
         out = engine(inputs_BT.to(device))
-        lm = lm_loss(out.logits.float(), targets_BT.to(device))
+        lm = lm_loss(out.logits.float(), targets_BT.to(device), label_smoothing=label_smoothing)
         engine.backward(lm + out.aux_loss)
         engine.step()
         losses.append(lm.detach())

@@ -17,6 +17,10 @@ Checkpoints (every ``train.checkpoint_every`` steps and at the end) are reported
 carries rank 0's metric history and the steps the group (re)started at, so that after a restart
 ``train_metrics.json`` is whole and ``train_starts.json`` says where each start began.
 
+With ``train.eval_every``, every rank scores its share of a fixed validation subset at those steps
+(``pipeline.training.validation``); ``val_loss`` joins that step's metrics, and
+``train.early_stop_patience`` may end training early.
+
 Rank 0 hands its live metrics to an ``Outbox``: training never waits for MLflow and never dies from
 it; what a server that is down could not take is delivered when it answers again.
 """
@@ -30,6 +34,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,10 +47,13 @@ from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.checksums import verify_checkpoint, write_checksums
 from pipeline.training.resume import usable_checkpoint
 from pipeline.training.data import BlockLoader
-from pipeline.training.engine import build_engine, full_state_dict, load_state, local_threads, save_state, train_step
+from pipeline.training.engine import (
+    build_engine, full_state_dict, load_state, local_threads, loss_definition, save_state, train_step,
+)
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
 from pipeline.training.outbox import Outbox
 from pipeline.training.parallel import ParallelDims
+from pipeline.training.validation import stop_early, validation_loss
 
 LAYOUT_FILE = "layout.json"
 RUN_LOG_FILE = "run_log.json"  # in a checkpoint: rank 0's metric history and the steps training started at
@@ -102,6 +110,11 @@ def main(config: dict) -> None:
                 starts = saved_log["starts"]
         loader.load_state_dict(loader_state)
     starts.append(start_step)
+    val_blocks = None
+    if t.eval_every:
+        val_blocks = np.load(on_this_node(config["tokens"]) / tokens_file("validation"), mmap_mode="r")
+    val_losses = [h["val_loss"] for h in history if "val_loss" in h]  # every rank has the restored history
+    stopped = stop_early(val_losses, t.early_stop_patience)  # a run resumed after it had stopped
 
     tracker = Outbox(config["tracker"]) if rank == 0 else None
     flops_tok = flops_per_token(model_cfg, cfg.tokenize.seq_len)["total"]
@@ -109,18 +122,28 @@ def main(config: dict) -> None:
     cluster_peak = torch.tensor(peak, dtype=torch.float64, device=device)
     dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
     if rank == 0:
-        tracker.set_tags({"mfu.peak_flops": f"{cluster_peak.item():.4g}", "mfu.peak_source": peak_source,
-                          "mfu.flops_per_token": flops_tok, "mfu.formula": "6N + 12*L*H*Q*T (PaLM app. B)"})
+        # repr: every digit, so that mfu = tokens_per_s * mfu.flops_per_token / mfu.peak_flops can be checked.
+        tracker.set_tags({"mfu.peak_flops": repr(cluster_peak.item()), "mfu.peak_source": peak_source,
+                          "mfu.flops_per_token": flops_tok,
+                          "mfu.formula": "6N + 6*L*H*(Q+V)*T (PaLM app. B; Q = V = head_dim but for MLA)",
+                          "train.loss": loss_definition(t.label_smoothing)})
     moe_stats = MoEStats() if model_cfg.is_moe else None
     bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
                disable=rank != 0 or not t.progress_bar, mininterval=1.0)
     window_t0, window_tokens = time.perf_counter(), 0
     last_checkpoint = time.monotonic()
     for step in range(start_step, t.steps):
-        loss = train_step(engine, loader.next_step(), device, moe_stats)
+        if stopped:
+            break
+        loss = train_step(engine, loader.next_step(), device, moe_stats, t.label_smoothing)
         window_tokens += dims.global_batch_tokens
         done = step + 1
         due_by_time = False
+        val_loss = None
+        if t.eval_every and done % t.eval_every == 0:  # a log step too (the config makes sure)
+            val_loss = validation_loss(engine, val_blocks, dims, rank, t.eval_batches, device, dist.all_reduce)
+            val_losses.append(val_loss)
+            stopped = stop_early(val_losses, t.early_stop_patience)
         if done % t.log_every == 0 or done == t.steps:
             # One all-reduce: the global batch's loss (the mean over ranks) and rank 0's word on whether
             # train.checkpoint_every_s has passed (the ranks' clocks differ; all must agree).
@@ -139,6 +162,8 @@ def main(config: dict) -> None:
                 "mfu": window_tokens / elapsed * flops_tok / cluster_peak.item(),
                 "peak_memory_gib": peak_memory_gib(device),  # rank 0's
             }
+            if val_loss is not None:
+                metrics["val_loss"] = val_loss
             if moe_stats is not None:
                 moe_stats.all_reduce()
                 metrics.update(moe_stats.metrics())
@@ -147,8 +172,12 @@ def main(config: dict) -> None:
             if rank == 0:
                 history.append({"step": done, **metrics})
                 tracker.log_metrics(metrics, step=done)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-        if done == t.steps or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                loss_name = "smoothed_loss" if t.label_smoothing else "loss"
+                bar.set_postfix(**{loss_name: f"{metrics['loss']:.3f}"}, tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if stopped and rank == 0:
+            print(f"early stop at step {done}: no better validation loss in the last {t.early_stop_patience} "
+                  f"validations (best {min(val_losses):.4f})", flush=True)
+        if done == t.steps or stopped or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
             last_checkpoint = time.monotonic()
             _checkpoint(engine, scheduler, done, loader.state_dict(), layout, {"history": history, "starts": starts})
             if done == t.steps:

@@ -112,8 +112,10 @@ class MoEStats:
     def metrics(self) -> dict[str, float]:
         """Step means: aux/z loss, dropped share, router entropy, and per-layer expert load.
 
-        ``expert_load/l{i}/e{j}`` is expert j's share of layer i's kept token slots;
-        ``load_imbalance/l{i}`` is max/mean of those shares (1.0 is perfectly balanced).
+        ``expert_tokens/l{i}/e{j}`` is the number of token slots layer i's router kept for expert j
+        (summed over micro-batches, and over ranks after ``all_reduce``); ``expert_load/l{i}/e{j}``
+        is that count's share of the layer's kept slots; ``load_imbalance/l{i}`` is max/mean of
+        those shares (1.0 is perfectly balanced).
         """
         if not self.layers:
             return {}
@@ -128,7 +130,8 @@ class MoEStats:
         for i, s in enumerate(self.layers):
             counts = s["tokens_per_expert"]
             share = counts / counts.sum().clamp(min=1)
-            for j, v in enumerate(share.tolist()):
+            for j, (count, v) in enumerate(zip(counts.tolist(), share.tolist())):
+                out[f"expert_tokens/l{i}/e{j}"] = count
                 out[f"expert_load/l{i}/e{j}"] = v
             imbalance.append((share.max() / share.mean()).item())
             out[f"load_imbalance/l{i}"] = imbalance[-1]

@@ -31,6 +31,14 @@ def test_dry_run_on_a_fresh_workdir_plans_every_stage(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_dry_run_until_plans_the_stages_up_to_it(tmp_path):
+    out = run_cli("configs/smoke.yaml", "--dry-run", "--until", "tokenize", f"run.workdir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split() for ln in out.stdout.splitlines()[1:]]
+    assert [(r[0], r[2]) for r in rows] == [("shard", "run"), ("tokenizer", "run"), ("tokenize", "run"),
+                                            ("train", "skip"), ("evaluate", "skip"), ("register", "skip")]
+
+
 def test_only_with_unfinished_inputs_is_refused(tmp_path):
     out = run_cli("configs/smoke.yaml", f"run.workdir={tmp_path}", "--only", "train")
     assert out.returncode == 2

@@ -120,6 +120,11 @@ PRESET_SHAPES = {
     "gpt_125m": dict(d_model=768, n_layers=12, n_heads=12, max_seq_len=2048, vocab_size=32000),
     "llama_1b": dict(d_model=2048, n_layers=16, n_heads=32, num_kv_heads=8, max_seq_len=2048, vocab_size=32000),
     "moe_8x_top2": dict(d_model=1024, n_layers=16, n_heads=16, num_experts=8, moe_top_k=2, vocab_size=32000),
+    "cpu_mla_moe": dict(d_model=128, n_layers=4, n_heads=4, attention="mla", kv_lora_rank=64, qk_rope_head_dim=16,
+                        num_experts=8, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False),
+    "mla_moe_32x_top4": dict(d_model=1536, n_layers=20, n_heads=12, attention="mla", kv_lora_rank=512,
+                             q_lora_rank=768, qk_rope_head_dim=64, num_experts=32, moe_top_k=4,
+                             moe_shared_experts=2, vocab_size=32000),
     "debug_mamba": dict(arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, ssm_state_size=16),
     "mamba": dict(arch="mamba", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, ssm_state_size=16),
 }

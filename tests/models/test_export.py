@@ -110,6 +110,7 @@ def test_hf_export_with_dtype_and_extra_config(make_cfg, tmp_path):
         (dict(bias=True), "bias=True"),
         (dict(num_experts=2, moe_top_k=1, moe_shared_experts=1), "moe_shared_experts=1"),
         (dict(num_experts=2, moe_top_k=1, moe_every=2), "moe_every=2"),
+        (dict(num_experts=2, moe_top_k=1, moe_first_dense_layers=1), "moe_first_dense_layers=1"),
         (dict(num_experts=2, moe_top_k=1, moe_capacity_factor=1.5), "moe_capacity_factor=1.5"),
         (dict(num_experts=2, moe_top_k=1, moe_renormalize=False), "moe_renormalize=False"),
     ],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.loss import lm_loss
-from models.schedules import inverse_sqrt, lr_multiplier, warmup_cosine, warmup_stable_decay
+from models.schedules import inverse_sqrt, lr_multiplier, noam, warmup_cosine, warmup_stable_decay
 
 
 def smoothed_ce_by_hand(logits_BTV, targets_BT, eps, ignore_index=-100):
@@ -68,6 +68,25 @@ def test_inverse_sqrt_is_the_noam_formula():
         inverse_sqrt(0, d, w)
 
 
+@pytest.mark.parametrize("step, expected", [
+    # d_model 512, warmup 4000 (the paper's base model), computed by hand:
+    # 512^-0.5 = 0.04419417382, 4000^-1.5 = 3.952847075e-6, 4000^-0.5 = 0.01581138830.
+    (1, 1.746928107e-07),  # 0.04419417382 * 1 * 3.952847075e-6
+    (100, 1.746928107e-05),  # 0.04419417382 * 100 * 3.952847075e-6
+    (4000, 6.987712430e-04),  # the peak: 0.04419417382 * 0.01581138830
+    (16000, 3.493856215e-04),  # 0.04419417382 / sqrt(16000) = half the peak
+])
+def test_noam_is_the_paper_formula_at_hand_computed_steps(step, expected):
+    assert noam(step, 512, 4000) == pytest.approx(expected, rel=1e-9)
+
+
+def test_noam_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="1-based"):
+        noam(0, 512, 4000)
+    with pytest.raises(ValueError, match="warmup"):
+        noam(1, 512, 0)
+
+
 def test_warmup_cosine():
     w, total, r = 10, 110, 0.1
     assert warmup_cosine(1, w, total, r) == pytest.approx(0.1)
@@ -107,7 +126,8 @@ def test_lr_multiplier_dispatch():
     assert lr_multiplier("inverse_sqrt", 7, d_model=64, warmup=10) == inverse_sqrt(7, 64, 10)
     assert lr_multiplier("cosine", 30, warmup=5, total=50) == warmup_cosine(30, 5, 50)
     assert lr_multiplier("wsd", 45, warmup=5, total=50, decay_fraction=0.3) == warmup_stable_decay(45, 5, 50, 0.3)
-    with pytest.raises(ValueError, match=r"\['constant', 'inverse_sqrt', 'cosine', 'wsd'\]"):
+    assert lr_multiplier("noam", 7, d_model=64, warmup=10) == noam(7, 64, 10)
+    with pytest.raises(ValueError, match=r"\['constant', 'inverse_sqrt', 'noam', 'cosine', 'wsd'\]"):
         lr_multiplier("linear", 1)
     with pytest.raises(ValueError, match="warmup < total"):
         warmup_cosine(1, 10, 10)

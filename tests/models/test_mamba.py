@@ -9,7 +9,7 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM
 
 from models import ModelConfig, build_model
-from models.accounting import flops_per_token, param_counts
+from models.accounting import flops_per_token, kv_cache_bytes_per_token, param_counts
 from models.export import load_hf, load_safetensors, save_hf, save_safetensors
 from models.generate import generate
 from models.mamba import MambaLM, _SelectiveScan, selective_scan
@@ -123,10 +123,12 @@ def test_param_counts_equal_the_built_model():
     assert param_counts(cfg)["non_embedding"] == 2 * (32 + 32 * 128 + 64 * 4 + 64 + 64 * 18 + 2 * 64 + 64 + 64 * 8 + 64 + 64 * 32) + 32
     assert flops_per_token(cfg, 64) == {"total": 6 * n + 27 * 2 * 64 * 8, "forward": 2 * n + 9 * 2 * 64 * 8}
     assert flops_per_token(cfg, 64) == flops_per_token(cfg, 4096)  # no term grows with the length
+    assert kv_cache_bytes_per_token(cfg) == 0  # the generation state does not grow per token
 
 
 @pytest.mark.parametrize("kw, field", [
     (dict(pos_encoding="rope"), "pos_encoding"),
+    (dict(attention="mla"), "attention"),
     (dict(norm="layernorm"), "norm"),
     (dict(norm_position="post"), "norm_position"),
     (dict(num_experts=4), "num_experts"),

@@ -120,3 +120,30 @@ def test_reference_table_lists_only_what_we_measured():
     table = references.reference_table({"lambada_accuracy": 0.01, "val_loss": 3.0})
     assert table["metric"] == ["lambada_accuracy"] and table["gpt2_117m"] == [0.4599]
     assert "lambada_accuracy" in references.format_table(table)
+
+
+def test_evaluation_device_precision_and_resources(model):
+    from pipeline.config import load_config
+    from pipeline.evaluation.device import autocast, eval_device, eval_precision
+    from pipeline.stages.evaluate import resources_on
+    from pipeline.stages.stage import Resources
+
+    # Where the evaluate task runs: a GPU when the cluster has one, else eval.cpus CPUs.
+    cfg = load_config(None, ["eval.cpus=2"])
+    assert resources_on(cfg, 0) == Resources(cpus=2) and resources_on(cfg, 8) == Resources(cpus=1, gpus=1)
+    assert resources_on(load_config(None, ["eval.device=cpu"]), 8) == Resources(cpus=1)
+    with pytest.raises(ValueError, match=r"eval.device=cuda but no GPU is visible in the Ray cluster"):
+        resources_on(load_config(None, ["eval.device=cuda"]), 0)
+    assert eval_device("auto", 0) == "cpu" and eval_precision("auto", "cpu") == "fp32"
+    assert eval_precision("auto", "cuda") == "bf16" and eval_precision("fp32", "cuda") == "fp32"
+    # fp32 on CPU scores as before (no autocast); bf16 autocast changes the logits but not by much.
+    blocks = np.random.default_rng(0).integers(5, 512, size=(4, 33))
+    x, y = torch.from_numpy(blocks[:, :-1]), torch.from_numpy(blocks[:, 1:])
+    with torch.no_grad():
+        direct = lm_loss(model(x).logits, y).item() * y.numel()
+        with autocast("cpu", "fp32"):
+            plain, _ = text_metrics.summed_nll(model, blocks[:, :-1], blocks[:, 1:], batch_size=3)
+        with autocast("cpu", "bf16"):
+            low, _ = text_metrics.summed_nll(model, blocks[:, :-1], blocks[:, 1:], batch_size=3)
+    assert plain == pytest.approx(direct, rel=1e-6)
+    assert low != plain and low == pytest.approx(plain, rel=2e-2)

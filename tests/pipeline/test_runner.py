@@ -21,6 +21,20 @@ def test_plan_on_an_empty_root_runs_everything_and_names_bad_stages(tmp_path):
         make_plan(cfg, force=("trian",))
 
 
+def test_until_runs_a_prefix_and_force_stays_inside_it(tmp_path):
+    cfg = resolve(load_config(None, [f"run.workdir={tmp_path}"]))
+    plan = make_plan(cfg, until="train")
+    assert [(p.stage, p.run) for p in plan] == [("shard", True), ("tokenizer", True), ("tokenize", True),
+                                                ("train", True), ("evaluate", False), ("register", False)]
+    assert [p.hash for p in plan] == [p.hash for p in make_plan(cfg)]  # the same artifacts as a full run
+    assert [p.forced for p in make_plan(cfg, until="tokenize", force=("tokenizer",))] == \
+        [False, True, True, False, False, False]
+    with pytest.raises(ConfigError, match=r"unknown stage 'trian'"):
+        make_plan(cfg, until="trian")
+    with pytest.raises(ConfigError, match=r"--only and --until exclude each other"):
+        make_plan(cfg, only="train", until="train")
+
+
 SERVER = "tracking.uri=http://mlflow:5000"
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve
+from pipeline.stage_io import shard_files
 from pipeline.stages import STAGES, shard, tokenize
 from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece
 
@@ -49,9 +51,21 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
     local = run_stages(load_config(None, [f"run.workdir={tmp_path / 'local'}", *overrides]), ["tokenize"],
                        {**local_shard, "tokenizer": on_ray["tokenizer"]})
 
+    # Shard: with Ray, documents go from the read tasks to a writer task per shard (the stage's own
+    # process sees only ids and sizes); the files hold what the in-process path writes, shard by shard.
     for split in ("train", "validation", "test"):
-        assert shard.read_texts(on_ray["shard"].path, split) == shard.read_texts(local_shard["shard"].path, split)
-    assert on_ray["shard"].manifest["counts"]["inputs"] == local_shard["shard"].manifest["counts"]["inputs"]
+        ray_files, local_files = (shard_files(a["shard"].path, split) for a in (on_ray, local_shard))
+        assert [f.name for f in ray_files] == [f.name for f in local_files]
+        assert len(ray_files) == (3 if split == "train" else 1)
+        for a, b in zip(ray_files, local_files):
+            assert pq.read_table(a).equals(pq.read_table(b)), a.name
+    assert on_ray["shard"].manifest["counts"] == local_shard["shard"].manifest["counts"]
+    # What the stage's own process receives per input: ids and sizes; the documents stay in the object store.
+    cfg = resolve(load_config(None, [f"run.workdir={tmp_path / 'ray'}", *overrides]))
+    monkeypatch.setattr(shard, "ray_running", lambda: True)
+    keys, stats, table = next(shard._read_all(shard.resolve_inputs(cfg), cfg))
+    assert isinstance(table, ray_cluster.ObjectRef) and set(keys) == {"doc_id", "bytes"}
+    assert len(keys["doc_id"]) == stats["documents"] - sum(stats["removed"].values())
     assert on_ray["tokenize"].manifest["counts"]["engine"] == "ray_data"
     assert local["tokenize"].manifest["counts"]["engine"] == "local"
     index = json.loads((on_ray["tokenize"].path / "index.json").read_text())

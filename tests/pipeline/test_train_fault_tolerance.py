@@ -211,7 +211,7 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
     _, alive = psutil.wait_procs(ray_procs, timeout=120)
     assert not alive, f"processes of the killed driver's Ray still run: {[named[p.pid] for p in alive]}"
 
-    rerun = run_cli(work)
+    rerun = run_cli(work, "--until", "train")  # what is asserted ends at train (evaluate and register: test_e2e_smoke)
     assert rerun.wait(timeout=900) == 0, "the rerun failed: see its log beside the workdir"
     train_dir = work / "artifacts" / "train" / train_hash
     starts = read_train_starts(train_dir)
@@ -236,7 +236,9 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
     removes exactly A's checkpoints (the runner calls the stage's ``discard_state``, checked with
     toy stages in test_runner_failures.py)."""
     storage = tmp_path / "shared-ckpt"
-    short = [f"train.checkpoint_storage={storage}", "train.steps=30", "train.checkpoint_every=0"]
+    # One worker: what is shared here is the storage, and one worker starts in half the CPU time of two.
+    short = [f"train.checkpoint_storage={storage}", "train.steps=30", "train.checkpoint_every=0",
+             "parallel.num_workers=1"]
     # A checkpoints only at the end; B also whenever train.checkpoint_every_s has passed at a log step
     # (every 10 steps): here always, so at 10, 20 and 30.
     _, a_history, _, a = train_once(tmp_path, "a", [*short, "train.checkpoint_every_s=0"], kill=False)

@@ -1,9 +1,12 @@
-"""Distributed training checks, run in one 2-process gloo world by test_distributed_training.py.
+"""Distributed training checks, run in gloo worlds by test_distributed_training.py.
 
-    python -m tests.pipeline.training.dist_checks OUT_DIR      (with RANK, WORLD_SIZE, ... set)
+    python -m tests.pipeline.training.dist_checks OUT_DIR                    (2 ranks)
+    python -m tests.pipeline.training.dist_checks canonical-resume OUT_DIR   (1 rank)
+    python -m tests.pipeline.training.dist_checks ep-replicas OUT_DIR        (4 ranks)
 
-Rank 0 writes ``OUT_DIR/results.json``; the test asserts on it. Everything here goes through the
-same functions the Ray Train worker uses (``pipeline.training.engine`` and ``BlockLoader``).
+Rank 0 writes ``OUT_DIR/results.json`` (``canonical_resume.json``, ``ep_replicas.json``); the test
+asserts on it. Everything here goes through the same functions the Ray Train worker uses
+(``pipeline.training.engine`` and ``BlockLoader``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0
 # jumps; the check would then measure rounding, not whether the distributed step is the same step.
 MOE_AUX = dataclasses.replace(MOE, moe_aux_loss_coef=0.01)
 MOE_CAPACITY = dataclasses.replace(MOE_AUX, moe_capacity_factor=1.0)
+# Multi-head latent attention (with a query latent), dense and with DeepSeek-style shared + routed experts.
+MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_rank=16, q_lora_rank=12,
+                          qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
+                              moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
+# EP: no shared experts (pipeline.limits); layer 0 dense, layer 1 experts split over the ranks.
+MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
 MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
                     ssm_state_size=4)
@@ -50,10 +60,11 @@ TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_ran
 
 
 def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
-                      micro: int = GLOBAL, autocast: bool = False) -> dict:
+                      micro: int = GLOBAL, autocast: bool = False, grad_norms: list | None = None) -> dict:
     """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
     one forward; smaller: the same global batch accumulated over micro-batches of that size.
-    ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32."""
+    ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32.
+    ``grad_norms``: gets each step's global gradient norm before clipping."""
     seed_everything(SEED)
     model = build_model(model_cfg)
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
@@ -62,20 +73,29 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
         for x, y in loader.next_step():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = model(x)
-            ((lm_loss(out.logits.float(), y) + out.aux_loss) * micro / GLOBAL).backward()
+            lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
+            ((lm + out.aux_loss) * micro / GLOBAL).backward()
         if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32"):
+def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32",
+                        grad_norms: list | None = None):
+    """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping."""
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
     engine, _ = build_engine(model_cfg, train, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
-    losses = [train_step(engine, loader.next_step(), CPU, moe_stats).item() for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        losses.append(train_step(engine, loader.next_step(), CPU, moe_stats, train.label_smoothing).item())
+        if grad_norms is not None:
+            grad_norms.append(float(engine.get_global_grad_norm()))
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
         for _, layer in moe_layers(engine.module):
             assert len(layer.experts) == 0
@@ -191,6 +211,60 @@ def canonical_resume(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def ep_cases(world: int, rank: int, tokens: Path, ep_size: int, cases) -> dict:
+    """Expert-parallel runs against one process accumulating the same micro-batches (capacity and
+    the load-balancing loss are computed per forward, so the reference sees what each rank sees).
+    Beside the weights, the gradient norm that clipping used: expert gradients counted once each,
+    whatever the number of replicas."""
+    results = {}
+    for name, model_cfg, zero in cases:
+        train = dataclasses.replace(TRAIN, zero_stage=zero)
+        stats, norms = MoEStats(), []
+        state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank, stats, ep_size=ep_size,
+                                            grad_norms=norms)
+        stats.all_reduce()
+        if rank == 0:
+            ref_norms: list[float] = []
+            ref = reference_weights(model_cfg, train, tokens, 2, micro=MICRO, grad_norms=ref_norms)
+            init = reference_weights(model_cfg, train, tokens, 0)
+            results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
+                             "dropped_fraction": stats.metrics()["moe_dropped_fraction"],
+                             "grad_norms": norms, "reference_grad_norms": ref_norms}
+    return results
+
+
+def ep_replicas(out: Path) -> None:
+    """On 4 ranks with ep_size 2: every expert has two replicas (expert-data-parallel groups {0, 2}
+    and {1, 3}), so expert gradients are reduced over those groups and dense ones over all 4 ranks.
+    Against one process: ZeRO 1 and 2, dropless and with capacity; exact resume; and the canonical
+    checkpoint of that layout continued on ep_size 1 and 4 in the same world."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4 and GLOBAL // (world * MICRO) == 1  # one micro-batch per rank per step
+    torch.set_num_threads(1)
+    tokens = out / "train.tokens.npy"
+    if rank == 0:
+        rng = np.random.default_rng(0)
+        np.save(tokens, rng.integers(0, DENSE.vocab_size, size=(64, SEQ + 1), dtype=np.uint16))
+    dist.barrier()
+    results: dict = {"world_size": world}
+    results.update(ep_cases(world, rank, tokens, 2, (
+        ("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2),
+        ("ep2_capacity_zero1", MOE_CAPACITY, 1), ("ep2_capacity_zero2", MOE_CAPACITY, 2))))
+    results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep2", world, rank, MOE_AUX, zero=2, ep_size=2)
+    canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=2)
+    results["canonical"] = {
+        "ep2_to_ep1_zero1": canonical_continue(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=1,
+                                               ep_size=1),
+        "ep2_to_ep4_zero2": canonical_continue(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2,
+                                               ep_size=4),
+    }
+    if rank == 0:
+        (out / "ep_replicas.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     dist.init_process_group("gloo")
@@ -210,6 +284,8 @@ def main(out_dir: str) -> None:
         "dense_zero3_offload_all": (DENSE, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}),
         "dense_zero1_activation_ckpt": (DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_zero1": (MOE, {"zero_stage": 1}), "moe_zero2": (MOE, {"zero_stage": 2}),
+        "dense_zero1_label_smoothing": (DENSE, {"zero_stage": 1, "label_smoothing": 0.1}),
+        "mla_zero3": (MLA, {"zero_stage": 3}), "mla_moe_shared_zero2": (MLA_MOE, {"zero_stage": 2}),
         "mamba_zero1": (MAMBA, {"zero_stage": 1}), "mamba_zero3": (MAMBA, {"zero_stage": 3}),
         "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
     }
@@ -223,20 +299,10 @@ def main(out_dir: str) -> None:
                 "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
             }
 
-    # Expert parallelism: experts split over the 2 ranks, tokens exchanged by all-to-all. The
-    # reference accumulates the same micro-batches, so capacity (computed per forward) and the
-    # load-balancing loss see the same tokens as each rank does.
-    ep_cases = (("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1))
-    for name, model_cfg, zero in ep_cases:
-        train = dataclasses.replace(TRAIN, zero_stage=zero)
-        stats = MoEStats()
-        state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank, stats, ep_size=world)
-        stats.all_reduce()
-        if rank == 0:
-            ref = reference_weights(model_cfg, train, tokens, 2, micro=MICRO)
-            init = reference_weights(model_cfg, train, tokens, 0)
-            results[name] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
-                             "dropped_fraction": stats.metrics()["moe_dropped_fraction"]}
+    # Expert parallelism: experts split over the 2 ranks (one replica each), tokens exchanged by all-to-all.
+    results.update(ep_cases(world, rank, tokens, world, (
+        ("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1),
+        ("ep2_mla_zero1", MLA_MOE_AUX, 1))))
     # bf16 autocast (fp32 weights): the reference runs the same micro-batches under autocast, so
     # each rank's bf16 matmuls have the shapes of the reference's.
     train = dataclasses.replace(TRAIN, zero_stage=1)
@@ -267,6 +333,8 @@ def main(out_dir: str) -> None:
     }
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
+    results["resume_mla_ep2"] = resume_check(tokens, out / "ckpt_mla_ep", world, rank, MLA_MOE_AUX, zero=2,
+                                             ep_size=world)
     try:
         build_engine(MOE, dataclasses.replace(TRAIN, zero_stage=3), ParallelDims(world, world, GLOBAL, MICRO, SEQ),
                      precision="fp32", device=CPU, seed=SEED)
@@ -283,5 +351,7 @@ def main(out_dir: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "canonical-resume":
         canonical_resume(Path(sys.argv[2]))
+    elif sys.argv[1] == "ep-replicas":
+        ep_replicas(Path(sys.argv[2]))
     else:
         main(sys.argv[1])

@@ -1,4 +1,5 @@
-"""2 ranks == 1 rank, and exact resume, through DeepSpeed over gloo (one 2-process launch)."""
+"""2 ranks == 1 rank, and exact resume, through DeepSpeed over gloo (one 2-process launch, and one
+4-process launch for experts with replicas)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_canonical_checkpoint_resumes_on_another_layout_of_the_same_world(result
 @pytest.mark.parametrize("case", [
     "dense_zero0", "dense_zero1", "dense_zero2", "dense_zero3", "dense_zero2_offload", "dense_zero3_offload_all",
     "dense_zero1_activation_ckpt", "moe_zero1", "moe_zero2", "dense_zero1_amp_bf16", "dense_zero1_compile",
-    "dense_zero1_compile_activation_ckpt", "mamba_zero1", "mamba_zero3", "mamba_zero2_activation_ckpt",
+    "dense_zero1_compile_activation_ckpt", "dense_zero1_label_smoothing", "mla_zero3", "mla_moe_shared_zero2", "mamba_zero1", "mamba_zero3",
+    "mamba_zero2_activation_ckpt",
 ])
 def test_two_ranks_match_one_process(results, case):
     r = results[case]
@@ -55,11 +57,12 @@ def test_two_ranks_match_one_process(results, case):
     assert r["max_abs_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1"])
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_mla_zero1"])
 def test_expert_parallel_matches_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3
     assert r["max_abs_diff"] < 1e-5, r
+    assert_grad_norms_match(r)
     if "capacity" in case:
         assert r["dropped_fraction"] > 0.05  # tokens were dropped, and the same ones as in one process
     else:
@@ -70,7 +73,7 @@ def test_expert_parallel_with_zero3_is_refused_clearly(results):
     assert "train.zero_stage=3 with parallel.ep_size > 1 is not supported" in results["ep_zero3_refused"]
 
 
-@pytest.mark.parametrize("case", ["resume", "resume_ep2"])
+@pytest.mark.parametrize("case", ["resume", "resume_ep2", "resume_mla_ep2"])
 def test_resume_is_bit_exact(results, case):
     r = results[case]
     assert r["step_restored"] == 2
@@ -83,3 +86,55 @@ def test_expert_load_is_summed_over_ranks(results):
     assert r["distributed"] == r["reference"]  # exact integer counts, every layer and expert
     assert r["micro_batches"] == 4  # 2 ranks x 2 accumulation steps
     assert abs(r["load_shares_sum"] - 1.0) < 1e-12
+
+
+def test_label_smoothing_is_what_the_engine_trains_on(results):
+    """Same data and start as dense_zero1, another loss: the reported losses differ from the first step on
+    (the weights' match with the smoothed single-process reference is in test_two_ranks_match_one_process)."""
+    plain, smoothed = results["dense_zero1"]["losses"], results["dense_zero1_label_smoothing"]["losses"]
+    assert all(s != p for s, p in zip(smoothed, plain)), (smoothed, plain)
+
+
+def assert_grad_norms_match(r: dict) -> None:
+    """The global gradient norm DeepSpeed clipped with, each step, is the single process's."""
+    assert len(r["grad_norms"]) == len(r["reference_grad_norms"]) == 2
+    for got, ref in zip(r["grad_norms"], r["reference_grad_norms"]):
+        assert abs(got - ref) < 1e-5 * ref, r
+
+
+@pytest.fixture(scope="module")
+def ep_replicas(tmp_path_factory):
+    """One 4-process world, ep_size 2: two replicas of every expert (dist_checks.ep_replicas)."""
+    out = tmp_path_factory.mktemp("ep_replicas")
+    run_world("tests.pipeline.training.dist_checks", "ep-replicas", str(out), world_size=4, timeout=900)
+    return json.loads((out / "ep_replicas.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_capacity_zero2"])
+def test_replicated_experts_match_one_process(ep_replicas, case):
+    """4 ranks, ep_size 2: expert gradients reduced over the expert-data-parallel groups, dense ones
+    over all ranks; the weights after 2 steps are one process's, and so is the gradient norm that
+    clipping used (each expert's gradient counted once, not once per replica)."""
+    r = ep_replicas[case]
+    assert ep_replicas["world_size"] == 4
+    assert r["moved"] > 1e-3
+    assert r["max_abs_diff"] < 1e-5, r
+    assert_grad_norms_match(r)
+    if "capacity" in case:
+        assert r["dropped_fraction"] > 0.05
+    else:
+        assert r["dropped_fraction"] == 0.0
+
+
+def test_replicated_experts_resume_bit_exact(ep_replicas):
+    r = ep_replicas["resume_ep2"]
+    assert r["step_restored"] == 2 and r["losses_equal"] is True and r["weights_identical"] is True
+
+
+@pytest.mark.parametrize("case", ["ep2_to_ep1_zero1", "ep2_to_ep4_zero2"])
+def test_replicated_experts_canonical_checkpoint_resumes_on_ep_1_and_4(ep_replicas, case):
+    """Saved by 4 ranks with ep_size 2 (ZeRO-2); continued by 4 ranks with every expert on every rank
+    (ep_size 1) and with one expert per rank (ep_size 4): 2 more steps equal 4 single-process steps."""
+    r = ep_replicas["canonical"][case]
+    assert r["world_size"] == 4 and r["step"] == 2, r
+    assert r["max_abs_diff"] < 1e-5, r

@@ -25,6 +25,8 @@ def test_moe_stats_average_over_micro_batches_and_layers():
     assert m["moe_dropped_fraction"] == pytest.approx(0.25)
     assert m["moe_router_entropy"] == pytest.approx(1.25)
     # layer 0: counts [4, 4, 0, 8] over 16 slots
+    assert [m[f"expert_tokens/l0/e{j}"] for j in range(4)] == [4, 4, 0, 8]
+    assert [m[f"expert_tokens/l1/e{j}"] for j in range(4)] == [4, 4, 4, 4]
     assert [m[f"expert_load/l0/e{j}"] for j in range(4)] == [0.25, 0.25, 0.0, 0.5]
     assert m["load_imbalance/l0"] == pytest.approx(0.5 / 0.25)
     assert m["load_imbalance/l1"] == pytest.approx(1.0)

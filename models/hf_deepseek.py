@@ -1,0 +1,243 @@
+"""Conduit MLA models <-> Hugging Face DeepseekV2 (`DeepseekV2ForCausalLM`): config and tensors.
+
+`models.export` calls these for `attention == "mla"`; they only map dicts of tensors (no file I/O).
+
+What maps how:
+- names: Conduit's MLA parameters carry DeepseekV2's names except `kv_a_proj` (HF
+  `kv_a_proj_with_mqa`), `kv_a_norm` (`kv_a_layernorm`) and `q_a_norm` (`q_a_layernorm`); dense FFNs are
+  `mlp.{gate,up,down}_proj`, routed experts `mlp.experts.{e}.{gate,up,down}_proj` (the per-expert
+  layout DeepSeek's checkpoints use, which transformers packs on load), the router `mlp.gate`.
+- RoPE rows: Conduit rotates feature pairs (j, j + P/2) of the qk_rope_head_dim = P features,
+  DeepseekV2 rotates adjacent pairs (2j, 2j + 1) (a complex multiply), both with angle pos * base^(-2j/P).
+  So the P RoPE output rows of every query head in q_proj / q_b_proj and of the shared RoPE key in
+  kv_a_proj are reordered [0, P/2, 1, P/2 + 1, ...] on export; q and k get the same permutation, so
+  every score q . k is unchanged.
+- shared experts: Conduit has moe_shared_experts separate SwiGLU FFNs of width F; DeepseekV2 one of
+  width n_shared_experts * F. A sum of SwiGLU FFNs is the SwiGLU FFN with their gate and up rows and
+  their down columns concatenated, so this is a concatenation (and a split on import).
+- routing: DeepseekV2's "greedy" router is Conduit's (softmax in fp32 over all experts, top-k) without
+  renormalising the k weights (its norm_topk_prob is unused by the V2 router), scaled by
+  routed_scaling_factor. Export therefore needs moe_renormalize=False and writes
+  routed_scaling_factor 1.0, topk_method "greedy", n_group/topk_group null.
+- layer kinds: DeepseekV2 makes layer i MoE iff i >= first_k_dense_replace, which is Conduit's
+  moe_first_dense_layers with moe_every=1; a dense model is first_k_dense_replace = num_hidden_layers.
+- attention: num_key_value_heads = num_attention_heads (the expanded keys are per head); the softmax
+  scale (qk_nope + qk_rope)^-0.5 is DeepseekV2's with rope_type default or linear (no YaRN mscale).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from models.config import ModelConfig
+
+# Our MLA / MoE names (after "layers.{i}.") -> DeepseekV2's (after "model.layers.{i}.").
+_ATTN_NAMES = {
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.q_a_proj.weight": "self_attn.q_a_proj.weight",
+    "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn.q_b_proj.weight": "self_attn.q_b_proj.weight",
+    "attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn.w1.weight": "mlp.gate_proj.weight",
+    "ffn.w3.weight": "mlp.up_proj.weight",
+    "ffn.w2.weight": "mlp.down_proj.weight",
+    "ffn.router.weight": "mlp.gate.weight",
+}
+_FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+          "lm_head.weight": "lm_head.weight"}
+_HF_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def unsupported_options(cfg: ModelConfig) -> list[str]:
+    """Options of an MLA config DeepseekV2 cannot express, as "field=value (reason)" strings."""
+    problems = []
+    if cfg.norm != "rmsnorm":
+        problems.append(f"norm={cfg.norm!r} (DeepseekV2 uses rmsnorm)")
+    if cfg.norm_position != "pre":
+        problems.append(f"norm_position={cfg.norm_position!r} (DeepseekV2 is pre-norm)")
+    if cfg.ffn != "swiglu":
+        problems.append(f"ffn={cfg.ffn!r} (DeepseekV2 uses swiglu)")
+    if cfg.bias:
+        problems.append("bias=True (HF export supports bias-free models only)")
+    if cfg.num_experts > 0:
+        if cfg.moe_every != 1:
+            problems.append(f"moe_every={cfg.moe_every} (DeepseekV2's MoE layers are all layers from "
+                            "first_k_dense_replace = moe_first_dense_layers on)")
+        if cfg.moe_capacity_factor is not None:
+            problems.append(f"moe_capacity_factor={cfg.moe_capacity_factor} (DeepseekV2 is dropless)")
+        if cfg.moe_renormalize:
+            problems.append("moe_renormalize=True (DeepseekV2's greedy router does not renormalise the top-k "
+                            "weights)")
+    return problems
+
+
+def rope_row_order(P: int) -> torch.Tensor:
+    """Row i of the DeepseekV2 layout is row order[i] of ours: [0, P/2, 1, P/2 + 1, ...]."""
+    half = P // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+
+
+def _permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, name: str, to_hf: bool) -> torch.Tensor:
+    """Reorder the RoPE output rows of q_proj / q_b_proj (per head) or kv_a_proj (after the latent)."""
+    P = cfg.resolved_qk_rope_head_dim
+    order = rope_row_order(P)
+    if not to_hf:
+        order = torch.argsort(order)
+    if name.endswith("kv_a_proj.weight"):
+        R = cfg.resolved_kv_lora_rank
+        return torch.cat([w[:R], w[R:][order]], dim=0)
+    N, H = cfg.resolved_qk_nope_head_dim, cfg.n_heads
+    w_HQi = w.reshape(H, N + P, -1)
+    return torch.cat([w_HQi[:, :N], w_HQi[:, N:][:, order]], dim=1).reshape(w.shape)
+
+
+def _rope_rows(rest: str) -> bool:
+    return rest in ("attn.q_proj.weight", "attn.q_b_proj.weight", "attn.kv_a_proj.weight")
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict (lm_head absent when tied) -> DeepseekV2 checkpoint tensors.
+
+    Raises:
+        ValueError: on a parameter with no DeepseekV2 name.
+    """
+    out: dict[str, torch.Tensor] = {}
+    shared: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if name in _FIXED:
+            out[_FIXED[name]] = t
+            continue
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"no Hugging Face name for parameter {name!r}")
+        i, rest = m.groups()
+        prefix = f"model.layers.{i}."
+        e = re.fullmatch(r"ffn\.(experts|shared_experts)\.(\d+)\.(w[123])\.weight", rest)
+        if e is not None:
+            kind, idx, w = e.groups()
+            if kind == "experts":
+                out[prefix + f"mlp.experts.{idx}.{_HF_W[w]}.weight"] = t
+            else:
+                shared.setdefault((prefix, w), []).append((int(idx), t))
+            continue
+        if rest not in _ATTN_NAMES:
+            raise ValueError(f"no Hugging Face name for parameter {name!r}")
+        out[prefix + _ATTN_NAMES[rest]] = _permute_rope_rows(t, cfg, rest, to_hf=True) if _rope_rows(rest) else t
+    # The shared experts, one FFN of n_shared * F: gate/up rows and down columns concatenated.
+    D, F = cfg.d_model, cfg.resolved_moe_d_ff
+    dtype = state["tok_embeddings.weight"].dtype
+    for i in range(cfg.n_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        prefix = f"model.layers.{i}."
+        for w, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            parts = [t for _, t in sorted(shared.get((prefix, w), []), key=lambda p: p[0])]
+            empty = torch.zeros((0, D) if dim == 0 else (D, 0), dtype=dtype)
+            out[prefix + f"mlp.shared_experts.{_HF_W[w]}.weight"] = torch.cat(parts, dim=dim) if parts else empty
+            assert all(p.shape[1 - dim] == D and p.shape[dim] == F for p in parts)
+    return out
+
+
+def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """DeepseekV2 checkpoint tensors -> our state dict (inverse of `to_hf_tensors`).
+
+    Raises:
+        ValueError: on an unexpected tensor name.
+    """
+    inverse_fixed = {v: k for k, v in _FIXED.items()}
+    inverse_attn = {v: k for k, v in _ATTN_NAMES.items()}
+    inverse_w = {v: k for k, v in _HF_W.items()}
+    F = cfg.resolved_moe_d_ff
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, t in tensors.items():
+        if hf_name in inverse_fixed:
+            out[inverse_fixed[hf_name]] = t
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        if m is None:
+            raise ValueError(f"unexpected tensor {hf_name!r} in DeepseekV2 checkpoint")
+        i, rest = m.groups()
+        e = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)
+        if e is not None:
+            out[f"layers.{i}.ffn.experts.{e.group(1)}.{inverse_w[e.group(2)]}.weight"] = t
+            continue
+        s = re.fullmatch(r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight", rest)
+        if s is not None:
+            w = inverse_w[s.group(1)]
+            dim = 1 if w == "w2" else 0
+            for idx, part in enumerate(t.split(F, dim=dim) if t.shape[dim] else ()):
+                out[f"layers.{i}.ffn.shared_experts.{idx}.{w}.weight"] = part.contiguous()
+            continue
+        if rest not in inverse_attn:
+            raise ValueError(f"unexpected tensor {hf_name!r} in DeepseekV2 checkpoint")
+        ours = inverse_attn[rest]
+        out[f"layers.{i}.{ours}"] = _permute_rope_rows(t, cfg, ours, to_hf=False) if _rope_rows(ours) else t
+    return out
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The DeepseekV2-specific config.json keys of an MLA model (export adds the common ones)."""
+    moe = cfg.num_experts > 0
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.resolved_qk_rope_head_dim,  # what DeepseekV2's RoPE reads (it sets it so itself)
+        "intermediate_size": cfg.resolved_d_ff,
+        "moe_intermediate_size": cfg.resolved_moe_d_ff,
+        "kv_lora_rank": cfg.resolved_kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank,
+        "qk_nope_head_dim": cfg.resolved_qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.resolved_qk_rope_head_dim,
+        "v_head_dim": cfg.resolved_v_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.moe_top_k if moe else None,
+        "n_shared_experts": cfg.moe_shared_experts,
+        "first_k_dense_replace": cfg.moe_first_dense_layers if cfg.is_moe else cfg.n_layers,
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "mlp_bias": False,
+    }
+
+
+def config_fields(hf: dict) -> dict:
+    """ModelConfig fields of a DeepseekV2 config.json beyond the ones Llama-like configs share.
+
+    Raises:
+        ValueError: on a DeepseekV2 option Conduit cannot express, naming it.
+    """
+    n_layers = hf["num_hidden_layers"]
+    first_dense = hf.get("first_k_dense_replace", 0)
+    experts = hf.get("n_routed_experts", 0) or 0
+    moe = experts > 0 and first_dense < n_layers
+    if moe:
+        if hf.get("topk_method", "greedy") != "greedy":
+            raise ValueError(f"topk_method={hf['topk_method']!r}: only 'greedy' routing loads")
+        if float(hf.get("routed_scaling_factor", 1.0)) != 1.0:
+            raise ValueError(f"routed_scaling_factor={hf['routed_scaling_factor']}: only 1.0 loads")
+    if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
+        raise ValueError("num_key_value_heads must equal num_attention_heads for DeepseekV2 attention")
+    fields = dict(
+        attention="mla",
+        kv_lora_rank=hf["kv_lora_rank"],
+        q_lora_rank=hf.get("q_lora_rank"),
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        d_ff=hf["intermediate_size"],
+    )
+    if moe:
+        fields.update(num_experts=experts, moe_top_k=hf["num_experts_per_tok"], moe_d_ff=hf["moe_intermediate_size"],
+                      moe_shared_experts=hf.get("n_shared_experts") or 0, moe_renormalize=False,
+                      moe_first_dense_layers=first_dense)
+    return fields

@@ -1,0 +1,92 @@
+"""Validation during training (``train.eval_every``, ``train.eval_batches``, ``train.early_stop_patience``).
+
+The subset is fixed: the first ``eval_batches x global_batch_size`` blocks of the validation split,
+whatever the number of ranks. Rank ``r`` of ``W`` scores the contiguous ``1/W`` of it at ``r``, in
+micro-batches of ``micro_batch_size_per_rank`` (so under ZeRO-3 or expert parallelism every rank runs
+the same number of forward passes, which their collectives need); the summed negative
+log-likelihood (float64) and the token count are all-reduced, so every rank gets the mean over the
+whole subset: the unsmoothed cross-entropy, comparable with the evaluate stage's ``val_loss``.
+
+The pass runs in eval mode without gradients: no parameter, optimizer state or RNG changes, so a
+run with validation trains exactly as one without it.
+
+Early stopping: after ``early_stop_patience`` validations in a row without a new best loss, training
+stops (a final checkpoint, then the weights as they are). The state is recomputed from the metric
+history, which checkpoints carry, so a resumed run stops where an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.training.parallel import ParallelDims
+
+
+def subset_size(eval_batches: int, dims: ParallelDims) -> int:
+    """Blocks in the validation subset: ``eval_batches`` global batches."""
+    return eval_batches * dims.global_batch_size
+
+
+def check_split(eval_batches: int, global_batch_size: int, n_blocks: int) -> None:
+    """Raises ValueError when the validation split is smaller than the subset."""
+    need = eval_batches * global_batch_size
+    if n_blocks < need:
+        raise ValueError(
+            f"train.eval_batches={eval_batches} asks for {need} validation blocks (x train.global_batch_size="
+            f"{global_batch_size}) but the validation split has {n_blocks}: lower train.eval_batches or raise "
+            "data.validation_fraction"
+        )
+
+
+def rank_slice(n: int, world: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``n`` blocks (``n`` divides by ``world``)."""
+    per = n // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+@torch.no_grad()
+def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device) -> tuple[float, int]:
+    """Summed next-token NLL (nats, accumulated in float64) and token count over ``blocks`` (n, T+1)."""
+    total, count = 0.0, 0
+    for b in range(0, len(blocks), micro):
+        block = torch.from_numpy(np.asarray(blocks[b : b + micro]).astype(np.int64))
+        x, y = block[:, :-1].to(device), block[:, 1:].to(device)
+        logits = engine(x).logits.float()
+        total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double().item()
+        count += y.numel()
+    return total, count
+
+
+def validation_loss(engine, blocks: np.ndarray, dims: ParallelDims, rank: int, eval_batches: int,
+                    device: torch.device, all_reduce: Callable[[torch.Tensor], None] | None) -> float:
+    """The mean validation loss over the subset, the same on every rank.
+
+    Args:
+        blocks: the validation split's blocks (memory-mapped is fine).
+        all_reduce: sums a float64 tensor over the ranks in place (``torch.distributed.all_reduce``);
+            None in a single process.
+    """
+    n = subset_size(eval_batches, dims)
+    mine = blocks[:n][rank_slice(n, dims.world_size, rank)]
+    was_training = engine.training
+    engine.eval()
+    try:
+        total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device)
+    finally:
+        engine.train(was_training)
+    sums = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+    if all_reduce is not None:
+        all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def stop_early(val_losses: list[float], patience: int) -> bool:
+    """True when the last ``patience`` losses all failed to beat the best one before them."""
+    if patience <= 0 or len(val_losses) <= patience:
+        return False
+    best_before = min(val_losses[:-patience])
+    return all(v >= best_before for v in val_losses[-patience:])
