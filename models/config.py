@@ -324,9 +324,9 @@ def _check_mamba(cfg: ModelConfig) -> None:
         return
     # A Mamba block is pre-norm RMSNorm with no positions, attention or FFN: a value here that asks for
     # something else would be silently ignored, so it is refused instead.
-    wrong = {"attention": (cfg.attention, "mha"), "pos_encoding": (cfg.pos_encoding, "none"), "norm": (cfg.norm, "rmsnorm"),
-             "norm_position": (cfg.norm_position, "pre"), "num_experts": (cfg.num_experts, 0),
-             "attn_dropout": (cfg.attn_dropout, 0.0)}
+    wrong = {"attention": (cfg.attention, "mha"), "pos_encoding": (cfg.pos_encoding, "none"),
+             "norm": (cfg.norm, "rmsnorm"), "norm_position": (cfg.norm_position, "pre"),
+             "num_experts": (cfg.num_experts, 0), "attn_dropout": (cfg.attn_dropout, 0.0)}
     for name, (value, needed) in wrong.items():
         if value != needed:
             raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
