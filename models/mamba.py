@@ -92,6 +92,18 @@ class _SelectiveScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, chunk):
+        # fp32 throughout, also under autocast (whose einsums would otherwise run in bf16).
+        with torch.autocast(x_BTE.device.type, enabled=False):
+            return _SelectiveScan._forward(ctx, x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, chunk)
+
+    @staticmethod
+    def backward(ctx, dy_BTE, dhT_BEN):
+        with torch.autocast(dy_BTE.device.type, enabled=False):
+            dtype = ctx.saved_tensors[0].dtype  # the inputs' (fp32 from selective_scan)
+            return _SelectiveScan._backward(ctx, dy_BTE.to(dtype), None if dhT_BEN is None else dhT_BEN.to(dtype))
+
+    @staticmethod
+    def _forward(ctx, x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, chunk):
         T = x_BTE.shape[1]
         h_BEN = h0_BEN
         starts, ys = [], []
@@ -107,10 +119,9 @@ class _SelectiveScan(torch.autograd.Function):
         return torch.cat(ys, 1), h_BEN
 
     @staticmethod
-    def backward(ctx, dy_BTE, dhT_BEN):
+    def _backward(ctx, dy_BTE, dhT_BEN):
         x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, starts_BKEN = ctx.saved_tensors
         chunk, T = ctx.chunk, x_BTE.shape[1]
-        dy_BTE = torch.zeros_like(x_BTE) if dy_BTE is None else dy_BTE
         dx_BTE, ddelta_BTE = torch.empty_like(x_BTE), torch.empty_like(delta_BTE)
         dB_BTN, dC_BTN, dA_EN = torch.empty_like(B_BTN), torch.empty_like(C_BTN), torch.zeros_like(A_EN)
         # dL/dh at the first step of the chunk after this one, times that step's decay: what flows back in.
@@ -242,7 +253,7 @@ class MambaMixer(nn.Module):
         if state is not None and T == 1:  # one token: the recurrence itself
             dA_BEN = torch.exp(delta_BTE[:, 0, :, None] * A_EN)
             h_BEN = dA_BEN * h0_BEN + (delta_BTE[:, 0] * x_BTE[:, 0].float())[..., None] * B_BTN[:, 0, None, :].float()
-            y_BTE = torch.einsum("ben,bn->be", h_BEN, C_BTN[:, 0].float()).unsqueeze(1)
+            y_BTE = (h_BEN * C_BTN[:, 0, None, :].float()).sum(-1).unsqueeze(1)  # fp32, also under autocast
         else:
             y_BTE, h_BEN = selective_scan(x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, self.scan_chunk)
         if state is not None:

@@ -111,6 +111,19 @@ def test_training_step_lowers_the_loss_and_reaches_every_parameter():
     assert losses[-1] < losses[0] - 0.1
 
 
+def test_bf16_autocast_and_bf16_weights_train_and_generate():
+    """The scan stays fp32 under autocast (its backward once met bf16 einsums there) and with bf16 weights."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 17))
+    model = build_model(mamba_cfg())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    bf16 = build_model(mamba_cfg()).to(torch.bfloat16).eval()
+    assert generate(bf16, ids[:, :4], 5, temperature=0).shape == (2, 9)
+
+
 def test_param_counts_equal_the_built_model():
     for kw in (dict(), dict(bias=True, tie_embeddings=True, ssm_dt_rank=5, ssm_expand=3, ssm_conv_kernel=2)):
         cfg = mamba_cfg(**kw)
