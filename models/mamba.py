@@ -99,8 +99,10 @@ class _SelectiveScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BTE, dhT_BEN):
         with torch.autocast(dy_BTE.device.type, enabled=False):
-            dtype = ctx.saved_tensors[0].dtype  # the inputs' (fp32 from selective_scan)
-            return _SelectiveScan._backward(ctx, dy_BTE.to(dtype), None if dhT_BEN is None else dhT_BEN.to(dtype))
+            saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
+            dtype = saved[0].dtype  # the inputs' (fp32 from selective_scan)
+            return _SelectiveScan._backward(ctx, saved, dy_BTE.to(dtype),
+                                            None if dhT_BEN is None else dhT_BEN.to(dtype))
 
     @staticmethod
     def _forward(ctx, x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, h0_BEN, chunk):
@@ -119,8 +121,8 @@ class _SelectiveScan(torch.autograd.Function):
         return torch.cat(ys, 1), h_BEN
 
     @staticmethod
-    def _backward(ctx, dy_BTE, dhT_BEN):
-        x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, starts_BKEN = ctx.saved_tensors
+    def _backward(ctx, saved, dy_BTE, dhT_BEN):
+        x_BTE, delta_BTE, A_EN, B_BTN, C_BTN, starts_BKEN = saved
         chunk, T = ctx.chunk, x_BTE.shape[1]
         dx_BTE, ddelta_BTE = torch.empty_like(x_BTE), torch.empty_like(delta_BTE)
         dB_BTN, dC_BTN, dA_EN = torch.empty_like(B_BTN), torch.empty_like(C_BTN), torch.zeros_like(A_EN)
