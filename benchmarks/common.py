@@ -93,7 +93,7 @@ class FullPath:
         from pipeline import tracking
         from pipeline.artifacts import write_manifest
         from pipeline.runner import worker_env
-        from pipeline.stage_io import tokens_file
+        from pipeline.stage_io import SplitTokens, TokenIndex, tokens_file
 
         os.environ.update(worker_env())
         self.work = Path(tempfile.mkdtemp(prefix="conduit-bench-fullpath-"))
@@ -101,9 +101,17 @@ class FullPath:
         tokens_dir.mkdir()
         rng = np.random.default_rng(0)
         blocks = rng.integers(5, self.vocab_size, size=(self.n_blocks, self.seq_len + 1), dtype=np.int64)
-        np.save(tokens_dir / tokens_file("train"), blocks.astype(np.uint16 if self.vocab_size <= 2**16 else np.uint32))
+        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        np.save(tokens_dir / tokens_file("train", 0), blocks.astype(dtype))
+        n_tokens = self.n_blocks * (self.seq_len + 1)
+        index = TokenIndex(seq_len=self.seq_len, dtype=np.dtype(dtype).name, vocab_size=self.vocab_size, add_bos=False,
+                           splits={"train": SplitTokens(blocks=self.n_blocks, tokens=n_tokens, dropped_tail_tokens=0,
+                                                        documents=1, bytes=n_tokens, tokens_in_documents=n_tokens,
+                                                        shards=[self.n_blocks])})
+        index.write(tokens_dir)
         self.tokens = write_manifest(tokens_dir, stage="tokenize", hash_="synthetic", stage_config={}, run_config={},
-                                     inputs={}, counts={"blocks": self.n_blocks}, started_at=time.time())
+                                     inputs={"shard": "synthetic", "tokenizer": "synthetic"}, counts=index.to_dict(),
+                                     started_at=time.time())
         self.uri = f"sqlite:///{self.work / 'mlflow.db'}"
         self.experiment = tracking.ensure_experiment(self.uri, "bench", str(self.work / "mlruns"))
         ray.init(num_cpus=self.ray_cpus, include_dashboard=False, log_to_driver=False,

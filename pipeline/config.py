@@ -111,15 +111,16 @@ class TokenizerSection:
 class TokenizeSection:
     seq_len: int = 128
     add_bos: bool = False
-    # Where documents are encoded. ray_data: Ray Data actors (read_parquet -> map_batches), which
-    # scale over the cluster's nodes but cost several seconds of start-up; local: the stage's own
-    # process with num_actors x threads_per_actor threads; auto: ray_data from ray_data_min_bytes of
-    # text on, local below. Without Ray (unit tests) it is always local. The output is identical.
-    engine: Literal["auto", "ray_data", "local"] = _unhashed("auto")
+    # Where documents are encoded and packed. ray: a Ray task per document shard, num_actors at a
+    # time (1 logical CPU and threads_per_actor threads each), which spreads over the cluster's nodes
+    # but costs a second or so of start-up; local: the stage's own process with num_actors x
+    # threads_per_actor threads; auto: ray from ray_data_min_bytes of text on, local below. ray_data
+    # is ray's older name. Without Ray (unit tests) it is always local. The output is identical.
+    engine: Literal["auto", "ray", "ray_data", "local"] = _unhashed("auto")
     ray_data_min_bytes: int = _unhashed(256_000_000)
-    num_actors: int = _unhashed(1)  # Ray Data sentencepiece actors (1 logical CPU each)
-    threads_per_actor: int = _unhashed(1)  # sentencepiece encode threads inside each actor
-    batch_size: int = _unhashed(1024)  # documents per encode call (per map_batches batch)
+    num_actors: int = _unhashed(1)  # encode tasks at a time with the ray engine (1 logical CPU each)
+    threads_per_actor: int = _unhashed(1)  # sentencepiece encode threads inside each task
+    batch_size: int = _unhashed(1024)  # documents per sentencepiece encode call
 
 
 @dataclass

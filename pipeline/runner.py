@@ -242,7 +242,7 @@ def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Arti
     published to the artifact store (``pipeline.storage``; in place for a local root)."""
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     store = store_for(cfg.artifact_root())
-    local_inputs = {k: store.fetch(a) for k, a in inputs.items()}
+    local_inputs = {k: a if k in stage.read_in_place else store.fetch(a) for k, a in inputs.items()}
     store.publish(stage.execute(cfg, hash_, store.prepare_build(stage.name, hash_), local_inputs, tracker))
     if is_uri(store.root):
         tracker.set_tags(store.transfer.as_tags())

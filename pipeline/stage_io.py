@@ -55,20 +55,27 @@ TOKENIZER_FILE = "tokenizer.model"
 TOKEN_INDEX_FILE = "index.json"
 
 
-def tokens_file(split: str) -> str:
-    """``(n_blocks, seq_len + 1)`` token ids of ``split``."""
-    return f"{split}.tokens.npy"
+def tokens_file(split: str, shard: int) -> str:
+    """Token shard ``shard`` of ``split``: ``(n_blocks, seq_len + 1)`` token ids (``train.tokens.00003.npy``).
+
+    Shard ``k`` < the number of document shards holds the blocks of document shard ``k``; the last
+    (``k`` = that number) holds the blocks joined from every shard's leftover tail (``pipeline.data.packing``).
+    A shard with no blocks has no file. Read them through ``pipeline.data.token_blocks.TokenBlocks``.
+    """
+    return f"{split}.tokens.{shard:05d}.npy"
 
 
-def docs_file(split: str) -> str:
-    """The same shape as ``tokens_file``: the index of the document each token came from."""
-    return f"{split}.docs.npy"
+def docs_file(split: str, shard: int) -> str:
+    """The same shape as ``tokens_file``: the index (in shard order) of the document each token came from."""
+    return f"{split}.docs.{shard:05d}.npy"
 
 
 @dataclass(frozen=True)
 class SplitTokens:
     """One split's token blocks. ``bytes`` is the split's text (bits per byte divides by it);
-    ``tokens_in_documents`` counts ids without BOS/EOS."""
+    ``tokens_in_documents`` counts ids without BOS/EOS; ``shards`` is the number of blocks in each
+    token shard, in order (0: no file): global block ``g`` is row ``g - sum(shards[:k])`` of the shard
+    ``k`` it falls in."""
 
     blocks: int
     tokens: int
@@ -76,6 +83,7 @@ class SplitTokens:
     documents: int
     bytes: int
     tokens_in_documents: int
+    shards: list[int]
 
 
 @dataclass(frozen=True)

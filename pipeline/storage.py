@@ -336,6 +336,19 @@ def cluster_readable(artifact: Artifact, files: list[Path]) -> tuple[list[str], 
     return paths, store.remote.fs
 
 
+def remote_folder(artifact: Artifact) -> tuple[pafs.FileSystem, str]:
+    """The object store's ``pyarrow`` filesystem and the folder of ``artifact`` in it, for readers that
+    read parts of its files in place (``pipeline.data.token_blocks``) rather than fetch them.
+
+    Raises:
+        ValueError: a local-root artifact (no ``uri``): read ``artifact.path``.
+    """
+    if artifact.uri is None:
+        raise ValueError(f"{artifact.path} is a local artifact: read it in place")
+    store = _store_of(artifact)
+    return store.remote.fs, store._path(artifact.stage, artifact.hash)
+
+
 def _same_manifest(folder: Path, manifest: dict) -> bool:
     """True when ``folder`` is a whole copy of the artifact ``manifest`` describes (its files' sizes checked)."""
     if not is_complete(folder):

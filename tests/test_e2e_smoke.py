@@ -144,7 +144,8 @@ def test_validation_during_training_is_logged_and_equals_one_process_on_the_fina
     import torch
 
     from models.export import load_safetensors
-    from pipeline.stage_io import WEIGHTS_FILE, tokens_file
+    from pipeline.data.token_blocks import TokenBlocks
+    from pipeline.stage_io import WEIGHTS_FILE
     from pipeline.training.parallel import ParallelDims
     from pipeline.training.validation import validation_loss
 
@@ -159,7 +160,7 @@ def test_validation_during_training_is_logged_and_equals_one_process_on_the_fina
     assert sorted(logged) == list(range(t.eval_every, t.steps + 1, t.eval_every))
     assert {int(k): v for k, v in train_run.manifest["counts"]["val_losses"].items()} == logged
     model = load_safetensors(str(train_run.path / WEIGHTS_FILE))
-    blocks = np.load(result.artifacts["tokenize"].path / tokens_file("validation"), mmap_mode="r")
+    blocks = TokenBlocks.of(result.artifacts["tokenize"].path, "validation")
     dims = ParallelDims(1, 1, t.global_batch_size, t.micro_batch_size_per_rank, cfg.tokenize.seq_len)
     one = validation_loss(model, blocks, dims, 0, t.eval_batches, torch.device("cpu"), all_reduce=None)
     assert one == pytest.approx(logged[t.steps], rel=1e-5)
@@ -411,7 +412,7 @@ def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[s
     import torch
 
     from models import build_model
-    from pipeline.stage_io import tokens_file
+    from pipeline.data.token_blocks import TokenBlocks
     from pipeline.training.data import BlockLoader
     from pipeline.training.engine import local_threads, seed_everything
     from pipeline.training.parallel import ParallelDims
@@ -427,7 +428,7 @@ def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[s
         total, stats = None, []
         with torch.no_grad():
             for rank in range(p.num_workers):
-                loader = BlockLoader(tokens_dir / tokens_file("train"), dims, rank, seed=cfg.run.seed)
+                loader = BlockLoader(TokenBlocks.of(tokens_dir, "train"), dims, rank, seed=cfg.run.seed)
                 for x_BT, _ in loader.next_step():
                     layers = model(x_BT).moe_stats
                     stats += layers

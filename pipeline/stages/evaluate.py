@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from pipeline.config import RunConfig, hash_view
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
 from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
 from pipeline.generation import TextGenerator
-from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex, tokens_file
+from pipeline.data.token_blocks import TokenBlocks
+from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex
 from pipeline.stages.stage import Resources, Stage
 from pipeline.text import load_sentencepiece
 
@@ -37,9 +38,13 @@ def hash_config(cfg: RunConfig) -> dict:
     return {"eval": hash_view(cfg.eval)}
 
 
-def unigram_loss(train_blocks: np.ndarray, eval_targets: np.ndarray, vocab_size: int) -> float:
-    """Cross-entropy (nats) of an add-one-smoothed unigram model of the training tokens."""
-    counts = np.bincount(np.asarray(train_blocks).reshape(-1), minlength=vocab_size).astype(np.float64) + 1.0
+def unigram_loss(train_blocks: np.ndarray | Iterable[np.ndarray], eval_targets: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats) of an add-one-smoothed unigram model of the training tokens (one array of
+    them, or several: the token shards, counted one at a time)."""
+    parts = [train_blocks] if isinstance(train_blocks, np.ndarray) else train_blocks
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for part in parts:
+        counts += np.bincount(np.asarray(part).reshape(-1), minlength=vocab_size)
     logp = np.log(counts / counts.sum())
     return float(-logp[np.asarray(eval_targets).reshape(-1)].mean())
 
@@ -116,8 +121,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if device == "cpu":
         torch.set_num_threads(cfg.eval.threads or cfg.eval.cpus)
     model = load_safetensors(str(inputs["train"].path / WEIGHTS_FILE)).to(device)
-    blocks = np.load(tok_dir / tokens_file("validation"), mmap_mode="r")
-    evaluated = np.asarray(blocks[: cfg.eval.max_batches * cfg.eval.batch_size])
+    evaluated = TokenBlocks.of(tok_dir, "validation").head(cfg.eval.max_batches * cfg.eval.batch_size)
     batch_size = cfg.eval.batch_size
     if device == "cuda" and cfg.eval.fit_gpu_batch:
         batch_size = fit_batch_size(model, cfg.tokenize.seq_len, batch_size, limit=len(evaluated))
@@ -149,7 +153,7 @@ def _score(cfg: RunConfig, model: torch.nn.Module, evaluated: np.ndarray, batch_
     # One pass gives the validation loss (the text as written) and the word-order control beside it.
     order = word_order.word_order_metrics(model, evaluated, batch_size, cfg.run.seed)
     loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size
-    uni = unigram_loss(np.load(tok_dir / tokens_file("train"), mmap_mode="r"), evaluated[:, 1:], model.cfg.vocab_size)
+    uni = unigram_loss(TokenBlocks.of(tok_dir, "train").shard_arrays(), evaluated[:, 1:], model.cfg.vocab_size)
     scored = itertools.count(1)
 
     def one_more_set_scored() -> None:  # the driver's status line reads it

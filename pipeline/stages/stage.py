@@ -71,6 +71,9 @@ class Stage:
         after_seal: prunes that state once the artifact is sealed (train keeps its final checkpoint).
         disk_need: what the stage will write and where, estimated before it runs; the runner checks
             that each place is writable and has the room (``pipeline.preflight.check_disk``).
+        read_in_place: inputs the body reads where they live rather than from a copy on its node
+            (train: each worker reads its own blocks of the token shards, ranged reads in an object
+            store); the runner does not fetch them, so their ``path`` there is not filled.
 
     Raises:
         ValueError: an empty name, a version below 1, or a stage that lists itself as an input.
@@ -86,6 +89,7 @@ class Stage:
     discard_state: StateHook | None = None
     after_seal: StateHook | None = None
     disk_need: DiskRule | None = None
+    read_in_place: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.version < 1 or self.name in self.inputs:

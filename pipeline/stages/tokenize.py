@@ -1,31 +1,35 @@
-"""tokenize: document shards + tokenizer -> packed token blocks.
+"""tokenize: document shards + tokenizer -> packed token blocks, one token shard per document shard.
 
-Two engines encode the same batches into identical files (``tokenize.engine``):
-``ray_data`` reads the shards with Ray Data (``read_parquet``) and encodes them in
-``tokenize.num_actors`` sentencepiece actors (``map_batches`` with ``ActorPoolStrategy``; each actor
-loads the model once; order preserved); ``local`` encodes in the stage's own process with
-``num_actors x threads_per_actor`` sentencepiece threads. ``auto`` takes Ray Data from
-``tokenize.ray_data_min_bytes`` of text on: below it, Ray Data's start-up (worker processes, actors,
-planning: about 5-8 s on 2 cores) costs more than the encoding it spreads (benchmarks/tokenize_throughput.py).
-Without Ray (unit tests) the stage is always local.
+Each document shard is read, encoded and packed (``pipeline.data.packing``) in one place: a Ray task
+per shard (``ray`` engine; ``tokenize.num_actors`` of them at a time, 1 logical CPU and
+``tokenize.threads_per_actor`` sentencepiece threads each, reading the shard and the model wherever
+every node can: in place, or the object store), or this stage's own process with
+``num_actors x threads_per_actor`` threads (``local``). ``auto`` takes Ray from
+``tokenize.ray_data_min_bytes`` of text on: below it a task's start-up costs more than the encoding it
+spreads. Without Ray (unit tests) the stage is always local. Both engines run the same function on the
+same shards, so they write the same files. The stage's process only writes each packed shard as it
+arrives (the tasks return it through Ray's object store) and holds one at a time, plus the tails.
 
 Documents are joined with EOS after every document (BOS before each when ``tokenize.add_bos``) and
-cut into blocks of ``seq_len + 1`` tokens (inputs and shifted targets). The tail that does not fill
-a block is dropped and counted. The stream goes through temporary files, so memory stays bounded.
+cut into blocks of ``seq_len + 1`` tokens (inputs and shifted targets), per document shard; the
+shards' leftover tails are joined, in shard order, into one last shard; only its remainder is dropped
+and counted. The global block order (shard 0's blocks, shard 1's, ..., the tail shard's) depends only
+on the data; training permutes it with the run's seed.
 
-Output per split the shard artifact has (train, validation, and test when present):
-``<split>.tokens.npy`` (n_blocks, seq_len+1), uint16 when the vocabulary fits else uint32, and
-``<split>.docs.npy`` (same shape, uint32): the index (in shard order) of the document each token came
-from. ``index.json`` lists per split ``blocks``, ``tokens``, ``bytes`` (feeds bits-per-byte),
-``documents``, ``tokens_in_documents`` (ids without BOS/EOS) and ``dropped_tail_tokens``.
+Output per split the shard artifact has (train, validation, and test when present), for each token
+shard ``k`` with blocks: ``<split>.tokens.<k>.npy`` (n_blocks_k, seq_len+1), uint16 when the vocabulary
+fits else uint32, and ``<split>.docs.<k>.npy`` (same shape, uint32): the index (in shard order) of the
+document each token came from. ``index.json`` lists per split ``blocks``, ``tokens``, ``bytes`` (feeds
+bits-per-byte), ``documents``, ``tokens_in_documents`` (ids without BOS/EOS), ``dropped_tail_tokens``
+and ``shards`` (blocks per token shard). Read splits with ``pipeline.data.token_blocks.TokenBlocks``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -35,7 +39,7 @@ from pipeline.artifacts import Artifact
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
-from pipeline.data.packing import BlockWriter
+from pipeline.data.packing import PackedShard, SplitWriter, pack
 from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
 from pipeline.stages.stage import Resources, Stage
 from pipeline.storage import cluster_readable, on_this_node
@@ -55,12 +59,13 @@ def text_bytes(shard_artifact) -> int:
 
 
 def choose_engine(cfg: RunConfig, n_bytes: int) -> str:
-    """``ray_data`` or ``local`` for a corpus of ``n_bytes`` (see ``tokenize.engine`` in the config)."""
+    """``ray`` or ``local`` for a corpus of ``n_bytes`` (see ``tokenize.engine`` in the config;
+    ``ray_data``, its older name, means ``ray``)."""
     if not ray_running():
         return "local"
     if cfg.tokenize.engine != "auto":
-        return cfg.tokenize.engine
-    return "ray_data" if n_bytes >= cfg.tokenize.ray_data_min_bytes else "local"
+        return "ray" if cfg.tokenize.engine in ("ray", "ray_data") else cfg.tokenize.engine
+    return "ray" if n_bytes >= cfg.tokenize.ray_data_min_bytes else "local"
 
 
 def encode_threads(cfg: RunConfig) -> int:
@@ -70,123 +75,107 @@ def encode_threads(cfg: RunConfig) -> int:
 
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
     """What the runner reserves for this stage's task: the encode threads when it encodes in-process
-    (capped by the cluster's CPUs), no CPU with Ray Data (its actors hold their own)."""
-    if choose_engine(cfg, text_bytes(inputs["shard"])) == "ray_data":
+    (capped by the cluster's CPUs), no CPU with the Ray engine (its tasks hold their own)."""
+    if choose_engine(cfg, text_bytes(inputs["shard"])) == "ray":
         return Resources(cpus=0)
     import ray
 
     return Resources(cpus=min(encode_threads(cfg), ray.cluster_resources().get("CPU", 1)))
 
 
-class NodeEncoder(SentencePieceEncoder):
-    """A ``SentencePieceEncoder`` of the tokenizer artifact's model, read from the copy on the node the
-    Ray Data actor runs on (``pipeline.storage.on_this_node``: fetched once per node from an object store)."""
+def pack_document_shard(source: str, filesystem, model: str | Artifact, add_bos: bool, threads: int,
+                        seq_len: int, first_doc: int, batch_size: int) -> PackedShard:
+    """Read, encode and pack one document shard (a Ray task with the ``ray`` engine).
 
-    def __init__(self, tokenizer: Artifact, add_bos: bool, num_threads: int):
-        super().__init__(str(on_this_node(tokenizer) / TOKENIZER_FILE), add_bos, num_threads)
-
-
-def encoded_batches(files: list[Path], inputs: Mapping[str, Artifact], cfg: RunConfig,
-                    engine: str) -> Iterator[tuple[str, pa.Table]]:
-    """Encoded documents of ``files`` (of the shard artifact) in the given order: ``(shard file,
-    SentencePieceEncoder table)``, with the model of the tokenizer artifact.
-
-    ``local``: one encoder here with ``num_actors x threads_per_actor`` threads, file by file.
-    ``ray_data``: one Ray Data pipeline over all files (``read_parquet`` -> ``map_batches`` over an
-    actor pool of ``tokenize.num_actors``, 1 logical CPU each), order preserved, so the actors start
-    once for every split. Its readers and actors may run on other nodes: they read the shard files
-    and the model wherever every node can (``pipeline.storage``: in place, or the object store).
-
-    Raises:
-        ValueError: the Ray cluster has fewer logical CPUs than the actors plus one reader need.
+    Args:
+        source: the parquet file's path (in ``filesystem`` when given, else local).
+        filesystem: the object store's ``pyarrow`` filesystem, or None.
+        model: the sentencepiece model's path, or the tokenizer ``Artifact`` (read from this node's copy).
+        add_bos, threads, seq_len, batch_size: the tokenize section's.
+        first_doc: the split-wide index of the shard's first document.
     """
-    t = cfg.tokenize
-    if engine == "local":
-        encoder = SentencePieceEncoder(str(inputs["tokenizer"].path / TOKENIZER_FILE), t.add_bos, encode_threads(cfg))
-        for f in files:
-            for rb in pq.ParquetFile(f).iter_batches(batch_size=t.batch_size, columns=["text"]):
-                yield str(f), encoder(pa.Table.from_batches([rb]))
-        return
-    import ray
-
-    cpus = ray.cluster_resources().get("CPU", 0)
-    if t.num_actors + 1 > cpus:  # each actor holds 1 CPU for its life; parquet reads need one more
-        raise ValueError(
-            f"tokenize.num_actors={t.num_actors} needs {t.num_actors + 1} logical CPUs in the Ray cluster "
-            f"(one per actor plus one for reading) but it has {cpus:g}; lower tokenize.num_actors or raise "
-            "cluster.num_cpus"
-        )
-    ctx = ray.data.DataContext.get_current()
-    v2 = ctx.use_datasource_v2
-    # Ray 2.60's file-listing operator (datasource v2) spends seconds listing a handful of known
-    # files; the v1 reader takes the paths as given. Enough blocks that every actor gets work.
-    ctx.use_datasource_v2 = False
-    try:
-        paths, filesystem = cluster_readable(inputs["shard"], files)
-        ds = ray.data.read_parquet(paths, filesystem=filesystem, include_paths=True, columns=["text"],
-                                   override_num_blocks=max(len(files), 4 * t.num_actors))
-    finally:
-        ctx.use_datasource_v2 = v2
-    ds = ds.map_batches(
-        NodeEncoder,
-        fn_constructor_args=(inputs["tokenizer"], t.add_bos, t.threads_per_actor),
-        batch_size=t.batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=t.num_actors),
-        num_cpus=1,
-    )
-    ds.context.execution_options.preserve_order = True  # the Dataset's own copy of the context
-    local_file = dict(zip(paths, map(str, files)))
-    for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        read = table.column("path").to_pylist()
-        start = 0
-        for i in range(1, len(read) + 1):  # a batch may span files: cut it where the path changes
-            if i == len(read) or read[i] != read[start]:
-                yield local_file[read[start]], table.slice(start, i - start)
-                start = i
+    path = model if isinstance(model, str) else str(on_this_node(model) / TOKENIZER_FILE)
+    encoder = SentencePieceEncoder(path, add_bos, threads)
+    stream, lengths, n_bytes = [], [], 0
+    handle = filesystem.open_input_file(source) if filesystem is not None else source
+    for rb in pq.ParquetFile(handle).iter_batches(batch_size=batch_size, columns=["text"]):
+        table = encoder(pa.Table.from_batches([rb]))
+        tokens = table.column("tokens").combine_chunks()
+        stream.append(tokens.flatten().to_numpy())  # flatten honours slices
+        lengths.append(pc.list_value_length(tokens).to_numpy())
+        n_bytes += int(pc.sum(table.column("n_bytes")).as_py() or 0)
+    dtype = encoder.dtype
+    packed = pack(np.concatenate(stream) if stream else np.empty(0, dtype),
+                  np.concatenate(lengths) if lengths else np.empty(0, np.int64), seq_len + 1, first_doc, dtype)
+    packed.n_bytes = n_bytes
+    return packed
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    t = cfg.tokenize
     model_path = str(inputs["tokenizer"].path / TOKENIZER_FILE)
     sp = load_sentencepiece(model_path)
     dtype = token_dtype(sp.get_piece_size())
-    per_doc_extra = 1 + int(cfg.tokenize.add_bos)
-    # Splits the shard artifact has (test is optional), their files in order, all in one pass.
-    split_files = {s: shard_files(inputs["shard"].path, s) for s in SPLITS}
-    split_of = {str(f): s for s, fs in split_files.items() for f in fs}
-    writers = {s: BlockWriter(out_dir, s, cfg.tokenize.seq_len, dtype) for s, fs in split_files.items() if fs}
-    n_bytes = dict.fromkeys(writers, 0)
+    per_doc_extra = 1 + int(t.add_bos)
     engine = choose_engine(cfg, text_bytes(inputs["shard"]))
-    # Ray Data draws its own progress bars; the local path gets one over documents.
+    # (split, shard number, file, first document): every document shard of every split, in order.
+    jobs = []
+    for split in SPLITS:
+        first = 0
+        for k, f in enumerate(shard_files(inputs["shard"].path, split)):
+            jobs.append((split, k, f, first))
+            first += pq.ParquetFile(f).metadata.num_rows
+    writers = {s: SplitWriter(out_dir, s, t.seq_len + 1, dtype) for s in dict.fromkeys(j[0] for j in jobs)}
     bar = tqdm(total=sum(SplitSizes.of(inputs["shard"]).documents.values()), desc="tokenize", unit="doc",
-               disable=engine != "local", mininterval=1.0)
+               mininterval=1.0, disable=None)
     done, last_report = 0, time.monotonic()
-    for path, table in encoded_batches([f for fs in split_files.values() for f in fs], inputs, cfg, engine):
-        bar.update(table.num_rows)
-        done += table.num_rows
+    for (split, k, _, _), packed in _packed_shards(jobs, inputs, cfg, engine, model_path):
+        writers[split].add(k, packed)
+        bar.update(packed.documents)
+        done += packed.documents
         if time.monotonic() - last_report >= PROGRESS_EVERY_S:  # the driver's status line reads it
             tracker.log_metrics({"documents_tokenized": done}, step=done)
             last_report = time.monotonic()
-        split = split_of[path]
-        tokens = table.column("tokens").combine_chunks()
-        lengths = pc.list_value_length(tokens).to_numpy()
-        writers[split].append(tokens.flatten().to_numpy(), lengths)  # flatten honours slices
-        n_bytes[split] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
     splits = {}
     for split, writer in writers.items():
-        blocks, dropped = writer.finish()
+        shards, dropped = writer.finish()
+        blocks = sum(shards)
         splits[split] = SplitTokens(
-            blocks=blocks, tokens=blocks * (cfg.tokenize.seq_len + 1), dropped_tail_tokens=dropped,
-            documents=writer.documents, bytes=n_bytes[split],
-            tokens_in_documents=writer.total - per_doc_extra * writer.documents,
+            blocks=blocks, tokens=blocks * (t.seq_len + 1), dropped_tail_tokens=dropped,
+            documents=writer.documents, bytes=writer.n_bytes,
+            tokens_in_documents=writer.total - per_doc_extra * writer.documents, shards=shards,
         )
-    index = TokenIndex(seq_len=cfg.tokenize.seq_len, dtype=dtype.name, vocab_size=sp.get_piece_size(),
-                       add_bos=cfg.tokenize.add_bos, splits=splits)
+    index = TokenIndex(seq_len=t.seq_len, dtype=dtype.name, vocab_size=sp.get_piece_size(),
+                       add_bos=t.add_bos, splits=splits)
     index.write(out_dir)
     bar.close()
     tracker.log_metrics({f"tokens_{s}": v.tokens for s, v in splits.items()})
     tracker.log_metrics({"documents_tokenized": done}, step=done)
     return {**index.to_dict(), "engine": engine}
+
+
+def _packed_shards(jobs: list, inputs: dict, cfg: RunConfig, engine: str, model_path: str):
+    """``(job, PackedShard)`` of every job, in order: here, or in Ray tasks, ``tokenize.num_actors`` at a time."""
+    t = cfg.tokenize
+    if engine == "local":
+        for job in jobs:
+            yield job, pack_document_shard(str(job[2]), None, model_path, t.add_bos, encode_threads(cfg),
+                                           t.seq_len, job[3], t.batch_size)
+        return
+    import ray
+
+    paths, filesystem = cluster_readable(inputs["shard"], [j[2] for j in jobs])
+    task = ray.remote(num_cpus=1)(pack_document_shard)
+    window = max(1, t.num_actors)
+    pending: list = []
+    for job, path in zip(jobs, paths):
+        pending.append((job, task.options(name=f"conduit.tokenize[{Path(job[2]).name}]").remote(
+            path, filesystem, inputs["tokenizer"], t.add_bos, t.threads_per_actor, t.seq_len, job[3], t.batch_size)))
+        while len(pending) > window:
+            head, ref = pending.pop(0)
+            yield head, ray.get(ref)
+    for head, ref in pending:
+        yield head, ray.get(ref)
 
 
 def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
@@ -195,5 +184,5 @@ def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None
     return [(None, 4 * n, f"token files of {n / 2**20:.1f} MiB of text")]
 
 
-STAGE = Stage(name="tokenize", version=2, inputs=("shard", "tokenizer"),
+STAGE = Stage(name="tokenize", version=3, inputs=("shard", "tokenizer"),
               hash_config=hash_config, run=run, resources_for=task_resources, disk_need=disk_need)

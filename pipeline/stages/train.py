@@ -138,7 +138,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         main,
         train_loop_config={
             "run_config": cfg.to_dict(),
-            "tokens": inputs["tokenize"],  # the workers' nodes read their own copies of it
+            "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
             "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
             "tracker": tracker,
             "device": device,
@@ -179,4 +179,5 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 # Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
 STAGE = Stage(name="train", version=1, inputs=("tokenize",),
               hash_config=hash_config, run=run, resources=Resources(cpus=0),
-              discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need)
+              discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need,
+              read_in_place=("tokenize",))

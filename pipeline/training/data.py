@@ -1,4 +1,4 @@
-"""File-backed, resumable loader of packed token blocks (the tokenize artifact's ``*.tokens.npy``).
+"""File-backed, resumable loader of packed token blocks (the tokenize artifact's token shards).
 
 The global order of samples does not depend on the number of ranks: sample ``i`` of the run is
 block ``perm_e[i % n]`` of epoch ``e = i // n``, where ``perm_e`` is a permutation seeded by
@@ -7,6 +7,10 @@ inside it, micro step ``m`` of rank ``r`` takes the ``micro``-sized slice at off
 ``(m * world + r) * micro``. One rank with accumulation and two ranks without it therefore see
 the same global batch. The only state is the number of samples consumed, so a restored loader
 continues exactly where the saved one stopped.
+
+Each rank reads only the blocks of its own micro-batches (``TokenBlocks.take``): memory-mapped pages
+of the local shards, or ranged reads of the shards in an object store. Over an epoch a rank reads
+``1/world_size`` of the split, plus each shard's header once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.data.token_blocks import TokenBlocks
 from pipeline.training.parallel import ParallelDims
 
 
@@ -23,17 +28,17 @@ class BlockLoader:
     """Serves each rank its micro-batches of one optimizer step at a time.
 
     Args:
-        tokens_path: a ``(n_blocks, seq_len + 1)`` .npy file, memory-mapped.
+        tokens: the split's blocks, or a single ``(n_blocks, seq_len + 1)`` .npy file (memory-mapped).
         dims: batch arithmetic.
         rank: this process's rank in ``[0, dims.world_size)``.
         seed: shuffling seed; epoch ``e`` uses ``(seed, e)``.
     """
 
-    def __init__(self, tokens_path: str | Path, dims: ParallelDims, rank: int, seed: int):
-        self.blocks = np.load(tokens_path, mmap_mode="r")
-        if self.blocks.ndim != 2 or self.blocks.shape[1] != dims.seq_len + 1:
+    def __init__(self, tokens: TokenBlocks | str | Path, dims: ParallelDims, rank: int, seed: int):
+        self.blocks = tokens if isinstance(tokens, TokenBlocks) else TokenBlocks.from_npy(tokens)
+        if self.blocks.width != dims.seq_len + 1:
             raise ValueError(
-                f"{tokens_path}: blocks of shape {self.blocks.shape}, expected (n, seq_len+1={dims.seq_len + 1})"
+                f"{tokens}: blocks of shape {self.blocks.shape}, expected (n, seq_len+1={dims.seq_len + 1})"
             )
         if not 0 <= rank < dims.world_size:
             raise ValueError(f"rank={rank} outside world_size={dims.world_size}")
@@ -65,7 +70,7 @@ class BlockLoader:
         for m in range(d.grad_accum_steps):
             offset = self.consumed + (m * d.world_size + self.rank) * d.micro_batch_size_per_rank
             idx = self.global_indices(offset, d.micro_batch_size_per_rank)
-            block = torch.from_numpy(self.blocks[idx].astype(np.int64))
+            block = torch.from_numpy(self.blocks.take(idx).astype(np.int64))
             out.append((block[:, :-1].contiguous(), block[:, 1:].contiguous()))
         self.consumed += d.global_batch_size
         return out

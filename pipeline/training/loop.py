@@ -2,8 +2,9 @@
 
 ``main(config)`` gets everything through its argument (a plain dict built by the train stage):
     run_config     the resolved RunConfig as a dict
-    tokens         the tokenize ``Artifact``; each node reads its own copy (``pipeline.storage.on_this_node``:
-                   in place for a local artifact root, fetched once per node from an object store)
+    tokens         the tokenize ``Artifact``; each rank reads only the blocks it trains on
+                   (``pipeline.data.token_blocks``: memory-mapped in place for a local artifact root,
+                   ranged reads of the shards in an object store, nothing fetched whole)
     out            the train artifact's folder, a ``pipeline.storage.NodeFolder`` on the stage's node,
                    where rank 0 puts the weights and the metric history (``pipeline.stage_io``)
     tracker        a StageTracker for live metrics (rank 0 only logs)
@@ -34,15 +35,14 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from models.accounting import flops_per_token
 from models.export import save_safetensors
 from pipeline.config import config_from_dict
-from pipeline.stage_io import TRAIN_METRICS_FILE, WEIGHTS_FILE, tokens_file, write_train_metrics, write_train_starts
-from pipeline.storage import on_this_node
+from pipeline.data.token_blocks import TokenBlocks
+from pipeline.stage_io import TRAIN_METRICS_FILE, WEIGHTS_FILE, write_train_metrics, write_train_starts
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.checksums import verify_checkpoint, write_checksums
 from pipeline.training.resume import usable_checkpoint
@@ -85,7 +85,8 @@ def main(config: dict) -> None:
                         cfg.tokenize.seq_len)
     engine, scheduler = build_engine(model_cfg, t, dims, precision=config["precision"], device=device,
                                      seed=cfg.run.seed)
-    loader = BlockLoader(on_this_node(config["tokens"]) / tokens_file("train"), dims, rank, seed=cfg.run.seed)
+    # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
+    loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
     start_step = 0
     history: list[dict] = []  # rank 0's logged metrics, one dict per logged step
     starts: list[int] = []  # the step each start of this training began at
@@ -112,7 +113,7 @@ def main(config: dict) -> None:
     starts.append(start_step)
     val_blocks = None
     if t.eval_every:
-        val_blocks = np.load(on_this_node(config["tokens"]) / tokens_file("validation"), mmap_mode="r")
+        val_blocks = TokenBlocks.of_artifact(config["tokens"], "validation")
     val_losses = [h["val_loss"] for h in history if "val_loss" in h]  # every rank has the restored history
     stopped = stop_early(val_losses, t.early_stop_patience)  # a run resumed after it had stopped
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.data.token_blocks import TokenBlocks
 from pipeline.training.parallel import ParallelDims
 
 
@@ -61,17 +62,18 @@ def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device) ->
     return total, count
 
 
-def validation_loss(engine, blocks: np.ndarray, dims: ParallelDims, rank: int, eval_batches: int,
+def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims, rank: int, eval_batches: int,
                     device: torch.device, all_reduce: Callable[[torch.Tensor], None] | None) -> float:
     """The mean validation loss over the subset, the same on every rank.
 
     Args:
-        blocks: the validation split's blocks (memory-mapped is fine).
+        blocks: the validation split's blocks; each rank reads only its slice of the subset.
         all_reduce: sums a float64 tensor over the ranks in place (``torch.distributed.all_reduce``);
             None in a single process.
     """
     n = subset_size(eval_batches, dims)
-    mine = blocks[:n][rank_slice(n, dims.world_size, rank)]
+    rows = np.arange(n)[rank_slice(n, dims.world_size, rank)]
+    mine = blocks.take(rows) if isinstance(blocks, TokenBlocks) else blocks[rows]
     was_training = engine.training
     engine.eval()
     try:

@@ -28,8 +28,9 @@ from models.loss import lm_loss
 from pipeline import tracking
 from pipeline.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict
-from pipeline.data.packing import BlockWriter, segment
-from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex, tokens_file
+from pipeline.data.packing import SplitWriter, pack, segment
+from pipeline.data.token_blocks import TokenBlocks
+from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex
 from pipeline.stages import STAGES
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
@@ -170,16 +171,17 @@ def tiny_run(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
     split = int(len(docs) * 0.95)
     splits = {}
     for name, part in (("train", docs[:split]), ("validation", docs[split:])):  # packed as the stage packs
-        writer = BlockWriter(tokd_dir, name, cfg.tokenize.seq_len, np.uint16)
-        writer.append(*segment(sp.encode(part), False, np.dtype(np.uint16)))
-        blocks, dropped = writer.finish()
-        splits[name] = SplitTokens(blocks=blocks, tokens=blocks * (cfg.tokenize.seq_len + 1),
+        writer = SplitWriter(tokd_dir, name, cfg.tokenize.seq_len + 1, np.dtype(np.uint16))
+        writer.add(0, pack(*segment(sp.encode(part), False, np.dtype(np.uint16)), cfg.tokenize.seq_len + 1, 0,
+                           np.dtype(np.uint16)))
+        shards, dropped = writer.finish()
+        splits[name] = SplitTokens(blocks=sum(shards), tokens=sum(shards) * (cfg.tokenize.seq_len + 1),
                                    dropped_tail_tokens=dropped, documents=writer.documents,
                                    bytes=sum(len(t.encode()) for t in part),
-                                   tokens_in_documents=writer.total - writer.documents)
+                                   tokens_in_documents=writer.total - writer.documents, shards=shards)
     TokenIndex(seq_len=cfg.tokenize.seq_len, dtype="uint16", vocab_size=sp.get_piece_size(), add_bos=False,
                splits=splits).write(tokd_dir)
-    model = train_tiny(cfg, np.load(tokd_dir / tokens_file("train")))
+    model = train_tiny(cfg, TokenBlocks.of(tokd_dir, "train").head(10**9))
     save_safetensors(model, model.cfg, train_dir / WEIGHTS_FILE)
     arts = {"tokenizer": _artifact("tokenizer", tok_dir, {}),
             "tokenize": _artifact("tokenize", tokd_dir, {"tokenizer": "tokenizer-test"}),

@@ -13,6 +13,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import make_plan, resolve
 from pipeline.data import packing
+from pipeline.data.token_blocks import TokenBlocks
 from pipeline.stage_io import docs_file, tokens_file
 from pipeline.stages import STAGES, shard
 from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece, train_sentencepiece, training_lines
@@ -138,16 +139,20 @@ def test_default_tokenizer_round_trips_every_multilingual_text(tmp_path, data_ro
 
 
 def write_blocks(out_dir, docs, seq_len, add_bos):
-    """Pack ``docs`` into ``out_dir`` as the tokenize stage does (``segment`` + ``BlockWriter``).
+    """Pack ``docs`` into ``out_dir`` as one document shard, as the tokenize stage does (``segment``,
+    ``pack``, ``SplitWriter``).
 
     Returns:
         (tokens, doc_index, dropped_tail_tokens), read back from the written files.
     """
     out_dir.mkdir()
-    writer = packing.BlockWriter(out_dir, "train", seq_len, np.uint16)
-    writer.append(*packing.segment(docs, add_bos, np.dtype(np.uint16)))
-    _, dropped = writer.finish()
-    return np.load(out_dir / tokens_file("train")), np.load(out_dir / docs_file("train")), dropped
+    dtype = np.dtype(np.uint16)
+    writer = packing.SplitWriter(out_dir, "train", seq_len + 1, dtype)
+    writer.add(0, packing.pack(*packing.segment(docs, add_bos, dtype), seq_len + 1, 0, dtype))
+    shards, dropped = writer.finish()
+    read = [np.load(out_dir / name(k)) for k, n in enumerate(shards) if n
+            for name in (lambda k: tokens_file("train", k), lambda k: docs_file("train", k))]
+    return np.concatenate(read[0::2]), np.concatenate(read[1::2]), dropped
 
 
 def test_packing_puts_eos_between_documents_and_counts_the_tail(tmp_path):
@@ -168,7 +173,7 @@ def test_shard_tokenizer_tokenize_on_tinyshakespeare(tmp_path, data_root):
     assert index["dtype"] == "uint16"
     sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
     for split in ("train", "validation"):
-        t = np.load(arts["tokenize"].path / f"{split}.tokens.npy")
+        t = TokenBlocks.of(arts["tokenize"].path, split).head(10**9)
         s = index["splits"][split]
         assert t.shape == (s["blocks"], 33) and t.dtype == np.uint16
         assert s["tokens"] + s["dropped_tail_tokens"] == s["tokens_in_documents"] + s["documents"]
@@ -323,26 +328,50 @@ def test_tokenizer_user_symbols_and_deterministic_sample(tmp_path, data_root):
     assert set(sampled) <= set(train) and sampled[-1] in train[len(train) // 2 :]
 
 
-def test_block_writer_streams_the_blocks_of_the_whole_stream(tmp_path, monkeypatch):
-    monkeypatch.setattr(packing, "COPY_CHUNK_TOKENS", 3)  # many copy chunks
+def test_shards_pack_alone_and_their_tails_join_in_shard_order(tmp_path):
+    """Each document shard is cut into blocks by itself; the tails join, in shard order, into the last
+    shard; only that stream's remainder is dropped. The order shards are added in changes nothing."""
     rng = np.random.default_rng(0)
-    docs = [rng.integers(5, 300, size=rng.integers(0, 20)).tolist() for _ in range(50)]
-    writer = packing.BlockWriter(tmp_path, "train", seq_len=7, dtype=np.uint16)
-    for a in range(0, 50, 13):  # batches of 13 documents
-        writer.append(*packing.segment(docs[a : a + 13], True, np.dtype(np.uint16)))
-    blocks, dropped = writer.finish()
-    # The rule written out: BOS, the ids, EOS per document, in one stream cut into blocks of 8.
-    stream = [t for d in docs for t in (BOS_ID, *d, EOS_ID)]
-    doc_index = [i for i, d in enumerate(docs) for _ in range(len(d) + 2)]
-    n = len(stream) // 8
-    tokens, doc_of = np.array(stream[: n * 8]).reshape(n, 8), np.array(doc_index[: n * 8]).reshape(n, 8)
-    dropped_ref = len(stream) - n * 8
-    assert np.array_equal(np.load(tmp_path / "train.tokens.npy"), tokens) and dropped == dropped_ref
-    assert np.array_equal(np.load(tmp_path / "train.docs.npy"), doc_of) and blocks == len(tokens)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.docs.npy", "train.tokens.npy"]
+    dtype, block = np.dtype(np.uint16), 8
+    shards = [[rng.integers(5, 300, size=rng.integers(0, 20)).tolist() for _ in range(n)] for n in (13, 0, 7, 21, 2)]
+    first = np.cumsum([0] + [len(d) for d in shards])[:-1]
+    for order, out in ((range(5), tmp_path / "a"), ((3, 0, 4, 1, 2), tmp_path / "b")):
+        out.mkdir()
+        writer = packing.SplitWriter(out, "train", block, dtype)
+        for k in order:
+            writer.add(k, packing.pack(*packing.segment(shards[k], True, dtype), block, int(first[k]), dtype))
+        counts, dropped = writer.finish()
+        # The rule written out: per shard, BOS ids EOS per document, cut into blocks of 8; the rests joined.
+        want_tok, want_doc, rest_tok, rest_doc = [], [], [], []
+        for k, docs in enumerate(shards):
+            stream = [t for d in docs for t in (BOS_ID, *d, EOS_ID)]
+            doc_of = [first[k] + i for i, d in enumerate(docs) for _ in range(len(d) + 2)]
+            n = len(stream) // block
+            want_tok.append(stream[: n * block])
+            want_doc.append(doc_of[: n * block])
+            rest_tok += stream[n * block:]
+            rest_doc += doc_of[n * block:]
+            assert counts[k] == n
+        n = len(rest_tok) // block
+        want_tok.append(rest_tok[: n * block])
+        want_doc.append(rest_doc[: n * block])
+        assert counts[-1] == n and dropped == len(rest_tok) - n * block and len(counts) == 6
+        assert writer.documents == sum(map(len, shards)) and writer.total == sum(map(len, (*want_tok, rest_tok))) - n * block
+        files = sorted(p.name for p in out.iterdir())
+        assert files == sorted(f(k) for k, c in enumerate(counts) if c
+                               for f in (lambda k: tokens_file("train", k), lambda k: docs_file("train", k)))
+        for k, c in enumerate(counts):
+            if c:
+                assert np.load(out / tokens_file("train", k)).tolist() == np.reshape(want_tok[k], (c, block)).tolist()
+                assert np.load(out / docs_file("train", k)).tolist() == np.reshape(want_doc[k], (c, block)).tolist()
+    for k in range(6):
+        for f in (tokens_file("train", k), docs_file("train", k)):
+            assert (tmp_path / "a" / f).exists() == (tmp_path / "b" / f).exists()
+            if (tmp_path / "a" / f).exists():
+                assert np.array_equal(np.load(tmp_path / "a" / f), np.load(tmp_path / "b" / f))
     with pytest.raises(ValueError, match="the validation split has 3 tokens"):
-        w = packing.BlockWriter(tmp_path, "validation", seq_len=7, dtype=np.uint16)
-        w.append(*packing.segment([[9, 9]], False, np.dtype(np.uint16)))
+        w = packing.SplitWriter(tmp_path, "validation", block, dtype)
+        w.add(0, packing.pack(*packing.segment([[9, 9]], False, dtype), block, 0, dtype))
         w.finish()
 
 

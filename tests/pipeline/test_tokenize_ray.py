@@ -1,5 +1,5 @@
 """The shard and tokenize stages on a real local Ray (the session ``ray_cluster``): reading inputs in
-parallel Ray tasks and tokenizing with Ray Data and an actor pool give exactly the files that the
+parallel Ray tasks and tokenizing in a Ray task per document shard give exactly the files that the
 in-process paths give."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve
-from pipeline.stage_io import shard_files
+from pipeline.data.token_blocks import TokenBlocks
+from pipeline.stage_io import shard_files, tokens_file
 from pipeline.stages import STAGES, shard, tokenize
 from pipeline.text import BOS_ID, EOS_ID, load_sentencepiece
 
@@ -32,7 +33,8 @@ def run_stages(cfg, names, arts=None):
 
 
 def split_files(path, split):
-    return np.load(path / f"{split}.tokens.npy"), np.load(path / f"{split}.docs.npy")
+    """The split's blocks and document indices, every token shard in global order."""
+    return tuple(TokenBlocks.of(path, split, kind=kind).head(10**9) for kind in ("tokens", "docs"))
 
 
 @pytest.mark.slow
@@ -41,7 +43,7 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
                  "data.train_paths=[tinyshakespeare/input.txt, 'multilingual/udhr/[d-f]*.txt']",
                  "data.test_fraction=0.05", "data.num_shards=3", "tokenize.seq_len=64", "tokenize.add_bos=true",
                  "tokenize.batch_size=64", "tokenize.num_actors=2", "tokenizer.vocab_size=600",
-                 "tokenize.engine=ray_data"]
+                 "tokenize.engine=ray"]
     on_ray = run_stages(load_config(None, [f"run.workdir={tmp_path / 'ray'}", *overrides]),
                         ["shard", "tokenizer", "tokenize"])
     monkeypatch.setattr(shard, "ray_running", lambda: False)
@@ -66,7 +68,7 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
     keys, stats, table = next(shard._read_all(shard.resolve_inputs(cfg), cfg))
     assert isinstance(table, ray_cluster.ObjectRef) and set(keys) == {"doc_id", "bytes"}
     assert len(keys["doc_id"]) == stats["documents"] - sum(stats["removed"].values())
-    assert on_ray["tokenize"].manifest["counts"]["engine"] == "ray_data"
+    assert on_ray["tokenize"].manifest["counts"]["engine"] == "ray"
     assert local["tokenize"].manifest["counts"]["engine"] == "local"
     index = json.loads((on_ray["tokenize"].path / "index.json").read_text())
     assert index == json.loads((local["tokenize"].path / "index.json").read_text())
@@ -77,13 +79,22 @@ def test_ray_paths_write_what_local_paths_write(tmp_path, data_root, ray_cluster
         local_tokens, local_docs = split_files(local["tokenize"].path, split)
         assert np.array_equal(tokens, local_tokens) and np.array_equal(docs, local_docs)
         # The stream decodes back to the split's documents in shard order: BOS text EOS, ...
+        # One token shard per document shard, plus the shard of the joined tails.
+        n_doc_shards = len(shard_files(on_ray["shard"].path, split))
+        assert len(index["splits"][split]["shards"]) == n_doc_shards + 1
+        assert sorted(p.name for p in on_ray["tokenize"].path.glob(f"{split}.tokens.*.npy")) == [
+            tokens_file(split, k) for k, n in enumerate(index["splits"][split]["shards"]) if n]
+        # Every document's tokens, gathered in global block order, are BOS text EOS; only the joined
+        # tails' remainder is missing, and it is exactly the dropped count.
         texts = shard.read_texts(on_ray["shard"].path, split)
         stream, doc_of = tokens.reshape(-1), docs.reshape(-1)
-        n_full = int(doc_of[-1])  # documents wholly inside the kept blocks: 0 .. n_full-1
-        for i in range(n_full):
+        missing = 0
+        for i, text in enumerate(texts):
             piece = stream[doc_of == i].tolist()
-            assert piece[0] == BOS_ID and piece[-1] == EOS_ID
-            assert sp.decode(piece[1:-1]) == texts[i]
+            whole = [BOS_ID, *sp.encode(text), EOS_ID]
+            assert piece == whole[: len(piece)]
+            missing += len(whole) - len(piece)
+        assert missing == index["splits"][split]["dropped_tail_tokens"] < 65
         s = index["splits"][split]
         assert s["documents"] == len(texts)
         assert s["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
@@ -101,14 +112,15 @@ def test_bad_input_in_a_ray_read_task_names_the_file(tmp_path, ray_cluster):
         run_stages(cfg, ["shard"])
 
 
-def test_auto_engine_takes_ray_data_from_the_configured_size(tmp_path, ray_cluster):
+def test_auto_engine_takes_ray_from_the_configured_size(tmp_path, ray_cluster):
     def engine(n_bytes, *overrides):
         cfg = load_config(None, [f"run.workdir={tmp_path}", *overrides])
         return tokenize.choose_engine(cfg, n_bytes)
 
     assert engine(10**6) == "local"  # the default threshold is 256 MB
-    assert engine(256_000_000) == "ray_data"
+    assert engine(256_000_000) == "ray"
     assert engine(999, "tokenize.ray_data_min_bytes=1000") == "local"
-    assert engine(1000, "tokenize.ray_data_min_bytes=1000") == "ray_data"
+    assert engine(1000, "tokenize.ray_data_min_bytes=1000") == "ray"
     assert engine(10**12, "tokenize.engine=local") == "local"
-    assert engine(1, "tokenize.engine=ray_data") == "ray_data"
+    assert engine(1, "tokenize.engine=ray") == "ray"
+    assert engine(1, "tokenize.engine=ray_data") == "ray"  # the older name
