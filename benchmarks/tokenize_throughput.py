@@ -2,13 +2,13 @@
 
 The tokenize stage (encoding -> packing and .npy writing) is timed with both engines: ``local``
 (the stage's own process, ``--actors x --threads-per-actor`` sentencepiece threads; what ``auto``
-picks below ``tokenize.ray_data_min_bytes``, as here) and ``ray_data`` (``read_parquet`` ->
-``map_batches`` over ``--actors`` actors), against
+picks below ``tokenize.ray_data_min_bytes``, as here) and ``ray`` (a Ray task per document shard,
+``--actors`` at a time; its results keep the older ``ray_data`` keys), against
 ``SentencePieceProcessor.encode(texts, num_threads=actors * threads_per_actor)`` on the same
 documents with the same tokenizer, interleaved, ``--repeats`` times; the shard stage (parallel Ray
 read tasks, cleaning, dedup, split, parquet writing) is timed on the raw inputs. MB are UTF-8 text
 megabytes (10^6 bytes): tokenize counts the documents it encodes, shard the input bytes it reads.
-``--scale k`` tokenizes the shards k times over (their files repeated), which shows Ray Data's
+``--scale k`` tokenizes the shards k times over (their files repeated), which shows the Ray engine's
 start-up amortised on a corpus past ``tokenize.ray_data_min_bytes``, where ``auto`` picks it.
 Prints a table and writes ``benchmarks/results/tokenize.json`` (``tokenize_scale<k>.json``).
 
@@ -104,7 +104,7 @@ def main() -> None:
         text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
         input_mb = sum(i["bytes"] for i in shard_art.manifest["counts"]["inputs"]) / 1e6
         sp = load_sentencepiece(str(arts["tokenizer"].path / "tokenizer.model"))
-        ray_cfg = resolve(load_config(None, [*overrides, "tokenize.engine=ray_data"]))
+        ray_cfg = resolve(load_config(None, [*overrides, "tokenize.engine=ray"]))
         plain, stage, ray_stage, shard_s = [], [], [], []
         for r in range(args.repeats):  # interleaved, so drift on a shared machine hits both sides alike
             started = time.perf_counter()
@@ -118,7 +118,7 @@ def main() -> None:
             seconds, _ = timed_stage("shard", cfg, {}, work / "bench" / f"shard-{r}")
             shard_s.append(seconds)
             print(f"repeat {r + 1}/{args.repeats}: plain {plain[-1]:.2f}s  tokenize ({engine}) {stage[-1]:.2f}s  "
-                  f"tokenize (ray_data) {ray_stage[-1]:.2f}s  shard {shard_s[-1]:.2f}s", flush=True)
+                  f"tokenize (ray) {ray_stage[-1]:.2f}s  shard {shard_s[-1]:.2f}s", flush=True)
         index = json.loads((art.path / "index.json").read_text())
     finally:
         ray.shutdown()

@@ -315,7 +315,7 @@ def _store_of(artifact: Artifact) -> ObjectStore:
 def on_this_node(artifact: Artifact) -> Path:
     """The folder of ``artifact`` on this node: its path when it is a local-root artifact, else its copy
     in this node's cache, fetched once per node. For code that runs on other nodes than the stage's
-    task (Ray Train workers, Ray Data actors), which gets the ``Artifact`` rather than a path."""
+    task (Ray Train workers, tokenize tasks), which gets the ``Artifact`` rather than a path."""
     if artifact.uri is None:
         return artifact.path
     return _store_of(artifact).fetch(artifact).path
@@ -323,7 +323,7 @@ def on_this_node(artifact: Artifact) -> Path:
 
 def cluster_readable(artifact: Artifact, files: list[Path]) -> tuple[list[str], pafs.FileSystem | None]:
     """Where any node can read ``files`` (under ``artifact.path``, this node's copy), for readers that
-    run all over the cluster (Ray Data read tasks).
+    run all over the cluster (the tokenize tasks).
 
     Returns:
         For a local-root artifact the paths themselves and None (the local filesystem); for one in an

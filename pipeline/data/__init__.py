@@ -3,7 +3,7 @@
 ``sources`` resolves inputs (paths, globs, pyarrow filesystem URIs) to files (``fs.InputFile``);
 ``readers`` turns one input into documents with its counts; ``clean`` normalises and filters documents; ``packing``
 joins encoded documents into fixed-size token blocks; ``encode`` is the sentencepiece batch encoder
-that the tokenize stage runs in Ray Data actors (or in-process without Ray).
+that the tokenize stage runs in a Ray task per document shard (or in-process).
 """
 
 

@@ -1,8 +1,8 @@
 """The sentencepiece batch encoder the tokenize stage maps over document shards.
 
-One instance loads the model once; in the pipeline it lives in a Ray Data actor
-(``map_batches(SentencePieceEncoder, compute=ActorPoolStrategy(...))``), in unit tests in this
-process. Either way a batch of documents becomes the same table, so both paths write the same tokens.
+One instance loads the model once and encodes a document shard batch by batch, in the tokenize
+stage's Ray task for that shard or in the stage's own process. Either way a batch of documents
+becomes the same table, so both engines write the same tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +44,6 @@ class SentencePieceEncoder:
         np.cumsum(lengths, out=offsets[1:])
         tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
         out = {"tokens": tokens, "n_bytes": pc.binary_length(texts).cast(pa.int64())}
-        if "path" in batch.column_names:  # Ray Data's include_paths: which shard (and split) a row is from
+        if "path" in batch.column_names:  # passed through: which file a row is from, when the reader says
             out["path"] = batch.column("path")
         return pa.table(out)

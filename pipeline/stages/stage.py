@@ -27,7 +27,7 @@ _FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 class Resources:
     """Logical CPUs and GPUs that the runner reserves for a stage's Ray task.
 
-    Only what the task itself holds: the Ray tasks, Ray Data actors or Ray Train workers a stage
+    Only what the task itself holds: the Ray tasks or Ray Train workers a stage
     body starts reserve their own.
 
     Raises:
@@ -64,7 +64,7 @@ class Stage:
         run: the body; it fills the output folder and returns the manifest's counts.
         resources: what the stage's task reserves, when that does not depend on the run.
         resources_for: for a stage whose task's needs depend on the config and the inputs (tokenize
-            encodes in its own process or in Ray Data actors): returns them, in place of ``resources``.
+            encodes in its own process or in Ray tasks): returns them, in place of ``resources``.
         discard_state: for a stage that keeps resumable state outside its artifact folder, keyed by
             its hash (train: its checkpoints), so that a rerun after a crash continues where the
             crashed attempt was: removes that state; the runner calls it when the stage is forced.
