@@ -43,6 +43,37 @@ def body_writes(cfg, inputs, out_dir: Path, tracker) -> dict:
 ONE = Stage(name="one", version=1, inputs=(), hash_config=lambda cfg: {"seed": cfg.run.seed}, run=body_writes)
 
 
+def test_a_stage_task_fetches_its_inputs_but_those_it_reads_in_place(bucket, tmp_path, monkeypatch):
+    """The runner's stage task brings each input to its node, except what the stage reads where it
+    lives (train's token shards: ranged reads by each worker), which keeps its URI and no local copy."""
+    from pipeline.runner import _stage_task
+
+    _, root = bucket
+    sealed_in(ObjectStore(root, scratch=tmp_path / "node-a"), tmp_path)
+    upstream = ObjectStore(root, scratch=tmp_path / "node-b").load("one", "h1")  # as the driver hands it over
+    seen = {}
+
+    class Tags:
+        def set_tags(self, tags):
+            pass
+
+    def body(cfg, inputs, out_dir, tracker):
+        seen.update({k: (a.uri, Path(a.path).exists()) for k, a in inputs.items()})
+        (out_dir / "out.txt").write_text("y")
+        return {}
+
+    cfg = load_config(None, [f"run.artifact_root={root}", f"run.workdir={tmp_path}"])
+    monkeypatch.setenv(storage.SCRATCH_ENV, str(tmp_path / "node-b"))
+    for name, in_place in (("reads", ("one",)), ("fetches", ())):
+        stage = Stage(name=name, version=1, inputs=("one",), hash_config=lambda cfg: {}, run=body,
+                      read_in_place=in_place)
+        _stage_task(stage, cfg.to_dict(), "h", {"one": upstream}, tracker=Tags())
+        assert seen["one"][0] == upstream.uri
+        assert seen["one"][1] == (not in_place), name  # fetched into node-b's cache, or not at all
+        assert (tmp_path / "node-b" / "cache" / "one").exists() == (not in_place)
+        assert ObjectStore(root).is_complete(name, "h")
+
+
 def sealed_in(store, tmp_path: Path, hash_: str = "h1"):
     cfg = RunConfig()
     return store.publish(ONE.execute(cfg, hash_, store.prepare_build("one", hash_), {}, tracker=None))
