@@ -241,19 +241,20 @@ class MoEFeedForward(nn.Module):
         f_E = assigned_E.float() / routing.expert_indices_NK.numel()
         P_E = routing.router_probs_NE.mean(dim=0)
         load_balance = E * (f_E * P_E).sum()
-        z_loss = torch.logsumexp(routing.router_logits_NE, dim=-1).pow(2).mean()
+        lse_N = torch.logsumexp(routing.router_logits_NE, dim=-1)
+        z_loss = lse_N.pow(2).mean()
         aux_loss = self.aux_loss_coef * load_balance + self.z_loss_coef * z_loss
 
         with torch.no_grad():
             # Kept slots per expert without a boolean-mask gather (whose size would need a host sync).
             kept_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(
                 0, idx_S, routing.kept_NK.reshape(-1).long())
-            log_probs_NE = torch.log_softmax(routing.router_logits_NE, dim=-1)
             stats = {
                 "tokens_per_expert": kept_E,
                 "load_balance_loss": load_balance.detach(),
                 "z_loss": z_loss.detach(),
                 "dropped_fraction": 1.0 - routing.kept_NK.float().mean(),
-                "router_entropy": -(routing.router_probs_NE * log_probs_NE).sum(dim=-1).mean(),
+                # -sum p log p with log p = z - lse: reuses the z-loss's logsumexp (no log_softmax pass).
+                "router_entropy": (lse_N - (routing.router_probs_NE * routing.router_logits_NE).sum(dim=-1)).mean(),
             }
         return y_ND.view(B, T, D), aux_loss, stats
