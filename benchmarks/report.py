@@ -217,21 +217,28 @@ def moe_tables(d: dict) -> list[str]:
            f"(active FLOPs/token {c['flops_ratio']:.3f} x dense); batch {c['batch']} x {c['seq_len']}, "
            f"{c['threads']} threads, fp32, {c['repeats']} repeats. Bare loop, MFU on active parameters against the "
            f"fp32 matmul peak {bare['peak_fp32_flops'] / 1e9:.0f} GFLOP/s:", ""]
-    out += table(["model", "d_ff", "active params", "FLOPs/token", "tokens/s", "range", "MFU"],
+    impls = bare["impls"]
+    syncs = {k: sum(v["host_syncs_per_step"].values()) if "host_syncs_per_step" in v else "-" for k, v in impls.items()}
+    out += table(["model", "d_ff", "active params", "FLOPs/token", "tokens/s", "range", "MFU", "host syncs fwd+bwd"],
                  [[k, v["ffn_d_ff"], v["params_active"], v["flops_per_token"], v["tokens_per_s"]["median"],
-                   span(v["tokens_per_s"]), num(v["mfu"], True)] for k, v in bare["impls"].items()])
-    rt = bare["routing"]
+                   span(v["tokens_per_s"]), num(v["mfu"], True), num(syncs[k])] for k, v in impls.items()])
+    if "before_ref" in bare:
+        out += [f"`moe_before` is the same MoE model run by `models/moe.py` of commit {bare['before_ref']} "
+                "(interleaved in the same run). Host syncs by kind: "
+                + "; ".join(f"{k} {v.get('host_syncs_per_step')}" for k, v in impls.items() if k != "dense") + ".", ""]
 
     def ms(s: dict) -> str:
         return f"{s['median'] * 1e3:.2f} ({s['min'] * 1e3:.2f}-{s['max'] * 1e3:.2f})"
 
     out += ["One MoE layer, forward + backward on a step's tokens (ms, median and range):", ""]
-    out += table(["MoE layer", "its experts alone", "route() forward", "dense FFN", "routing share of the layer"],
-                 [[ms(rt["layer_fwd_bwd_s"]), ms(rt["experts_alone_fwd_bwd_s"]), ms(rt["route_fwd_s"]),
-                   ms(rt["dense_ffn_fwd_bwd_s"]), num(rt["share_of_moe_layer"]["median"], True)]])
-    out += [f"Matmul rate: experts alone {rt['experts_alone_flops_per_s'] / 1e9:.0f} GFLOP/s, the dense FFN "
-            f"{rt['dense_ffn_flops_per_s'] / 1e9:.0f} GFLOP/s. Top ops of the MoE layer (self CPU time): "
-            + ", ".join(f"`{o['op']}` {o['share']:.0%}" for o in rt["top_ops"]) + ".", ""]
+    layouts = [("moe", bare["routing"])] + ([("moe_before", bare["routing_before"])] if "routing_before" in bare else [])
+    out += table(["model", "MoE layer", "its experts alone", "route() forward", "dense FFN", "routing share of the layer"],
+                 [[k, ms(rt["layer_fwd_bwd_s"]), ms(rt["experts_alone_fwd_bwd_s"]), ms(rt["route_fwd_s"]),
+                   ms(rt["dense_ffn_fwd_bwd_s"]), num(rt["share_of_moe_layer"]["median"], True)] for k, rt in layouts])
+    for k, rt in layouts:
+        out += [f"{k}: matmul rate of the experts alone {rt['experts_alone_flops_per_s'] / 1e9:.0f} GFLOP/s, the dense "
+                f"FFN {rt['dense_ffn_flops_per_s'] / 1e9:.0f} GFLOP/s. Top ops of the MoE layer (self CPU time): "
+                + ", ".join(f"`{o['op']}` {o['share']:.0%}" for o in rt["top_ops"]) + ".", ""]
     if "full_path" in d:
         f = d["full_path"]
         s = f["settings"]
