@@ -62,13 +62,16 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether grouped_mm runs forward and backward on this device type and dtype (probed once, tiny)."""
     if not hasattr(F, "grouped_mm"):
         return False
-    x_SI = torch.ones(8, 8, device=device_type, dtype=dtype, requires_grad=True)
-    w_EIO = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-    offsets_E = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
-    try:
-        GroupedMatmul.apply(x_SI, w_EIO, offsets_E).sum().backward()
-    except (RuntimeError, NotImplementedError):  # unsupported dtype, device or GPU architecture
-        return False
+    # Grad mode on whatever the caller's mode (the first call may come from evaluation under no_grad):
+    # the answer is cached for the process.
+    with torch.inference_mode(False), torch.enable_grad():
+        x_SI = torch.ones(8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        w_EIO = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+        offsets_E = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
+        try:
+            GroupedMatmul.apply(x_SI, w_EIO, offsets_E).sum().backward()
+        except (RuntimeError, NotImplementedError):  # unsupported dtype, device or GPU architecture
+            return False
     return True
 
 

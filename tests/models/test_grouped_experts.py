@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.ffn import FeedForward
-from models.grouped_experts import GroupedMatmul, grouped_experts, looped_experts, resolve_impl
+from models.grouped_experts import GroupedMatmul, _grouped_mm_runs, grouped_experts, looped_experts, resolve_impl
 from models.moe import MoEFeedForward
 
 
@@ -76,6 +76,9 @@ def test_moe_layer_grouped_equals_loop(make_cfg):
 
 def test_auto_falls_back_to_the_loop_where_grouped_mm_cannot_run():
     experts = _experts("swiglu", False)
+    _grouped_mm_runs.cache_clear()
+    with torch.no_grad():  # a first call from evaluation must not cache "unsupported"
+        assert resolve_impl("auto", experts, torch.zeros(2, 16)) == "grouped_mm"
     assert resolve_impl("auto", experts, torch.zeros(2, 16)) == "grouped_mm"
     assert resolve_impl("auto", experts, torch.zeros(2, 16, dtype=torch.float64)) == "loop"  # no fp64 kernel
     narrow = _experts("swiglu", False, hidden=6)  # 6 floats = 24 bytes: not 16-byte aligned
