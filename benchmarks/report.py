@@ -30,6 +30,7 @@ from benchmarks.common import RESULTS_DIR, ROOT, machine
 # What `make bench` runs, in page order (gpu_check needs a GPU: benchmarks/gpu_check.sh).
 EXPECTED = {"peak": "`benchmarks/peak.py`", "train_throughput": "`benchmarks/train_throughput.py`",
             "tokenize": "`benchmarks/tokenize_throughput.py`", "moe": "`benchmarks/moe.py`",
+            "full_path_profile": "`benchmarks/full_path_profile.py`",
             "pipeline": "`benchmarks/pipeline.py`", "gpu_check": "`benchmarks/gpu_check.sh` on a machine with a GPU"}
 # Causes found for results below target (issue 8 asks for each to be reported, not hidden).
 KNOWN_CAUSES = {
@@ -286,9 +287,21 @@ def data_stages_tables(d: dict) -> list[str]:
                         "its peak MiB"], rows)
 
 
+def full_path_profile_tables(d: dict) -> list[str]:
+    c = d["config"]
+    out = [f"Where the full path's step goes (one process, no Ray): {c['preset']}, batch {c['batch']} x "
+           f"{c['seq_len']}, {c['threads']} threads, fp32, {c['repeats']} interleaved repeats of {c['steps']} steps; "
+           f"train defaults: ZeRO {c['zero_stage_default']}, grad_clip {c['grad_clip']}, weight_decay "
+           f"{c['weight_decay']}. Milliseconds per step (median), and bare-loop time / variant time per repeat:", ""]
+    rows = [[name, *(f"{r[k]['median'] * 1e3:.1f}" for k in ("forward", "backward", "step", "total")),
+             f"{num(r['vs_bare']['median'])} ({span(r['vs_bare'])})"] for name, r in d["rows"].items()]
+    return out + table(["variant", "forward", "backward", "optimizer step", "total", "bare / variant"], rows)
+
+
 TABLES: dict[str, Callable[[dict], list[str]]] = {"peak": peak_tables, "train_throughput": train_tables,
                                                   "tokenize": tokenize_tables, "moe": moe_tables,
-                                                  "pipeline": pipeline_tables, "data_stages": data_stages_tables}
+                                                  "pipeline": pipeline_tables, "data_stages": data_stages_tables,
+                                                  "full_path_profile": full_path_profile_tables}
 
 
 def kind_of(name: str) -> str:
