@@ -238,6 +238,8 @@ def moe_tables(d: dict) -> list[str]:
            f"(active FLOPs/token {c['flops_ratio']:.3f} x dense); batch {c['batch']} x {c['seq_len']}, "
            f"{c['threads']} threads, fp32, {c['repeats']} repeats. Bare loop, MFU on active parameters against the "
            f"fp32 matmul peak {bare['peak_fp32_flops'] / 1e9:.0f} GFLOP/s:", ""]
+    if d.get("note"):
+        out += [d["note"], ""]
     impls = bare["impls"]
     syncs = {k: sum(v["host_syncs_per_step"].values()) if "host_syncs_per_step" in v else "-" for k, v in impls.items()}
     out += table(["model", "d_ff", "active params", "FLOPs/token", "tokens/s", "range", "MFU", "host syncs fwd+bwd"],
