@@ -63,6 +63,7 @@ bench: install
 	$(PY) benchmarks/tokenize_throughput.py
 	$(PY) benchmarks/tokenize_throughput.py --scale 8 --repeats 2
 	$(PY) benchmarks/moe.py
+	$(PY) benchmarks/full_path_profile.py
 	$(PY) benchmarks/mamba_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/pipeline.py --storage

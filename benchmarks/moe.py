@@ -29,20 +29,25 @@ Prints tables and writes ``benchmarks/results/moe.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import FullPath, summary, write_result
 from models import ModelConfig, Transformer, build_model, get_preset
 from models.accounting import flops_per_token, param_counts
 from models.loss import lm_loss
+from models.grouped_experts import run_experts
 from models.moe import MoEFeedForward
 from pipeline.training.metrics import measure_matmul_flops
 
@@ -57,6 +62,74 @@ def moe_twin(dense: ModelConfig, experts: int, top_k: int, flops_ratio: float, s
     candidates = [dense.replace(num_experts=experts, moe_top_k=top_k, moe_d_ff=f)
                   for f in range(multiple, 4 * dense.resolved_d_ff + 1, multiple)]
     return min(candidates, key=lambda c: abs(flops_per_token(c, seq_len)["total"] - target))
+
+
+def load_moe_module_at(ref: str):
+    """``models/moe.py`` as it was at git ``ref``, loaded beside today's (it shares models.config and ffn)."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:models/moe.py"], capture_output=True,
+                            text=True, check=True).stdout
+    name = f"moe_at_{ref}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = module  # dataclasses look their module up there
+    exec(compile(source, f"{ref}:models/moe.py", "exec"), module.__dict__)
+    return module
+
+
+def as_moe_at(model: Transformer, module) -> Transformer:
+    """Run ``model``'s MoE layers with another version's code (same weights, same attributes)."""
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            m.__class__ = module.MoEFeedForward
+            m.dispatcher = module.LocalDispatcher(m.experts)
+    return model
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts the operations in a step that make the host wait for tensor values: reading a value
+    (``.item()``, ``int()``: ``_local_scalar_dense``; ``.tolist()``, counted by the caller), and ops whose
+    output size depends on the data (boolean-mask indexing, nonzero, bincount, repeat_interleave by
+    a tensor without ``output_size``). On a CPU these cost little; on a GPU each one stalls the stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def _add(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_local_scalar_dense", "nonzero", "masked_select", "bincount"):
+            self._add(name)
+        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self._add("boolean index")
+        elif name == "repeat_interleave":
+            repeats = args[0] if len(args) == 1 else args[1]
+            output_size = kwargs.get("output_size", args[3] if len(args) > 3 else None)
+            if isinstance(repeats, torch.Tensor) and output_size is None:
+                self._add("repeat_interleave by tensor")
+        return func(*args, **kwargs)
+
+
+def count_host_syncs(model: Transformer, x_BT: torch.Tensor) -> dict[str, int]:
+    """The host syncs of one forward + backward of ``model``, by kind (the optimizer's own, one
+    ``.item()`` per parameter in torch's AdamW, are left out: they are the same code for both models)."""
+    counter = HostSyncCounter()
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t, *a, **kw):
+        counter._add("tolist")
+        return tolist(t, *a, **kw)
+
+    torch.Tensor.tolist = counting_tolist  # .tolist() reads memory directly, below the dispatcher
+    try:
+        with counter:
+            out = model(x_BT[:, :-1])
+            (lm_loss(out.logits, x_BT[:, 1:]) + out.aux_loss).backward()
+    finally:
+        torch.Tensor.tolist = tolist
+    return counter.counts
 
 
 def tokens_per_s(model: Transformer, opt: torch.optim.Optimizer, batches: list[torch.Tensor], steps: int) -> float:
@@ -100,8 +173,16 @@ def time_routing(layer: MoEFeedForward, dense_ffn: nn.Module, n_tokens: int, rep
         y_BTD, aux, _ = layer(x_BTD)
         torch.autograd.backward([y_BTD, aux], [grad_BTD, torch.ones(())])
 
+    grouped_SD = torch.cat(groups).detach().requires_grad_()
+    grouped_grad_SD = torch.cat(group_grads)
+    counts_E = torch.tensor([len(x) for x in groups])
+    leaves = (*leaves, grouped_SD)
+
     def experts_alone() -> None:
-        torch.autograd.backward([e(x) for e, x in zip(layer.experts, groups)], group_grads)
+        if hasattr(layer, "expert_impl"):  # the same expert kernels the layer runs (grouped_mm or loop)
+            run_experts(layer.experts, grouped_SD, counts_E, layer.expert_impl).backward(grouped_grad_SD)
+        else:  # an MoE layer from before moe_expert_impl: its per-expert loop
+            torch.autograd.backward([e(x) for e, x in zip(layer.experts, groups)], group_grads)
 
     def dense() -> None:
         dense_ffn(x_BTD).backward(grad_BTD)
@@ -137,60 +218,74 @@ def top_ops(layer: MoEFeedForward, n_tokens: int, count: int = 6) -> list[dict]:
 
 
 def bare_loop(args: argparse.Namespace, dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> dict:
+    """Dense, MoE (and with ``--before-ref`` the MoE on that commit's models/moe.py), interleaved."""
     tokens_per_step = args.batch * args.seq_len
-    models, opts, runs = {}, {}, {"dense": [], "moe": []}
-    for name, cfg in (("dense", dense_cfg), ("moe", moe_cfg)):
+    names = ["dense", "moe"] + (["moe_before"] if args.before_ref else [])
+    moe_names = [n for n in names if n != "dense"]
+    models, opts = {}, {}
+    for name in names:
         torch.manual_seed(0)
-        models[name] = build_model(cfg)
+        models[name] = build_model(dense_cfg if name == "dense" else moe_cfg)
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+    if args.before_ref:
+        as_moe_at(models["moe_before"], load_moe_module_at(args.before_ref))
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
-    moe_layer, dense_ffn = models["moe"].layers[0].ffn, models["dense"].layers[0].ffn
-    routing: dict[str, list[float]] = {"layer": [], "experts": [], "dense_ffn": [], "route": []}
+    dense_ffn = models["dense"].layers[0].ffn
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    routing = {n: {"layer": [], "experts": [], "dense_ffn": [], "route": []} for n in moe_names}
     peaks = []
-    for r in range(args.repeats):  # interleaved: peak, dense, MoE, routing, peak, dense, MoE, routing, ...
+    for r in range(args.repeats):  # interleaved: peak, dense, MoE(s), routing, peak, dense, MoE(s), routing, ...
         peaks.append(measure_matmul_flops(512, torch.float32, seconds=0.5))
-        for name in ("dense", "moe"):
+        for name in names:
             runs[name].append(tokens_per_s(models[name], opts[name], batches, args.steps))
-        for k, v in time_routing(moe_layer, dense_ffn, tokens_per_step, args.routing_reps).items():
-            routing[k].append(v)
-        print(f"repeat {r + 1}/{args.repeats}: dense {runs['dense'][-1]:.0f} tok/s  moe {runs['moe'][-1]:.0f} tok/s  "
-              f"moe layer {routing['layer'][-1] * 1e3:.1f} ms  experts alone {routing['experts'][-1] * 1e3:.1f} ms",
-              flush=True)
+        for name in moe_names:
+            for k, v in time_routing(models[name].layers[0].ffn, dense_ffn, tokens_per_step, args.routing_reps).items():
+                routing[name][k].append(v)
+        print(f"repeat {r + 1}/{args.repeats}: " + "  ".join(f"{n} {runs[n][-1]:.0f} tok/s" for n in names) + "  " +
+              "  ".join(f"{n} layer {routing[n]['layer'][-1] * 1e3:.1f} ms (experts alone "
+                        f"{routing[n]['experts'][-1] * 1e3:.1f} ms)" for n in moe_names), flush=True)
 
     peak = max(peaks)
     impls = {}
-    for name, cfg in (("dense", dense_cfg), ("moe", moe_cfg)):
+    for name in names:
+        cfg = dense_cfg if name == "dense" else moe_cfg
         fpt = flops_per_token(cfg, args.seq_len)["total"]
         counts = param_counts(cfg)
         tps = summary(runs[name])
         impls[name] = {"tokens_per_s": tps, "flops_per_token": fpt, "mfu": tps["median"] * fpt / peak,
                        "params_total": counts["total"], "params_active": counts["active"],
-                       "ffn_d_ff": cfg.resolved_moe_d_ff if cfg.is_moe else cfg.resolved_d_ff}
-    ratio = summary([m / d for m, d in zip(runs["moe"], runs["dense"])])
-    overhead = [lay - exp for lay, exp in zip(routing["layer"], routing["experts"])]
-    # Per repeat: the overhead of all MoE layers over that repeat's MoE step time.
-    share_of_step = summary([o * moe_cfg.num_moe_layers * tps / tokens_per_step
-                             for o, tps in zip(overhead, runs["moe"])])
-    # Matmul work of one fwd + bwd (6 FLOPs per parameter per token-visit), over its median time.
-    expert_flops = 6 * tokens_per_step * moe_cfg.moe_top_k * sum(p.numel() for p in moe_layer.experts[0].parameters())
-    dense_flops = 6 * tokens_per_step * sum(p.numel() for p in dense_ffn.parameters())
-    return {
-        "peak_fp32_flops": peak, "peak_fp32_flops_values": peaks,
-        "impls": impls,
-        "ratio_moe_to_dense": ratio,
-        "routing": {
-            "layer_fwd_bwd_s": summary(routing["layer"]), "experts_alone_fwd_bwd_s": summary(routing["experts"]),
-            "route_fwd_s": summary(routing["route"]),
-            "share_of_moe_layer": summary([o / lay for o, lay in zip(overhead, routing["layer"])]),
-            "route_share_of_moe_layer": summary([ro / lay for ro, lay in zip(routing["route"], routing["layer"])]),
-            "share_of_step": share_of_step, "moe_layers": moe_cfg.num_moe_layers,
-            "dense_ffn_fwd_bwd_s": summary(routing["dense_ffn"]),
-            "experts_alone_flops_per_s": expert_flops / statistics.median(routing["experts"]),
-            "dense_ffn_flops_per_s": dense_flops / statistics.median(routing["dense_ffn"]),
-            "top_ops": top_ops(moe_layer, tokens_per_step),
-        },
-    }
+                       "ffn_d_ff": cfg.resolved_moe_d_ff if cfg.is_moe else cfg.resolved_d_ff,
+                       "host_syncs_per_step": count_host_syncs(models[name], batches[0])}
+        opts[name].zero_grad(set_to_none=True)
+    out = {"peak_fp32_flops": peak, "peak_fp32_flops_values": peaks, "impls": impls}
+    for name in moe_names:
+        suffix = name.removeprefix("moe")
+        layer = models[name].layers[0].ffn
+        rt = routing[name]
+        overhead = [lay - exp for lay, exp in zip(rt["layer"], rt["experts"])]
+        # Matmul work of one fwd + bwd (6 FLOPs per parameter per token-visit), over its median time.
+        expert_flops = 6 * tokens_per_step * moe_cfg.moe_top_k * sum(p.numel() for p in layer.experts[0].parameters())
+        dense_flops = 6 * tokens_per_step * sum(p.numel() for p in dense_ffn.parameters())
+        out["ratio_moe_to_dense" + suffix] = summary([m / d for m, d in zip(runs[name], runs["dense"])])
+        out["routing" + suffix] = {
+            "layer_fwd_bwd_s": summary(rt["layer"]), "experts_alone_fwd_bwd_s": summary(rt["experts"]),
+            "route_fwd_s": summary(rt["route"]),
+            "share_of_moe_layer": summary([o / lay for o, lay in zip(overhead, rt["layer"])]),
+            "route_share_of_moe_layer": summary([ro / lay for ro, lay in zip(rt["route"], rt["layer"])]),
+            # Per repeat: the overhead of all MoE layers over that repeat's MoE step time.
+            "share_of_step": summary([o * moe_cfg.num_moe_layers * tps / tokens_per_step
+                                      for o, tps in zip(overhead, runs[name])]),
+            "moe_layers": moe_cfg.num_moe_layers,
+            "dense_ffn_fwd_bwd_s": summary(rt["dense_ffn"]),
+            "experts_alone_flops_per_s": expert_flops / statistics.median(rt["experts"]),
+            "dense_ffn_flops_per_s": dense_flops / statistics.median(rt["dense_ffn"]),
+            "top_ops": top_ops(layer, tokens_per_step),
+        }
+    if args.before_ref:
+        out["ratio_moe_to_moe_before"] = summary([a / b for a, b in zip(runs["moe"], runs["moe_before"])])
+        out["before_ref"] = args.before_ref
+    return out
 
 
 def full_path(args: argparse.Namespace, moe_cfg: ModelConfig) -> dict:
@@ -238,6 +333,8 @@ def main() -> None:
     p.add_argument("--full-batch", type=int, default=8, help="global batch (sequences) of the full-path runs")
     p.add_argument("--full-blocks", type=int, default=1024, help="synthetic token blocks for the full path")
     p.add_argument("--no-full-path", action="store_true", help="skip the Ray Train + DeepSpeed ep comparison")
+    p.add_argument("--before-ref", help="also time the MoE with models/moe.py of this git commit (same run, "
+                                        "interleaved), e.g. the commit before a change")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -251,13 +348,19 @@ def main() -> None:
     bare = bare_loop(args, dense_cfg, moe_cfg)
     print(f"\nfp32 matmul peak with {args.threads} threads: {bare['peak_fp32_flops'] / 1e9:.1f} GFLOP/s (512^3, best "
           f"of {args.repeats}); MFU = tokens/s x (6N + 12*L*H*Q*T) / peak, N = active non-embedding params + V*D")
-    print(f"{'model':<6} {'d_ff':>5} {'active params':>13} {'FLOPs/token':>12} {'tokens/s':>9} {'range':>11} "
-          f"{'MFU':>6}")
+    print(f"{'model':<10} {'d_ff':>5} {'active params':>13} {'FLOPs/token':>12} {'tokens/s':>9} {'range':>11} "
+          f"{'MFU':>6}  host syncs per step")
     for name, row in bare["impls"].items():
-        print(f"{name:<6} {row['ffn_d_ff']:>5} {row['params_active']:>13,} {row['flops_per_token']:>12,} "
-              f"{row['tokens_per_s']['median']:>9.0f} {rng(row['tokens_per_s']):>11} {row['mfu']:>6.1%}")
+        print(f"{name:<10} {row['ffn_d_ff']:>5} {row['params_active']:>13,} {row['flops_per_token']:>12,} "
+              f"{row['tokens_per_s']['median']:>9.0f} {rng(row['tokens_per_s']):>11} {row['mfu']:>6.1%}  "
+              f"{sum(row['host_syncs_per_step'].values())} {row['host_syncs_per_step']}")
     ratio, rt = bare["ratio_moe_to_dense"], bare["routing"]
     print(f"MoE / dense tokens/s: {ratio['median']:.2f} ({rng(ratio, '.2f')}), target >= {TARGET_RATIO}")
+    if args.before_ref:
+        rb, ab = bare["ratio_moe_to_dense_before"], bare["ratio_moe_to_moe_before"]
+        print(f"before ({args.before_ref}): MoE / dense {rb['median']:.2f} ({rng(rb, '.2f')}), routing "
+              f"{bare['routing_before']['share_of_step']['median']:.1%} of the step; MoE now / before "
+              f"{ab['median']:.2f} ({rng(ab, '.2f')})")
     print(f"routing overhead: MoE layer fwd+bwd {rt['layer_fwd_bwd_s']['median'] * 1e3:.2f} ms, experts alone "
           f"{rt['experts_alone_fwd_bwd_s']['median'] * 1e3:.2f} ms, route() fwd "
           f"{rt['route_fwd_s']['median'] * 1e3:.2f} ms; "
@@ -272,6 +375,20 @@ def main() -> None:
         {"name": "routing overhead, share of the MoE step", "measured": rt["share_of_step"],
          "target": TARGET_ROUTING_SHARE, "op": "<", "format": "percent"},
     ]
+    syncs = {n: sum(row["host_syncs_per_step"].values()) for n, row in bare["impls"].items() if n != "dense"}
+    checks.append({"name": "host syncs per MoE forward + backward", "measured": syncs["moe"], "target": None,
+                   "op": "<=", "format": "count"})
+    if args.before_ref:
+        checks += [
+            {"name": f"before ({args.before_ref}): MoE / dense tokens/s (bare loop)",
+             "measured": bare["ratio_moe_to_dense_before"], "target": None, "op": ">="},
+            {"name": f"before ({args.before_ref}): routing overhead, share of the MoE step",
+             "measured": bare["routing_before"]["share_of_step"], "target": None, "op": "<", "format": "percent"},
+            {"name": f"before ({args.before_ref}): host syncs per MoE forward + backward", "measured": syncs["moe_before"],
+             "target": None, "op": "<=", "format": "count"},
+            {"name": f"MoE tokens/s, this checkout / before ({args.before_ref})",
+             "measured": bare["ratio_moe_to_moe_before"], "target": None, "op": ">="},
+        ]
     # This run's evidence for a result below target (benchmarks/report.py prints it beside the cause).
     notes = {}
     if ratio["median"] < TARGET_RATIO:

@@ -20,6 +20,8 @@ NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 ARCHS = ("decoder", "mamba")
 ATTENTION_KINDS = ("mha", "mla")
+# How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
+MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -95,6 +97,8 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.001
     moe_d_ff: int | None = None  # expert hidden size; None = same rule as d_ff
+    # "auto": grouped_mm where the device, dtype and widths allow it, else the per-expert loop (same math).
+    moe_expert_impl: str = "auto"
 
     # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
     # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
@@ -126,6 +130,7 @@ class ModelConfig:
         _check_choice("ffn", self.ffn, FFN_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _check_choice("moe_expert_impl", self.moe_expert_impl, MOE_EXPERT_IMPLS)
         for name in ("rope_base", "rope_scaling", "norm_eps", "init_std", "moe_aux_loss_coef", "moe_z_loss_coef"):
             _check_float(name, getattr(self, name))
         for name in ("rope_base", "rope_scaling", "norm_eps"):

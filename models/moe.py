@@ -54,6 +54,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.ffn import FeedForward
+from models.grouped_experts import run_experts
 
 
 @dataclass
@@ -104,13 +105,18 @@ class SlotOrder:
         """
         N, K = routing.expert_indices_NK.shape
         E = num_experts
+        device = routing.expert_indices_NK.device
         # Dropped slots go to a virtual expert E so that one stable sort groups the kept slots by expert.
         expert_of_slot_S = torch.where(routing.kept_NK, routing.expert_indices_NK, E).reshape(-1)
         order_S = torch.argsort(expert_of_slot_S, stable=True)
-        counts_E = torch.bincount(expert_of_slot_S, minlength=E + 1)[:E]
-        n_kept = int(counts_E.sum())
-        token_S = torch.arange(N, device=routing.expert_indices_NK.device).repeat_interleave(K)[order_S[:n_kept]]
-        weight_S = routing.expert_weights_NK.reshape(-1)[order_S[:n_kept]]
+        # Counting by index_add rather than bincount: bincount's output size depends on the data, which
+        # costs a host sync on a GPU.
+        counts_E = torch.zeros(E + 1, dtype=torch.long, device=device).index_add_(
+            0, expert_of_slot_S, torch.ones_like(expert_of_slot_S))[:E]
+        if routing.capacity is not None:
+            order_S = order_S[: int(counts_E.sum())]  # the one host sync: how many slots were kept
+        token_S = order_S.div(K, rounding_mode="floor")  # slot s = n * K + k belongs to token n
+        weight_S = routing.expert_weights_NK.reshape(-1).index_select(0, order_S)
         return cls(token_S, weight_S, counts_E)
 
     def gather(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -130,23 +136,24 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """Runs all experts in this process: order kept slots by expert, run each expert once, combine.
+    """Runs all experts in this process: order kept slots by expert, run the experts, combine.
 
-    Every expert runs, even on zero tokens, so that all expert parameters are part of the autograd graph
-    in every step (data-parallel gradient reduction then needs no unused-parameter search).
+    Every expert takes part, even on zero tokens, so that all expert parameters are part of the autograd
+    graph in every step (data-parallel gradient reduction then needs no unused-parameter search).
 
     Args:
         experts: every expert of the layer, expert e at index e. Held by reference (a dispatcher is
             not a module: the layer registers the experts).
+        impl: how the experts run (``models.grouped_experts.run_experts``): "auto", "grouped_mm" or "loop".
     """
 
-    def __init__(self, experts: nn.ModuleList) -> None:
+    def __init__(self, experts: nn.ModuleList, impl: str = "auto") -> None:
         self.experts = experts
+        self.impl = impl
 
     def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
         slots = SlotOrder.of(routing, len(self.experts))
-        chunks = slots.gather(x_ND).split(slots.counts_E.tolist())
-        y_SD = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, chunks)], dim=0)
+        y_SD = run_experts(self.experts, slots.gather(x_ND), slots.counts_E, self.impl)
         return slots.combine(y_SD, x_ND)
 
 
@@ -176,7 +183,8 @@ class MoEFeedForward(nn.Module):
         self.shared_experts = nn.ModuleList(
             FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.moe_shared_experts)
         )
-        self.dispatcher: Dispatcher = LocalDispatcher(self.experts)
+        self.expert_impl = cfg.moe_expert_impl
+        self.dispatcher: Dispatcher = LocalDispatcher(self.experts, self.expert_impl)
 
     def route(self, x_ND: torch.Tensor) -> RoutingDecision:
         """Pick the top-k experts of every token and apply the capacity rule.
@@ -228,21 +236,25 @@ class MoEFeedForward(nn.Module):
             y_ND = y_ND + shared(x_ND)
 
         E = self.num_experts
-        assigned_E = torch.bincount(routing.expert_indices_NK.reshape(-1), minlength=E)
+        idx_S = routing.expert_indices_NK.reshape(-1)
+        assigned_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(0, idx_S, torch.ones_like(idx_S))
         f_E = assigned_E.float() / routing.expert_indices_NK.numel()
         P_E = routing.router_probs_NE.mean(dim=0)
         load_balance = E * (f_E * P_E).sum()
-        z_loss = torch.logsumexp(routing.router_logits_NE, dim=-1).pow(2).mean()
+        lse_N = torch.logsumexp(routing.router_logits_NE, dim=-1)
+        z_loss = lse_N.pow(2).mean()
         aux_loss = self.aux_loss_coef * load_balance + self.z_loss_coef * z_loss
 
         with torch.no_grad():
-            kept_idx = routing.expert_indices_NK[routing.kept_NK]
-            log_probs_NE = torch.log_softmax(routing.router_logits_NE, dim=-1)
+            # Kept slots per expert without a boolean-mask gather (whose size would need a host sync).
+            kept_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(
+                0, idx_S, routing.kept_NK.reshape(-1).long())
             stats = {
-                "tokens_per_expert": torch.bincount(kept_idx, minlength=E),
+                "tokens_per_expert": kept_E,
                 "load_balance_loss": load_balance.detach(),
                 "z_loss": z_loss.detach(),
                 "dropped_fraction": 1.0 - routing.kept_NK.float().mean(),
-                "router_entropy": -(routing.router_probs_NE * log_probs_NE).sum(dim=-1).mean(),
+                # -sum p log p with log p = z - lse: reuses the z-loss's logsumexp (no log_softmax pass).
+                "router_entropy": (lse_N - (routing.router_probs_NE * routing.router_logits_NE).sum(dim=-1)).mean(),
             }
         return y_ND.view(B, T, D), aux_loss, stats

@@ -11,8 +11,10 @@ changes is where its experts live and how tokens reach them:
   one gather of an expert's tensors over its expert-parallel group (the weights export here and the
   canonical checkpoint in ``canonical`` both use it).
 * ``AllToAllDispatcher`` replaces the layer's local dispatcher: kept token slots are ordered by
-  expert (``models.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one all-to-all, run through the local experts, sent back
-  with a second all-to-all and combined with their router weights. Both all-to-alls are autograd
+  expert (``models.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one
+  all-to-all, regrouped by local expert and run through the local experts
+  (``models.grouped_experts.run_experts``), sent back with a second all-to-all and combined with their
+  router weights. Both all-to-alls are autograd
   functions, so expert gradients arrive from every rank's tokens.
 * DeepSpeed must know which parameters are experts, to reduce their gradients only within the
   expert-data-parallel group and to checkpoint them per expert. Its engine recognises experts
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.grouped_experts import run_experts
 from models.moe import MoEFeedForward, RoutingDecision, SlotOrder
 from pipeline import limits
 
@@ -93,10 +96,13 @@ class AllToAllDispatcher:
     Args:
         shard: the layer's ExpertShard: this rank's experts and, after ``deepspeed.initialize``, the
             expert-parallel group.
+        impl: how the local experts run (``models.grouped_experts.run_experts``), the layer's
+            ``moe_expert_impl``.
     """
 
-    def __init__(self, shard: nn.Module):
+    def __init__(self, shard: nn.Module, impl: str = "auto"):
         self.shard = shard
+        self.impl = impl
 
     def __call__(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
         from torch.distributed.nn.functional import all_to_all_single
@@ -109,20 +115,25 @@ class AllToAllDispatcher:
         slots = SlotOrder.of(routing, shard.num_experts)
         # Global experts come in blocks of L per expert-parallel rank (``global_expert_id``), so the
         # slot counts per expert are, viewed as (ep, L), what this rank sends to each rank's experts.
-        recv_counts_PL = torch.empty_like(slots.counts_E).view(ep, L)
-        dist.all_to_all_single(recv_counts_PL, slots.counts_E.view(ep, L).contiguous(), group=group)
-        send_splits = slots.counts_E.view(ep, L).sum(1).tolist()
-        recv_splits = recv_counts_PL.sum(1).tolist()
+        send_counts_PL = slots.counts_E.view(ep, L).contiguous()
+        recv_counts_PL = torch.empty_like(send_counts_PL)
+        dist.all_to_all_single(recv_counts_PL, send_counts_PL, group=group)
+        # The layer's one host sync: all_to_all_single takes its split sizes as Python ints.
+        send_PL, recv_PL = torch.stack([send_counts_PL, recv_counts_PL]).tolist()
+        send_splits, recv_splits = [sum(row) for row in send_PL], [sum(row) for row in recv_PL]
 
         x_send = slots.gather(x_ND)
         x_recv = all_to_all_single(x_send.new_empty(sum(recv_splits), x_ND.shape[1]), x_send,
                                    recv_splits, send_splits, group=group)
-        # Received rows come grouped by (source rank, local expert); run each local expert once.
-        local_of_row = torch.arange(L, device=x_ND.device).repeat(ep).repeat_interleave(recv_counts_PL.reshape(-1))
-        y_recv = torch.empty_like(x_recv)
-        for j, expert in enumerate(shard.deepspeed_moe.experts.deepspeed_experts):
-            rows = (local_of_row == j).nonzero(as_tuple=True)[0]
-            y_recv = y_recv.index_copy(0, rows, expert(x_recv[rows]))  # runs on 0 rows too: grads stay defined
+        # Received rows come grouped by (source rank, local expert). A stable sort by local expert
+        # regroups them so that each local expert's rows are contiguous, for one grouped matmul.
+        local_of_row = torch.arange(L, device=x_ND.device).repeat(ep).repeat_interleave(
+            recv_counts_PL.reshape(-1), output_size=x_recv.shape[0])
+        order_R = torch.argsort(local_of_row, stable=True)
+        experts = shard.deepspeed_moe.experts.deepspeed_experts
+        y_grouped = run_experts(experts, x_recv.index_select(0, order_R), recv_counts_PL.sum(0), self.impl,
+                                host_counts=[sum(col) for col in zip(*recv_PL)])
+        y_recv = torch.empty_like(y_grouped).index_copy(0, order_R, y_grouped)  # back to arrival order
         y_back = all_to_all_single(y_recv.new_empty(len(slots.token_S), x_ND.shape[1]), y_recv, send_splits,
                                    recv_splits, group=group)
         return slots.combine(y_back, x_ND)
@@ -240,7 +251,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
         local = [layer.experts[global_expert_id(ep_rank, L, j)] for j in range(L)]
         layer.experts = nn.ModuleList()  # the other ranks' experts are dropped here
         layer.ep_shard = make_expert_shard(E, ep_size, local)
-        layer.dispatcher = AllToAllDispatcher(layer.ep_shard)
+        layer.dispatcher = AllToAllDispatcher(layer.ep_shard, layer.expert_impl)
 
 
 def check_groups(model: nn.Module, rank: int) -> None:

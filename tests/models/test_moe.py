@@ -206,3 +206,15 @@ def test_model_level_moe_outputs(make_cfg):
     for s in out.moe_stats:
         assert set(s) == {"tokens_per_expert", "load_balance_loss", "z_loss", "dropped_fraction", "router_entropy"}
         assert s["tokens_per_expert"].shape == (4,) and s["tokens_per_expert"].sum() == 16 * 2
+
+
+def test_stats_by_their_definitions(make_cfg):
+    layer = _moe(make_cfg, num_experts=4, moe_top_k=2, moe_capacity_factor=0.5)
+    x = torch.randn(2, 8, 32)
+    _, _, stats = layer(x)
+    routing = layer.route(x.reshape(16, 32))
+    p = routing.router_probs_NE
+    torch.testing.assert_close(stats["router_entropy"], -(p * p.log()).sum(-1).mean())
+    kept = routing.expert_indices_NK[routing.kept_NK]
+    assert stats["tokens_per_expert"].tolist() == torch.bincount(kept, minlength=4).tolist()
+    assert stats["dropped_fraction"].item() == pytest.approx(1 - kept.numel() / 32)

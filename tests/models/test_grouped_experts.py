@@ -1,0 +1,115 @@
+"""Grouped-matmul experts against the per-expert loop, the backward that grouped_mm lacks, and host syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.ffn import FeedForward
+from models.grouped_experts import GroupedMatmul, _grouped_mm_runs, grouped_experts, looped_experts, resolve_impl
+from models.moe import MoEFeedForward
+
+
+def _experts(kind: str, bias: bool, E: int = 4, D: int = 16, hidden: int = 24) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(FeedForward(D, hidden, kind, bias) for _ in range(E))
+    for p in experts.parameters():
+        p.data = torch.randn_like(p) * 0.3
+    return experts
+
+
+def test_grouped_matmul_forward_and_backward_with_a_stride0_gradient():
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 4]  # an empty group: its weight gradient must be zeros
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(4, 8, 16, requires_grad=True)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    y = GroupedMatmul.apply(x, w, offsets)
+    y.sum().backward()  # .sum() hands back an expanded (stride-0) gradient
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_ref = torch.cat([xg @ w_ref[e] for e, xg in enumerate(x_ref.split(counts))])
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-6, atol=1e-6)
+    assert w.grad[1].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("kind,bias", [("swiglu", False), ("swiglu", True), ("gelu", True), ("relu", False)])
+def test_grouped_experts_equal_the_loop_forward_and_gradients(kind, bias):
+    counts = [5, 0, 9, 2]
+    outs, grads = [], []
+    for run in ("grouped", "loop"):
+        experts = _experts(kind, bias)
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        dy = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+        if run == "grouped":
+            y = grouped_experts(experts, x, torch.tensor(counts))
+        else:
+            y = looped_experts(experts, x, counts)
+        y.backward(dy)
+        outs.append(y)
+        grads.append([x.grad, *(p.grad for p in experts.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert len(grads[0]) == len(grads[1])
+    for g_grouped, g_loop in zip(*grads):
+        assert g_grouped is not None  # every expert joins the graph, also the one with no rows
+        torch.testing.assert_close(g_grouped, g_loop, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_grouped_equals_loop(make_cfg):
+    results = {}
+    for impl in ("grouped_mm", "loop"):
+        torch.manual_seed(0)
+        layer = MoEFeedForward(make_cfg(num_experts=4, moe_top_k=2, moe_expert_impl=impl))
+        x = torch.randn(3, 6, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        y, aux, stats = layer(x)
+        (y.square().sum() + aux).backward()
+        results[impl] = (y, x.grad, [p.grad for p in layer.parameters()], stats["tokens_per_expert"])
+    (y_g, dx_g, dp_g, tpe_g), (y_l, dx_l, dp_l, tpe_l) = results["grouped_mm"], results["loop"]
+    torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-6)
+    for a, b in zip(dp_g, dp_l):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert tpe_g.tolist() == tpe_l.tolist()
+
+
+def test_auto_falls_back_to_the_loop_where_grouped_mm_cannot_run():
+    experts = _experts("swiglu", False)
+    _grouped_mm_runs.cache_clear()
+    with torch.no_grad():  # a first call from evaluation must not cache "unsupported"
+        assert resolve_impl("auto", experts, torch.zeros(2, 16)) == "grouped_mm"
+    assert resolve_impl("auto", experts, torch.zeros(2, 16)) == "grouped_mm"
+    assert resolve_impl("auto", experts, torch.zeros(2, 16, dtype=torch.float64)) == "loop"  # no fp64 kernel
+    narrow = _experts("swiglu", False, hidden=6)  # 6 floats = 24 bytes: not 16-byte aligned
+    assert resolve_impl("auto", narrow, torch.zeros(2, 16)) == "loop"
+    with pytest.raises(ValueError, match="moe_expert_impl='grouped_mm' cannot run"):
+        resolve_impl("grouped_mm", experts, torch.zeros(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="moe_expert_impl must be one of"):
+        resolve_impl("fast", experts, torch.zeros(2, 16))
+
+
+def test_dropless_grouped_layer_reads_no_tensor_values_on_the_host(make_cfg):
+    """On the meta device every read of a value (.tolist(), .item(), a boolean mask) raises, so a
+    dropless MoE layer that trains there needs no host sync in forward or backward."""
+    cfg = make_cfg(num_experts=4, moe_top_k=2, moe_expert_impl="grouped_mm")
+    with torch.device("meta"):
+        layer = MoEFeedForward(cfg).to(torch.bfloat16)  # grouped_mm's meta kernel takes bf16
+        x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+    y, aux, stats = layer(x)
+    (y.sum() + aux).backward()
+    assert layer.experts[3].w2.weight.grad.shape == (32, layer.experts[3].w1.out_features)
+    # The loop needs the per-expert counts on the host, so it cannot run there.
+    layer.dispatcher.impl = "loop"
+    with pytest.raises(NotImplementedError):
+        layer(x)
+
+
+def test_autocast_runs_the_grouped_experts_in_bf16():
+    experts = _experts("swiglu", False)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_grouped = grouped_experts(experts, x, torch.tensor([2, 2, 2, 2]))
+        y_loop = looped_experts(experts, x, [2, 2, 2, 2])
+    assert y_grouped.dtype == y_loop.dtype == torch.bfloat16
+    torch.testing.assert_close(y_grouped.float(), y_loop.float(), rtol=2e-2, atol=2e-2)
