@@ -18,7 +18,8 @@ POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
 FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
-ARCHS = ("decoder", "mamba")
+ARCHS = ("decoder", "mamba", "encoder_decoder")
+ENCDEC_FIELDS = ("n_encoder_layers",)  # in to_dict() only for arch encoder_decoder (see to_dict)
 ATTENTION_KINDS = ("mha", "mla")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -105,6 +106,13 @@ class ModelConfig:
     ssm_expand: int = 2  # inner width = ssm_expand * d_model
     ssm_dt_rank: int | None = None  # rank of the delta projection; None = ceil(d_model / 16)
 
+    # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its
+    # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
+    # stacks use the attention, position, FFN and norm fields above and share one embedding table; the
+    # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
+    # debug_encdec and encdec (see _check_encdec for what does not apply).
+    n_encoder_layers: int | None = None  # None = n_layers
+
     # ------------------------------------------------------------------ validation
 
     def __post_init__(self) -> None:
@@ -187,6 +195,7 @@ class ModelConfig:
                     f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor!r}"
                 )
         _check_mamba(self)
+        _check_encdec(self)
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -264,6 +273,11 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
+    def resolved_n_encoder_layers(self) -> int:
+        """Encoder depth of an encoder-decoder (n_layers when n_encoder_layers is None)."""
+        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
+
+    @property
     def ssm_d_inner(self) -> int:
         """Mamba's inner width ssm_expand * d_model."""
         return self.ssm_expand * self.d_model
@@ -276,8 +290,18 @@ class ModelConfig:
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a plain JSON-serialisable dict."""
-        return dataclasses.asdict(self)
+        """The fields as a plain JSON-serialisable dict.
+
+        The encoder-decoder fields (ENCDEC_FIELDS) appear only when arch is 'encoder_decoder': the dict
+        feeds the train stage's content hash, and a field that a decoder cannot use must not change the
+        hash (and so the cached artifacts) of every decoder config written before it existed.
+        `from_dict` gives the missing fields their defaults, so the round trip is exact.
+        """
+        d = dataclasses.asdict(self)
+        if self.arch != "encoder_decoder":
+            for name in ENCDEC_FIELDS:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -331,6 +355,26 @@ def _check_mamba(cfg: ModelConfig) -> None:
         if value != needed:
             raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
                              f"or experts), got {value!r}; the presets debug_mamba and mamba set it")
+
+
+def _check_encdec(cfg: ModelConfig) -> None:
+    """n_encoder_layers; for arch 'encoder_decoder', the options its layers do not implement."""
+    if cfg.n_encoder_layers is not None:
+        _check_int("n_encoder_layers", cfg.n_encoder_layers, 1)
+        if cfg.arch != "encoder_decoder":
+            raise ValueError(f"n_encoder_layers is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} it "
+                             f"must be None, got {cfg.n_encoder_layers!r}")
+    if cfg.arch != "encoder_decoder":
+        return
+    # ALiBi's bias is written for causal attention (distance to past keys) and MLA/MoE were never built
+    # into the encoder-decoder layers: refused rather than silently ignored.
+    wrong = {"attention": (cfg.attention, "mha"), "num_experts": (cfg.num_experts, 0)}
+    for name, (value, needed) in wrong.items():
+        if value != needed:
+            raise ValueError(f"{name} must be {needed!r} when arch is 'encoder_decoder', got {value!r}")
+    if cfg.pos_encoding == "alibi":
+        raise ValueError("pos_encoding must be one of ['rope', 'sinusoidal', 'learned', 'none'] when arch is "
+                         "'encoder_decoder' (ALiBi is defined for causal attention), got 'alibi'")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -579,6 +579,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
          "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
          "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")
     mc = cfg.model_config()
+    need(mc.arch != "encoder_decoder",
+         "model.arch=encoder_decoder is a models-level option for now: the pipeline's stages train, evaluate "
+         "and serve decoder and mamba models only")
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,
         f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
