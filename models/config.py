@@ -19,7 +19,7 @@ FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 ARCHS = ("decoder", "mamba", "encoder_decoder")
-ENCDEC_FIELDS = ("n_encoder_layers",)  # in to_dict() only for arch encoder_decoder (see to_dict)
+ENCDEC_FIELDS = ("n_encoder_layers", "denoise_noise_density", "denoise_mean_span_length")  # in to_dict() only for arch encoder_decoder (see to_dict)
 ATTENTION_KINDS = ("mha", "mla")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -112,6 +112,11 @@ class ModelConfig:
     # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
     # debug_encdec and encdec (see _check_encdec for what does not apply).
     n_encoder_layers: int | None = None  # None = n_layers
+    # The denoising objective it is trained with (T5 span corruption, pipeline/data/span_corruption.py):
+    # the fraction of each block's tokens dropped into spans, and the spans' mean length. Kept with the
+    # architecture so that evaluation and serving know what the weights were trained to do.
+    denoise_noise_density: float = 0.15
+    denoise_mean_span_length: float = 3.0
 
     # ------------------------------------------------------------------ validation
 
@@ -364,7 +369,17 @@ def _check_encdec(cfg: ModelConfig) -> None:
         if cfg.arch != "encoder_decoder":
             raise ValueError(f"n_encoder_layers is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} it "
                              f"must be None, got {cfg.n_encoder_layers!r}")
+    _check_float("denoise_noise_density", cfg.denoise_noise_density)
+    _check_float("denoise_mean_span_length", cfg.denoise_mean_span_length)
+    if not 0.0 < cfg.denoise_noise_density < 1.0:
+        raise ValueError(f"denoise_noise_density must be in (0, 1), got {cfg.denoise_noise_density!r}")
+    if cfg.denoise_mean_span_length < 1.0:
+        raise ValueError(f"denoise_mean_span_length must be >= 1, got {cfg.denoise_mean_span_length!r}")
     if cfg.arch != "encoder_decoder":
+        for name in ENCDEC_FIELDS[1:]:
+            if getattr(cfg, name) != _DEFAULTS[name]:
+                raise ValueError(f"{name} is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} leave it "
+                                 f"at {_DEFAULTS[name]!r}, got {getattr(cfg, name)!r}")
         return
     # ALiBi's bias is written for causal attention (distance to past keys) and MLA/MoE were never built
     # into the encoder-decoder layers: refused rather than silently ignored.
@@ -375,6 +390,9 @@ def _check_encdec(cfg: ModelConfig) -> None:
     if cfg.pos_encoding == "alibi":
         raise ValueError("pos_encoding must be one of ['rope', 'sinusoidal', 'learned', 'none'] when arch is "
                          "'encoder_decoder' (ALiBi is defined for causal attention), got 'alibi'")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -223,6 +223,8 @@ def test_meta_build_then_init_matches_eager_shapes():
     (dict(attention="mla", pos_encoding="rope"), "attention"),
     (dict(num_experts=4), "num_experts"),
     (dict(pos_encoding="alibi"), "pos_encoding"),
+    (dict(denoise_noise_density=1.0), "denoise_noise_density"),
+    (dict(denoise_mean_span_length=0.5), "denoise_mean_span_length"),
 ])
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -232,6 +234,8 @@ def test_config_errors_name_the_field(kw, field):
 def test_n_encoder_layers_belongs_to_the_encoder_decoder():
     with pytest.raises(ValueError, match="n_encoder_layers"):
         ModelConfig(n_encoder_layers=2)
+    with pytest.raises(ValueError, match="denoise_noise_density"):
+        ModelConfig(denoise_noise_density=0.3)
     assert encdec_cfg(n_encoder_layers=None, n_layers=3).resolved_n_encoder_layers == 3
 
 
