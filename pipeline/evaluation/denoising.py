@@ -7,7 +7,7 @@ over all decoder targets (span tokens, sentinels and the final EOS), the quantit
 Bits per target byte = total target nats / ln 2 / UTF-8 bytes of the text the spans restore. The bytes
 are counted per token from the tokenizer's pieces (``piece_bytes``: a byte piece is one byte, a
 control piece none, any other piece its text with sentencepiece's space mark as one space), which is
-exact for Conduit's lossless tokenizer. Sentinels and EOS cost bits but restore no byte: the number is
+exact for Conduit's lossless tokenizer but for the one space of each document's dummy prefix. Sentinels and EOS cost bits but restore no byte: the number is
 what the model pays per byte of masked-out text, comparable across tokenizers and noise settings only
 loosely (a denser noise leaves less context), and not with a decoder's next-token bits per byte.
 
