@@ -64,6 +64,7 @@ bench: install
 	$(PY) benchmarks/tokenize_throughput.py --scale 8 --repeats 2
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/mamba_speed.py
+	$(PY) benchmarks/encdec_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/pipeline.py --storage
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05
