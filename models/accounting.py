@@ -198,10 +198,11 @@ def _mamba_param_counts(cfg: ModelConfig) -> dict[str, int]:
 def _encdec_stack_params(cfg: ModelConfig) -> tuple[int, int, int]:
     """(encoder, decoder) non-embedding parameters and the encoder depth. An encoder layer is a decoder
     layer without cross-attention: two norms, self-attention, FFN; a decoder layer adds a norm and the
-    cross-attention; pre-norm stacks end in one norm each."""
+    cross-attention; pre-norm stacks end in one norm each, and embedding_norm adds one per stack."""
     final = _norm_params(cfg) if cfg.norm_position == "pre" else 0
     enc_layer = 2 * _norm_params(cfg) + _attention_params(cfg) + _ffn_params(cfg, cfg.resolved_d_ff)
     dec_layer = enc_layer + _norm_params(cfg) + _attention_params(cfg)
+    final += _norm_params(cfg) if cfg.embedding_norm else 0
     L_enc = cfg.resolved_n_encoder_layers
     return L_enc * enc_layer + final, cfg.n_layers * dec_layer + final, L_enc
 

@@ -19,7 +19,7 @@ FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 ARCHS = ("decoder", "mamba", "encoder_decoder")
-ENCDEC_FIELDS = ("n_encoder_layers", "denoise_noise_density", "denoise_mean_span_length")  # in to_dict() only for arch encoder_decoder (see to_dict)
+ENCDEC_FIELDS = ("n_encoder_layers", "denoise_noise_density", "denoise_mean_span_length", "embedding_norm")  # in to_dict() only for arch encoder_decoder (see to_dict)
 ATTENTION_KINDS = ("mha", "mla")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -112,6 +112,7 @@ class ModelConfig:
     # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
     # debug_encdec and encdec (see _check_encdec for what does not apply).
     n_encoder_layers: int | None = None  # None = n_layers
+    embedding_norm: bool = False  # a norm over each stack's summed embeddings, before its first layer (BART)
     # The denoising objective it is trained with (T5 span corruption, pipeline/data/span_corruption.py):
     # the fraction of each block's tokens dropped into spans, and the spans' mean length. Kept with the
     # architecture so that evaluation and serving know what the weights were trained to do.
@@ -369,6 +370,8 @@ def _check_encdec(cfg: ModelConfig) -> None:
         if cfg.arch != "encoder_decoder":
             raise ValueError(f"n_encoder_layers is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} it "
                              f"must be None, got {cfg.n_encoder_layers!r}")
+    if not isinstance(cfg.embedding_norm, bool):
+        raise ValueError(f"embedding_norm must be a bool (True or False), got {cfg.embedding_norm!r}")
     _check_float("denoise_noise_density", cfg.denoise_noise_density)
     _check_float("denoise_mean_span_length", cfg.denoise_mean_span_length)
     if not 0.0 < cfg.denoise_noise_density < 1.0:

@@ -2,14 +2,15 @@
 
 Layout (names follow models.transformer, so the same attention, FFN, norm and position code serves both):
     tok_embeddings (V, D), shared by the encoder, the decoder and (with tie_embeddings) lm_head
-    encoder: tok_embeddings [+ encoder_pos_embeddings | + sinusoidal] -> dropout
+    encoder: tok_embeddings [+ encoder_pos_embeddings | + sinusoidal] [-> encoder_embed_norm] -> dropout
              -> encoder_layers[i]: TransformerBlock with a bidirectional, padding-masked self-attention
              -> encoder_norm (pre-norm only)
-    decoder: tok_embeddings [+ pos_embeddings | + sinusoidal] -> dropout
+    decoder: tok_embeddings [+ pos_embeddings | + sinusoidal] [-> embed_norm] -> dropout
              -> layers[i]: DecoderBlock = causal self-attention (KV cache), cross-attention over the
                 encoder's output, feed-forward; each sublayer pre- or post-norm
              -> norm (pre-norm only) -> lm_head (D -> V)
-n_encoder_layers and n_layers set the two depths. Learned positions get one table per stack (as BART);
+n_encoder_layers and n_layers set the two depths; the embedding norms exist with cfg.embedding_norm (BART's
+layernorm_embedding). Learned positions get one table per stack (as BART);
 RoPE rotates queries and keys of self-attention only: cross-attention compares a decoder position with
 encoder positions of another sequence, so it carries no position (as T5's relative bias does not).
 
@@ -160,6 +161,8 @@ class EncoderDecoderLM(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.encoder_pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned else None
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned else None
+        self.encoder_embed_norm = build_norm(cfg) if cfg.embedding_norm else None
+        self.embed_norm = build_norm(cfg) if cfg.embedding_norm else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.resolved_n_encoder_layers))
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
@@ -201,12 +204,15 @@ class EncoderDecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ pieces
 
-    def _embed(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, table: nn.Embedding | None) -> torch.Tensor:
+    def _embed(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, table: nn.Embedding | None,
+               norm: nn.Module | None) -> torch.Tensor:
         x_BTD = self.tok_embeddings(ids_BT)
         if table is not None:
             x_BTD = x_BTD + table(positions_BT)
         elif self.cfg.pos_encoding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal_table(positions_BT, self.cfg.d_model).to(x_BTD.dtype)
+        if norm is not None:
+            x_BTD = norm(x_BTD)
         return self.emb_dropout(x_BTD)
 
     def _rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -241,7 +247,7 @@ class EncoderDecoderLM(nn.Module):
         # Bidirectional: every query sees every real key, and itself (so a pad query's row is never empty).
         own_SS = torch.eye(S, dtype=torch.bool, device=input_ids_BS.device)
         mask_B1SS = (real_BS[:, None, None, :] | own_SS).contiguous()
-        x_BSD = self._embed(input_ids_BS, positions_BS, self.encoder_pos_embeddings)
+        x_BSD = self._embed(input_ids_BS, positions_BS, self.encoder_pos_embeddings, self.encoder_embed_norm)
         rope = self._rope(positions_BS)
         for block in self.encoder_layers:
             x_BSD = block(x_BSD, rope, mask_B1SS, None, False)[0]
@@ -284,7 +290,7 @@ class EncoderDecoderLM(nn.Module):
             positions_BT = (decoder_attention_mask_BT.long().cumsum(dim=1) - 1).clamp(min=0)
         else:
             positions_BT = torch.arange(T, device=decoder_input_ids_BT.device).unsqueeze(0).expand(B, T)
-        x_BTD = self._embed(decoder_input_ids_BT, positions_BT, self.pos_embeddings)
+        x_BTD = self._embed(decoder_input_ids_BT, positions_BT, self.pos_embeddings, self.embed_norm)
         rope = self._rope(positions_BT)
         self_mask = build_attention_mask(cfg, positions_BT, decoder_attention_mask_BT, kv_cache, None)
         cross_mask_B11S = encoder_state.key_real_BS[:, None, None, :]

@@ -1,6 +1,14 @@
-"""The encoder-decoder part of the Hugging Face export: MarianMTModel names, config.json and its inverse.
+"""The encoder-decoder part of the Hugging Face export: MarianMTModel and BART names, config.json, inverse.
 
-`models.export.save_hf` / `load_hf` call these for a config with arch 'encoder_decoder'. MarianMTModel
+`models.export.save_hf` / `load_hf` call these for a config with arch 'encoder_decoder': sinusoidal
+positions export as MarianMTModel, learned positions with embedding_norm as BartForConditionalGeneration.
+
+BART: the same layer names as Marian; a learned position table per stack, which BART indexes from row 2
+(its two first rows are never read: written as zeros, dropped on import); a LayerNorm over each stack's
+embeddings (our embedding_norm); no feature permutation. BART counts positions from 0 at every row,
+and ours count real tokens, so the two agree on unpadded and right-padded inputs.
+
+MarianMTModel
 is the `transformers` class that computes the original paper's layout: Post-LN LayerNorm (eps 1e-5)
 with biases everywhere, sinusoidal positions added to the embeddings, ReLU (or GELU) feed-forward, one
 embedding table shared by encoder, decoder and (tied) output, separate encoder and decoder depths. Its
@@ -39,17 +47,21 @@ _ACTIVATIONS = {"relu": "relu", "gelu": "gelu"}  # our ffn -> Marian's activatio
 
 
 def encdec_unsupported_options(cfg: ModelConfig) -> list[str]:
-    """Options of an encoder-decoder `cfg` MarianMTModel cannot express, as "field=value (reason)"."""
+    """Options of an encoder-decoder `cfg` MarianMTModel (sinusoidal positions) or BART (learned positions)
+    cannot express, as "field=value (reason)"."""
+    if cfg.pos_encoding not in ("sinusoidal", "learned"):
+        return [f"pos_encoding={cfg.pos_encoding!r} (MarianMTModel adds sinusoidal, BART learned positions)"]
+    target = "MarianMTModel" if cfg.pos_encoding == "sinusoidal" else "BART"
     problems = []
-    needed = {"norm": "layernorm", "norm_position": "post", "pos_encoding": "sinusoidal", "bias": True,
-              "norm_eps": 1e-5}
+    needed = {"norm": "layernorm", "norm_position": "post", "bias": True, "norm_eps": 1e-5,
+              "embedding_norm": target == "BART"}
     for name, value in needed.items():
         if getattr(cfg, name) != value:
-            problems.append(f"{name}={getattr(cfg, name)!r} (MarianMTModel has {value!r})")
+            problems.append(f"{name}={getattr(cfg, name)!r} ({target} has {value!r})")
     if cfg.ffn not in _ACTIVATIONS:
-        problems.append(f"ffn={cfg.ffn!r} (MarianMTModel's feed-forward is two matrices: relu or gelu)")
+        problems.append(f"ffn={cfg.ffn!r} ({target}'s feed-forward is two matrices: relu or gelu)")
     if cfg.resolved_num_kv_heads != cfg.n_heads:
-        problems.append(f"num_kv_heads={cfg.num_kv_heads} (MarianMTModel has one key/value head per query head)")
+        problems.append(f"num_kv_heads={cfg.num_kv_heads} ({target} has one key/value head per query head)")
     return problems
 
 
@@ -90,7 +102,7 @@ def to_marian_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     return out
 
 
-def from_marian_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def from_marian_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, permute: bool = True) -> dict[str, torch.Tensor]:
     """MarianMTModel checkpoint tensors -> our state dict (inverse of `to_marian_tensors`).
 
     The copies of the shared table (encoder/decoder embed_tokens, which must equal it) and positional
@@ -111,7 +123,7 @@ def from_marian_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         for ours in _DECODER_PARTS:
             for kind in ("weight", "bias"):
                 inverse[_hf_name(f"layers.{i}.{ours}.{kind}")] = f"layers.{i}.{ours}.{kind}"
-    back = torch.argsort(_perm(cfg.d_model))
+    back = torch.argsort(_perm(cfg.d_model)) if permute else torch.arange(cfg.d_model)
     state = {}
     for hf_name, t in tensors.items():
         if hf_name == "final_logits_bias":
@@ -129,6 +141,65 @@ def from_marian_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         name = inverse[hf_name]
         state[name] = _relabel(name, t, back).contiguous()
     return state
+
+
+_BART_EMBEDDINGS = {"encoder_pos_embeddings.weight": "model.encoder.embed_positions.weight",
+                    "pos_embeddings.weight": "model.decoder.embed_positions.weight",
+                    "encoder_embed_norm.weight": "model.encoder.layernorm_embedding.weight",
+                    "encoder_embed_norm.bias": "model.encoder.layernorm_embedding.bias",
+                    "embed_norm.weight": "model.decoder.layernorm_embedding.weight",
+                    "embed_norm.bias": "model.decoder.layernorm_embedding.bias"}
+BART_POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 2
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> MarianMTModel (sinusoidal) or BART (learned positions) checkpoint tensors."""
+    if cfg.pos_encoding == "sinusoidal":
+        return to_marian_tensors(state, cfg)
+    rest = {k: v for k, v in state.items() if k not in _BART_EMBEDDINGS}
+    out = {_hf_name(name): t.contiguous() for name, t in rest.items()}
+    for stack in ("encoder", "decoder"):
+        out[f"model.{stack}.embed_tokens.weight"] = out["model.shared.weight"].clone()
+    for ours, theirs in _BART_EMBEDDINGS.items():
+        t = state[ours]
+        if ours.endswith("pos_embeddings.weight"):
+            t = torch.cat([torch.zeros(BART_POSITION_OFFSET, t.shape[1], dtype=t.dtype), t])
+        out[theirs] = t.contiguous()
+    return out
+
+
+def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """MarianMTModel or BART checkpoint tensors -> our state dict (inverse of `to_hf_tensors`)."""
+    if cfg.pos_encoding == "sinusoidal":
+        return from_marian_tensors(tensors, cfg)
+    inverse = {v: k for k, v in _BART_EMBEDDINGS.items()}
+    state = {}
+    for name, t in tensors.items():
+        if name in inverse:
+            ours = inverse[name]
+            state[ours] = t[BART_POSITION_OFFSET:].contiguous() if ours.endswith("pos_embeddings.weight") else t
+    rest = {k: v for k, v in tensors.items() if k not in inverse}
+    # The layers and the shared table map as in Marian's layout; undo no permutation, as none was applied.
+    mapped = from_marian_tensors(rest, cfg, permute=False)
+    return {**mapped, **state}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of the class `cfg` exports as (see `to_hf_tensors`)."""
+    out = marian_hf_config(cfg, dtype)
+    if cfg.pos_encoding == "learned":
+        out.update(architectures=["BartForConditionalGeneration"], model_type="bart")
+        out.pop("decoder_vocab_size")
+        out.pop("share_encoder_decoder_embeddings")
+    return out
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig a MarianMTModel or BART config.json describes (see `encdec_config_from_hf`)."""
+    cfg = encdec_config_from_hf(hf)
+    if hf.get("model_type") == "bart":
+        cfg = cfg.replace(pos_encoding="learned", embedding_norm=True)
+    return cfg
 
 
 def marian_hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -200,4 +271,4 @@ def encdec_architecture(cfg: ModelConfig) -> tuple:
     """What config.json determines of an encoder-decoder, with derived sizes resolved."""
     return (cfg.arch, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.resolved_n_encoder_layers, cfg.n_heads,
             cfg.resolved_d_ff, cfg.ffn, cfg.max_seq_len, cfg.norm, cfg.norm_position, cfg.pos_encoding, cfg.bias,
-            cfg.tie_embeddings, cfg.resolved_num_kv_heads, cfg.norm_eps)
+            cfg.tie_embeddings, cfg.resolved_num_kv_heads, cfg.norm_eps, cfg.embedding_norm)

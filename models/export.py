@@ -15,8 +15,8 @@ ModelConfig (dropout, loss coefficients, ... included, which config.json cannot 
 config.json still describes the same architecture.
 
 A Mamba model (arch 'mamba') exports as MambaForCausalLM; its names and config.json live in
-models/mamba_export.py. An encoder-decoder (arch 'encoder_decoder') exports as MarianMTModel
-(models/encdec_export.py).
+models/mamba_export.py. An encoder-decoder (arch 'encoder_decoder') exports as MarianMTModel, or with
+learned positions as BartForConditionalGeneration (models/encdec_export.py).
 
 Only configurations HF's classes compute identically are exported; anything else raises ValueError
 naming the option (see `hf_unsupported_options`). Training-only settings (dropout, z-loss coefficient)
@@ -38,10 +38,8 @@ from safetensors.torch import load_file, save_file
 from models import hf_deepseek
 from models.config import ModelConfig
 from models.encdec import EncoderDecoderLM
-from models.encdec_export import (
-    TOKEN_ID_DEFAULTS, encdec_architecture, encdec_config_from_hf, encdec_unsupported_options, from_marian_tensors,
-    marian_hf_config, to_marian_tensors,
-)
+from models import encdec_export
+from models.encdec_export import TOKEN_ID_DEFAULTS, encdec_architecture, encdec_unsupported_options
 from models.mamba import MambaLM
 from models.mamba_export import (
     mamba_architecture, mamba_config_from_hf, mamba_hf_config, mamba_hf_name, mamba_our_name,
@@ -276,14 +274,14 @@ def save_hf(
     if cfg.arch == "mamba":
         renamed = {mamba_hf_name(name): t for name, t in state.items()}
     elif cfg.arch == "encoder_decoder":
-        renamed = to_marian_tensors(state, cfg)
+        renamed = encdec_export.to_hf_tensors(state, cfg)
     elif cfg.attention == "mla":
         renamed = hf_deepseek.to_hf_tensors(state, cfg)
     else:
         renamed = {_hf_name(name, moe): t for name, t in state.items()}
     tensors = {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t for k, t in renamed.items()}
     out_dtype = dtype if dtype is not None else state["tok_embeddings.weight"].dtype
-    builders = {"mamba": mamba_hf_config, "encoder_decoder": marian_hf_config}
+    builders = {"mamba": mamba_hf_config, "encoder_decoder": encdec_export.hf_config}
     hf_cfg = builders.get(cfg.arch, _hf_config)(cfg, out_dtype)
     if extra_config:
         clash = sorted(set(extra_config) & set(hf_cfg))
@@ -330,13 +328,13 @@ def _architecture(cfg: ModelConfig) -> tuple:
 
 def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral", "deepseek_v2", "mamba", "marian"):
-        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'mamba' or 'marian', "
-                         f"got {model_type!r}")
+    if model_type not in ("llama", "mixtral", "deepseek_v2", "mamba", "marian", "bart"):
+        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'mamba', 'marian' or "
+                         f"'bart', got {model_type!r}")
     if model_type == "mamba":
         return _with_metadata(mamba_config_from_hf(hf), metadata)
-    if model_type == "marian":
-        return _with_metadata(encdec_config_from_hf(hf), metadata)
+    if model_type in ("marian", "bart"):
+        return _with_metadata(encdec_export.config_from_hf(hf), metadata)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if model_type != "deepseek_v2" and hf.get("head_dim", d // heads) != d // heads:
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({d // heads})")
@@ -425,7 +423,7 @@ def _our_name(hf_name: str) -> str:
 def load_hf(
     path: str | os.PathLike, device: torch.device | str | None = None
 ) -> Transformer | MambaLM | EncoderDecoderLM:
-    """Load a Llama / Mixtral / DeepseekV2 / Mamba / Marian folder (config.json + model.safetensors) as our model.
+    """Load a Llama / Mixtral / DeepseekV2 / Mamba / Marian / BART folder (config.json + model.safetensors) as our model.
 
     Reads the per-expert Mixtral layout that `save_hf` writes (experts.{e}.w1/w2/w3).
 
@@ -448,7 +446,7 @@ def load_hf(
     if cfg.arch == "mamba":
         state = {mamba_our_name(k): v for k, v in load_file(weights).items()}
     elif cfg.arch == "encoder_decoder":
-        state = from_marian_tensors(load_file(weights), cfg)
+        state = encdec_export.from_hf_tensors(load_file(weights), cfg)
     elif cfg.attention == "mla":
         state = hf_deepseek.from_hf_tensors(load_file(weights), cfg)
     else:

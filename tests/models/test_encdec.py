@@ -250,7 +250,7 @@ def test_encdec_fields_stay_out_of_decoder_dicts():
     assert dense.replace(arch="encoder_decoder", n_encoder_layers=1).resolved_n_encoder_layers == 1
 
 
-@pytest.mark.parametrize("kw", [{}, dict(pos_encoding="learned", tie_embeddings=False, norm_position="pre"),
+@pytest.mark.parametrize("kw", [{}, dict(pos_encoding="learned", tie_embeddings=False, norm_position="pre", embedding_norm=True),
                                 dict(ffn="swiglu", norm="rmsnorm", bias=False, num_kv_heads=1)])
 def test_param_counts_equal_the_built_model(kw):
     from models.accounting import flops_per_token, param_counts
@@ -266,3 +266,18 @@ def test_param_counts_equal_the_built_model(kw):
     L_enc, L_dec, H, K, T = 3, 2, 4, 8, 16
     fwd_pair = 2 * (counts["non_embedding"] + 64 * 32) + 4 * (L_enc + 2 * L_dec) * H * K * T
     assert flops_per_token(cfg, T)["forward"] == fwd_pair // 2
+
+
+def test_embedding_norm_normalises_each_stacks_input():
+    model = random_encdec(pos_encoding="learned", embedding_norm=True)
+    src, tgt = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 4))
+    state = model.encode(src)
+    x = model.tok_embeddings(src) + model.encoder_pos_embeddings(torch.arange(6))
+    mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    normed = (x - mu) / torch.sqrt(var + 1e-5) * model.encoder_embed_norm.weight + model.encoder_embed_norm.bias
+    h = normed
+    for blk in model.encoder_layers:
+        h = blk(h, None, torch.ones(1, 1, 6, 6, dtype=torch.bool), None, False)[0]
+    torch.testing.assert_close(state.hidden_BSD, h, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="embedding_norm"):
+        ModelConfig(embedding_norm=True)

@@ -91,8 +91,68 @@ def test_hf_import_refuses_what_it_cannot_compute(tmp_path, hf_kw, key):
 
 
 def test_export_names_what_marian_cannot_express():
-    problems = " ".join(hf_unsupported_options(encdec_cfg(norm_position="pre", pos_encoding="rope", ffn="swiglu",
-                                                          num_kv_heads=2)))
-    for field in ("norm_position", "pos_encoding", "ffn", "num_kv_heads"):
+    problems = " ".join(hf_unsupported_options(encdec_cfg(norm_position="pre", ffn="swiglu", num_kv_heads=2,
+                                                          embedding_norm=True)))
+    for field in ("norm_position", "ffn", "num_kv_heads", "embedding_norm"):
         assert field in problems
+    assert "pos_encoding='rope'" in hf_unsupported_options(encdec_cfg(pos_encoding="rope"))[0]
     assert hf_unsupported_options(encdec_cfg()) == []
+
+
+# ---------------------------------------------------------------------- BART: learned positions
+
+
+def _right_padded(seed: int):
+    """BART counts positions 0.. whatever the mask, ours count real tokens: equal with right padding."""
+    return _inputs(seed)
+
+
+@pytest.mark.parametrize("kw", [dict(ffn="gelu"), dict(ffn="relu", tie_embeddings=False, n_encoder_layers=1)],
+                         ids=["gelu_tied", "relu_untied"])
+def test_bart_export_logits_equal_ours(tmp_path, kw):
+    from transformers import BartForConditionalGeneration
+
+    model = random_encdec(pos_encoding="learned", embedding_norm=True, **kw)
+    with torch.no_grad():  # learned tables off their initial scale, so positions matter
+        model.encoder_pos_embeddings.weight.mul_(20)
+        model.pos_embeddings.weight.mul_(20)
+    save_hf(model, model.cfg, tmp_path)
+    hf = BartForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    src, tgt, mask = _right_padded(3)
+    with torch.no_grad():
+        ours = model(src, tgt, mask).logits
+        theirs = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt, use_cache=False).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    back = load_hf(tmp_path).eval()
+    assert back.cfg == model.cfg
+    torch.testing.assert_close(back(src, tgt, mask).logits, ours, atol=0, rtol=0)
+
+
+def test_bart_import_logits_equal_theirs(tmp_path):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(6)
+    hf_cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=72, decoder_ffn_dim=72, activation_function="gelu",
+                        max_position_embeddings=40, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+                        decoder_start_token_id=0, init_std=0.3)
+    hf = BartForConditionalGeneration(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                p.add_(0.2 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    cfg = ours.cfg
+    assert (cfg.pos_encoding, cfg.embedding_norm, cfg.n_encoder_layers, cfg.n_layers, cfg.max_seq_len) == \
+        ("learned", True, 2, 3, 40)
+    src, tgt, mask = _right_padded(4)
+    with torch.no_grad():
+        theirs = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt, use_cache=False).logits
+        torch.testing.assert_close(ours(src, tgt, mask).logits, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_learned_positions_need_the_embedding_norm_for_bart():
+    problems = hf_unsupported_options(encdec_cfg(pos_encoding="learned"))
+    assert problems == ["embedding_norm=False (BART has True)"]
+    assert "embedding_norm" in " ".join(hf_unsupported_options(encdec_cfg(embedding_norm=True)))
