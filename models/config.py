@@ -36,12 +36,13 @@ def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only Transformer language model.
+    """Architecture of a Conduit model: a decoder-only Transformer, a Mamba model or an encoder-decoder (`arch`).
 
     Field groups: sizes (vocab_size .. max_seq_len), attention kind (attention and the MLA sizes
     kv_lora_rank .. v_head_dim), positions (pos_encoding, rope_*), block layout (ffn, norm,
     norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
-    initialisation (init_std) and mixture of experts (num_experts, moe_*). See the field comments.
+    initialisation (init_std), mixture of experts (num_experts, moe_*), the family (arch) with Mamba's
+    ssm_* and the encoder-decoder's fields (ENCDEC_FIELDS). See the field comments.
 
     Raises:
         ValueError: from `__post_init__` when a field has a bad type or value; the message names the
