@@ -65,6 +65,7 @@ bench: install
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/full_path_profile.py
 	$(PY) benchmarks/mamba_speed.py
+	$(PY) benchmarks/encdec_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/pipeline.py --storage
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05

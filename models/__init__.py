@@ -1,4 +1,4 @@
-"""Conduit models: a pure torch.nn decoder-only Transformer and its parts.
+"""Conduit models: pure torch.nn decoder-only Transformer, Mamba and encoder-decoder, and their parts.
 
 Imports torch and the standard library only (safetensors in models.export).
 """

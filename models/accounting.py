@@ -25,6 +25,13 @@ attention term the selective scan's 9 * E * N FLOPs per token and layer forward 
 3.3.2, which counts 9 B L D N for the scan), times 3 for forward + backward. Unlike attention it does not
 grow with T.
 
+Encoder-decoder (arch 'encoder_decoder'): N and the attention term per token of either stack, with the
+source and target streams taken as equally long (S = T = seq_len): half the FLOPs of one source token
+through the encoder plus one target token through the decoder, whose attention term counts self- and
+cross-attention. Span corruption makes the source longer than the target, so this is an estimate.
+The decoder's cache holds what the formula below gives per target token, and the cross-attention keys
+and values take the same bytes per source token, once per request.
+
 KV-cache bytes per token (`kv_cache_bytes_per_token`), what `models.attention.KVCache` stores per
 generated or prompt token, over all layers:
     mha / gqa / mqa:  L * 2 * G * K * bytes       (a key and a value for each of G key/value heads)
@@ -86,6 +93,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """
     if cfg.arch == "mamba":
         return _mamba_param_counts(cfg)
+    if cfg.arch == "encoder_decoder":
+        return _encdec_param_counts(cfg)
     D, V = cfg.d_model, cfg.vocab_size
     embedding = V * D
     if cfg.pos_encoding == "learned":
@@ -135,6 +144,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     if cfg.arch == "mamba":
         scan = 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size
         return {"total": 6 * n + 3 * scan, "forward": 2 * n + scan}
+    if cfg.arch == "encoder_decoder":
+        n_enc, n_dec, L_enc = _encdec_stack_params(cfg)
+        n = (n_enc + n_dec + cfg.vocab_size * cfg.d_model) / 2
+        attn = (L_enc + 2 * cfg.n_layers) * cfg.n_heads * 2 * cfg.head_dim * seq_len / 2
+        return {"total": round(6 * n + 6 * attn), "forward": round(2 * n + 2 * attn)}
     if cfg.attention == "mla":
         qk_plus_v = cfg.resolved_qk_nope_head_dim + cfg.resolved_qk_rope_head_dim + cfg.resolved_v_head_dim
     else:
@@ -179,3 +193,27 @@ def _mamba_param_counts(cfg: ModelConfig) -> dict[str, int]:
     total = embedding + non_embedding
     return {"total": total, "active": total, "embedding": embedding, "non_embedding": non_embedding,
             "active_non_embedding": non_embedding}
+
+
+def _encdec_stack_params(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(encoder, decoder) non-embedding parameters and the encoder depth. An encoder layer is a decoder
+    layer without cross-attention: two norms, self-attention, FFN; a decoder layer adds a norm and the
+    cross-attention; pre-norm stacks end in one norm each, and embedding_norm adds one per stack."""
+    final = _norm_params(cfg) if cfg.norm_position == "pre" else 0
+    enc_layer = 2 * _norm_params(cfg) + _attention_params(cfg) + _ffn_params(cfg, cfg.resolved_d_ff)
+    dec_layer = enc_layer + _norm_params(cfg) + _attention_params(cfg)
+    final += _norm_params(cfg) if cfg.embedding_norm else 0
+    L_enc = cfg.resolved_n_encoder_layers
+    return L_enc * enc_layer + final, cfg.n_layers * dec_layer + final, L_enc
+
+
+def _encdec_param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """`param_counts` of an encoder-decoder: one shared token table, one learned position table per stack."""
+    D, V = cfg.d_model, cfg.vocab_size
+    embedding = V * D * (1 if cfg.tie_embeddings else 2)
+    if cfg.pos_encoding == "learned":
+        embedding += 2 * cfg.max_seq_len * D
+    n_enc, n_dec, _ = _encdec_stack_params(cfg)
+    total = embedding + n_enc + n_dec
+    return {"total": total, "active": total, "embedding": embedding, "non_embedding": n_enc + n_dec,
+            "active_non_embedding": n_enc + n_dec}

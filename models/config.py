@@ -18,7 +18,8 @@ POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
 FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
-ARCHS = ("decoder", "mamba")
+ARCHS = ("decoder", "mamba", "encoder_decoder")
+ENCDEC_FIELDS = ("n_encoder_layers", "denoise_noise_density", "denoise_mean_span_length", "embedding_norm")  # in to_dict() only for arch encoder_decoder (see to_dict)
 ATTENTION_KINDS = ("mha", "mla")
 # How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
@@ -37,12 +38,13 @@ def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only Transformer language model.
+    """Architecture of a Conduit model: a decoder-only Transformer, a Mamba model or an encoder-decoder (`arch`).
 
     Field groups: sizes (vocab_size .. max_seq_len), attention kind (attention and the MLA sizes
     kv_lora_rank .. v_head_dim), positions (pos_encoding, rope_*), block layout (ffn, norm,
     norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
-    initialisation (init_std) and mixture of experts (num_experts, moe_*). See the field comments.
+    initialisation (init_std), mixture of experts (num_experts, moe_*), the family (arch) with Mamba's
+    ssm_* and the encoder-decoder's fields (ENCDEC_FIELDS). See the field comments.
 
     Raises:
         ValueError: from `__post_init__` when a field has a bad type or value; the message names the
@@ -108,6 +110,19 @@ class ModelConfig:
     ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
     ssm_expand: int = 2  # inner width = ssm_expand * d_model
     ssm_dt_rank: int | None = None  # rank of the delta projection; None = ceil(d_model / 16)
+
+    # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its
+    # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
+    # stacks use the attention, position, FFN and norm fields above and share one embedding table; the
+    # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
+    # debug_encdec and encdec (see _check_encdec for what does not apply).
+    n_encoder_layers: int | None = None  # None = n_layers
+    embedding_norm: bool = False  # a norm over each stack's summed embeddings, before its first layer (BART)
+    # The denoising objective it is trained with (T5 span corruption, pipeline/data/span_corruption.py):
+    # the fraction of each block's tokens dropped into spans, and the spans' mean length. Kept with the
+    # architecture so that evaluation and serving know what the weights were trained to do.
+    denoise_noise_density: float = 0.15
+    denoise_mean_span_length: float = 3.0
 
     # ------------------------------------------------------------------ validation
 
@@ -192,6 +207,7 @@ class ModelConfig:
                     f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor!r}"
                 )
         _check_mamba(self)
+        _check_encdec(self)
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -269,6 +285,11 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
+    def resolved_n_encoder_layers(self) -> int:
+        """Encoder depth of an encoder-decoder (n_layers when n_encoder_layers is None)."""
+        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
+
+    @property
     def ssm_d_inner(self) -> int:
         """Mamba's inner width ssm_expand * d_model."""
         return self.ssm_expand * self.d_model
@@ -281,8 +302,18 @@ class ModelConfig:
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a plain JSON-serialisable dict."""
-        return dataclasses.asdict(self)
+        """The fields as a plain JSON-serialisable dict.
+
+        The encoder-decoder fields (ENCDEC_FIELDS) appear only when arch is 'encoder_decoder': the dict
+        feeds the train stage's content hash, and a field that a decoder cannot use must not change the
+        hash (and so the cached artifacts) of every decoder config written before it existed.
+        `from_dict` gives the missing fields their defaults, so the round trip is exact.
+        """
+        d = dataclasses.asdict(self)
+        if self.arch != "encoder_decoder":
+            for name in ENCDEC_FIELDS:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -336,6 +367,41 @@ def _check_mamba(cfg: ModelConfig) -> None:
         if value != needed:
             raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
                              f"or experts), got {value!r}; the presets debug_mamba and mamba set it")
+
+
+def _check_encdec(cfg: ModelConfig) -> None:
+    """n_encoder_layers; for arch 'encoder_decoder', the options its layers do not implement."""
+    if cfg.n_encoder_layers is not None:
+        _check_int("n_encoder_layers", cfg.n_encoder_layers, 1)
+        if cfg.arch != "encoder_decoder":
+            raise ValueError(f"n_encoder_layers is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} it "
+                             f"must be None, got {cfg.n_encoder_layers!r}")
+    if not isinstance(cfg.embedding_norm, bool):
+        raise ValueError(f"embedding_norm must be a bool (True or False), got {cfg.embedding_norm!r}")
+    _check_float("denoise_noise_density", cfg.denoise_noise_density)
+    _check_float("denoise_mean_span_length", cfg.denoise_mean_span_length)
+    if not 0.0 < cfg.denoise_noise_density < 1.0:
+        raise ValueError(f"denoise_noise_density must be in (0, 1), got {cfg.denoise_noise_density!r}")
+    if cfg.denoise_mean_span_length < 1.0:
+        raise ValueError(f"denoise_mean_span_length must be >= 1, got {cfg.denoise_mean_span_length!r}")
+    if cfg.arch != "encoder_decoder":
+        for name in ENCDEC_FIELDS[1:]:
+            if getattr(cfg, name) != _DEFAULTS[name]:
+                raise ValueError(f"{name} is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} leave it "
+                                 f"at {_DEFAULTS[name]!r}, got {getattr(cfg, name)!r}")
+        return
+    # ALiBi's bias is written for causal attention (distance to past keys) and MLA/MoE were never built
+    # into the encoder-decoder layers: refused rather than silently ignored.
+    wrong = {"attention": (cfg.attention, "mha"), "num_experts": (cfg.num_experts, 0)}
+    for name, (value, needed) in wrong.items():
+        if value != needed:
+            raise ValueError(f"{name} must be {needed!r} when arch is 'encoder_decoder', got {value!r}")
+    if cfg.pos_encoding == "alibi":
+        raise ValueError("pos_encoding must be one of ['rope', 'sinusoidal', 'learned', 'none'] when arch is "
+                         "'encoder_decoder' (ALiBi is defined for causal attention), got 'alibi'")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -15,7 +15,8 @@ ModelConfig (dropout, loss coefficients, ... included, which config.json cannot 
 config.json still describes the same architecture.
 
 A Mamba model (arch 'mamba') exports as MambaForCausalLM; its names and config.json live in
-models/mamba_export.py.
+models/mamba_export.py. An encoder-decoder (arch 'encoder_decoder') exports as MarianMTModel, or with
+learned positions as BartForConditionalGeneration (models/encdec_export.py).
 
 Only configurations HF's classes compute identically are exported; anything else raises ValueError
 naming the option (see `hf_unsupported_options`). Training-only settings (dropout, z-loss coefficient)
@@ -36,6 +37,9 @@ from safetensors.torch import load_file, save_file
 
 from models import hf_deepseek
 from models.config import ModelConfig
+from models.encdec import EncoderDecoderLM
+from models import encdec_export
+from models.encdec_export import TOKEN_ID_DEFAULTS, encdec_architecture, encdec_unsupported_options
 from models.mamba import MambaLM
 from models.mamba_export import (
     mamba_architecture, mamba_config_from_hf, mamba_hf_config, mamba_hf_name, mamba_our_name,
@@ -52,7 +56,7 @@ CONFIG_METADATA_KEY = "conduit_model_config"
 
 def _state_of(model_or_state: Transformer | dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU state dict in our names, without lm_head.weight when tied."""
-    if isinstance(model_or_state, (Transformer, MambaLM)):
+    if isinstance(model_or_state, (Transformer, MambaLM, EncoderDecoderLM)):
         if model_or_state.cfg != cfg:
             raise ValueError("cfg differs from the model's own cfg; pass model.cfg")
         state = model_or_state.state_dict()
@@ -134,6 +138,8 @@ def hf_unsupported_options(cfg: ModelConfig) -> list[str]:
     as "field=value (reason)"."""
     if cfg.arch == "mamba":
         return mamba_unsupported_options(cfg)
+    if cfg.arch == "encoder_decoder":
+        return encdec_unsupported_options(cfg)
     if cfg.attention == "mla":
         return hf_deepseek.unsupported_options(cfg)
     problems = []
@@ -267,18 +273,25 @@ def save_hf(
     state = _state_of(model_or_state, cfg)
     if cfg.arch == "mamba":
         renamed = {mamba_hf_name(name): t for name, t in state.items()}
+    elif cfg.arch == "encoder_decoder":
+        renamed = encdec_export.to_hf_tensors(state, cfg)
     elif cfg.attention == "mla":
         renamed = hf_deepseek.to_hf_tensors(state, cfg)
     else:
         renamed = {_hf_name(name, moe): t for name, t in state.items()}
     tensors = {k: t.to(dtype) if dtype is not None and t.is_floating_point() else t for k, t in renamed.items()}
     out_dtype = dtype if dtype is not None else state["tok_embeddings.weight"].dtype
-    hf_cfg = mamba_hf_config(cfg, out_dtype) if cfg.arch == "mamba" else _hf_config(cfg, out_dtype)
+    builders = {"mamba": mamba_hf_config, "encoder_decoder": encdec_export.hf_config}
+    hf_cfg = builders.get(cfg.arch, _hf_config)(cfg, out_dtype)
     if extra_config:
         clash = sorted(set(extra_config) & set(hf_cfg))
         if clash:
             raise ValueError(f"extra_config must not override architecture keys {clash}")
         hf_cfg.update(extra_config)
+    if cfg.arch == "encoder_decoder":
+        for key, value in TOKEN_ID_DEFAULTS.items():
+            hf_cfg.setdefault(key, value)
+        hf_cfg.setdefault("decoder_start_token_id", hf_cfg["pad_token_id"])  # Marian's convention
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2, sort_keys=True)
@@ -297,6 +310,8 @@ def _architecture(cfg: ModelConfig) -> tuple:
     """What config.json determines, with derived sizes resolved (d_ff=None and d_ff=192 can be equal)."""
     if cfg.arch == "mamba":
         return mamba_architecture(cfg)
+    if cfg.arch == "encoder_decoder":
+        return encdec_architecture(cfg)
     mla = cfg.attention == "mla"
     return (
         cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.max_seq_len,
@@ -313,10 +328,13 @@ def _architecture(cfg: ModelConfig) -> tuple:
 
 def _config_from_hf(hf: dict, metadata: dict) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral", "deepseek_v2", "mamba"):
-        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2' or 'mamba', got {model_type!r}")
+    if model_type not in ("llama", "mixtral", "deepseek_v2", "mamba", "marian", "bart"):
+        raise ValueError(f"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'mamba', 'marian' or "
+                         f"'bart', got {model_type!r}")
     if model_type == "mamba":
         return _with_metadata(mamba_config_from_hf(hf), metadata)
+    if model_type in ("marian", "bart"):
+        return _with_metadata(encdec_export.config_from_hf(hf), metadata)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if model_type != "deepseek_v2" and hf.get("head_dim", d // heads) != d // heads:
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads ({d // heads})")
@@ -402,8 +420,10 @@ def _our_name(hf_name: str) -> str:
     raise ValueError(f"unexpected tensor {hf_name!r} in Hugging Face checkpoint")
 
 
-def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -> Transformer | MambaLM:
-    """Load a Llama / Mixtral / DeepseekV2 / Mamba folder (config.json + model.safetensors) as our model.
+def load_hf(
+    path: str | os.PathLike, device: torch.device | str | None = None
+) -> Transformer | MambaLM | EncoderDecoderLM:
+    """Load a Llama / Mixtral / DeepseekV2 / Mamba / Marian / BART folder (config.json + model.safetensors) as our model.
 
     Reads the per-expert Mixtral layout that `save_hf` writes (experts.{e}.w1/w2/w3).
 
@@ -425,6 +445,8 @@ def load_hf(path: str | os.PathLike, device: torch.device | str | None = None) -
     cfg = _config_from_hf(hf, metadata)
     if cfg.arch == "mamba":
         state = {mamba_our_name(k): v for k, v in load_file(weights).items()}
+    elif cfg.arch == "encoder_decoder":
+        state = encdec_export.from_hf_tensors(load_file(weights), cfg)
     elif cfg.attention == "mla":
         state = hf_deepseek.from_hf_tensors(load_file(weights), cfg)
     else:

@@ -22,6 +22,7 @@ import difflib
 import torch
 
 from models.config import ModelConfig
+from models.encdec import EncoderDecoderLM
 from models.mamba import MambaLM
 from models.transformer import Transformer
 
@@ -61,12 +62,25 @@ PRESETS: dict[str, ModelConfig] = {
     "debug_mamba": ModelConfig(
         arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none"
     ),
+    # The original Transformer's layout (Post-LN LayerNorm with biases, sinusoidal positions, ReLU, one
+    # embedding table for source, target and output) at debug_dense's and cpu_small's widths; the
+    # decoder depth n_layers, the encoder depth n_encoder_layers.
+    "debug_encdec": ModelConfig(
+        arch="encoder_decoder", vocab_size=512, d_model=64, n_layers=2, n_encoder_layers=2, n_heads=4,
+        max_seq_len=128, norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="relu",
+        bias=True, tie_embeddings=True,
+    ),
+    "encdec": ModelConfig(
+        arch="encoder_decoder", vocab_size=512, d_model=128, n_layers=4, n_encoder_layers=4, n_heads=4,
+        max_seq_len=256, norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="relu",
+        bias=True, tie_embeddings=True,
+    ),
 }
 
 
-def model_class(cfg: ModelConfig) -> type[Transformer] | type[MambaLM]:
+def model_class(cfg: ModelConfig) -> type[Transformer] | type[MambaLM] | type[EncoderDecoderLM]:
     """The nn.Module class that builds `cfg` (by `cfg.arch`)."""
-    return MambaLM if cfg.arch == "mamba" else Transformer
+    return {"mamba": MambaLM, "encoder_decoder": EncoderDecoderLM}.get(cfg.arch, Transformer)
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -86,7 +100,7 @@ def build_model(
     cfg_or_preset_name: ModelConfig | str,
     device: torch.device | str | None = None,
     **overrides,
-) -> Transformer | MambaLM:
+) -> Transformer | MambaLM | EncoderDecoderLM:
     """Build and initialise a model (a Transformer, or a MambaLM for arch 'mamba').
 
     The module is created on the meta device, materialised on `device` with `to_empty` and then set

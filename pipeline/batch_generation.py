@@ -89,6 +89,9 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
     if not requests:
         raise ValueError("generate_batch needs at least one request")
     cfg = model.cfg
+    if cfg.arch == "encoder_decoder":
+        raise ValueError("batched generation (Ray Serve) serves decoder and mamba models; an encoder_decoder "
+                         "version is served by its MLflow pyfunc (mlflow models serve, pipeline.serving)")
     for r in requests:
         check_fits(r, cfg.max_seq_len)
     p = model.tok_embeddings.weight

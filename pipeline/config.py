@@ -580,6 +580,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
          "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
          "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")
     mc = cfg.model_config()
+    if mc.arch == "encoder_decoder":
+        _validate_encdec(cfg, mc, need)
     need(
         cfg.tokenize.seq_len <= mc.max_seq_len,
         f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
@@ -595,6 +597,25 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     within(limits.ep_shared_experts(p.ep_size, mc.moe_shared_experts))
     within(limits.offload(tr.zero_stage, tr.offload_optimizer, tr.offload_params))
     within(limits.compile_zero_stage(tr.compile, tr.zero_stage))
+
+
+def _validate_encdec(cfg: RunConfig, mc: ModelConfig, need) -> None:
+    """An encoder-decoder run: span-corrupted blocks must fit both stacks and the sentinels the vocabulary;
+    the next-token benchmarks of evaluate do not apply to it."""
+    from pipeline.data.span_corruption import first_sentinel_id, for_run, num_sentinels
+
+    enc_len, dec_len = for_run(cfg).lengths(cfg.tokenize.seq_len + 1)
+    need(max(enc_len, dec_len) <= mc.max_seq_len,
+         f"model.max_seq_len={mc.max_seq_len} must hold the span-corrupted encoder ({enc_len}) and decoder "
+         f"({dec_len}) sequences of a tokenize.seq_len={cfg.tokenize.seq_len} block")
+    last = first_sentinel_id(cfg.tokenizer.user_defined_symbols) + num_sentinels(cfg)
+    need(last < cfg.tokenizer.vocab_size,
+         f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} must exceed the {num_sentinels(cfg)} sentinels' ids "
+         f"(up to {last - 1})")
+    e = cfg.eval
+    need(not (e.heldout_paths or e.wikitext_path or e.lambada_path),
+         "eval.heldout_paths, eval.wikitext_path and eval.lambada_path score next-token prediction; with "
+         "model.arch=encoder_decoder set them to [] / null (evaluate reports the denoising loss instead)")
 
 
 def hash_view(obj: Any) -> Any:

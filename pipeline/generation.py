@@ -1,4 +1,9 @@
-"""Text in, text out: a trained model plus its tokenizer, as evaluate and the served model use them."""
+"""Text in, text out: a trained model plus its tokenizer, as evaluate and the served model use them.
+
+A decoder continues each prompt. An encoder-decoder, trained to restore dropped spans, reads a prompt
+with sentinels where text is missing (``"The <extra_id_0> sat on the <extra_id_1>."``) and returns the
+spans that fill them, each after its sentinel (``"<extra_id_0> cat<extra_id_1> mat"``), as T5 does.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ from typing import Any
 import torch
 
 from models.export import load_safetensors
+from models.encdec import generate_encdec
 from models.generate import generate
 from pipeline import request_limits
+from pipeline.data.span_corruption import DECODER_START_ID
 from pipeline.text import EOS_ID, load_sentencepiece
 
 
@@ -102,6 +109,8 @@ class TextGenerator:
             self.check_prompt_length(i, prompt)
         out = []
         gen = torch.Generator().manual_seed(seed)
+        if self.model.cfg.arch == "encoder_decoder":
+            return [self._fill_spans(i, p, max_new_tokens, temperature, top_p, gen) for i, p in enumerate(prompts)]
         for i, prompt in enumerate(prompts):
             ids = [EOS_ID] + self.sp.encode(prompt)
             if len(ids) >= self.max_seq_len:
@@ -118,3 +127,19 @@ class TextGenerator:
             new_ids = [t for t in new_BT[0, len(ids):].tolist() if t != EOS_ID]
             out.append(self.sp.decode(new_ids))
         return out
+
+    def _fill_spans(self, index: int, prompt: str, max_new_tokens: int, temperature: float, top_p: float,
+                    gen: torch.Generator) -> str:
+        """An encoder-decoder's answer to one prompt: the encoder reads it (after an EOS, as documents
+        follow one in training blocks), the decoder writes sentinels and spans until EOS or the budget."""
+        ids = [EOS_ID] + self.sp.encode(prompt)
+        if len(ids) > self.max_seq_len:
+            raise PromptError(f"prompt {index} is {len(ids) - 1} tokens; the model's encoder reads at most "
+                              f"{self.max_seq_len - 1}")
+        budget = min(max_new_tokens, self.max_seq_len - 1)  # the decoder's start token takes one position
+        new_BT = generate_encdec(
+            self.model, torch.tensor([ids], dtype=torch.long), decoder_start_id=DECODER_START_ID,
+            max_new_tokens=budget, eos_id=EOS_ID, temperature=temperature,
+            top_p=None if top_p >= 1.0 else top_p, generator=gen,
+        )
+        return self.sp.decode([t for t in new_BT[0].tolist() if t != EOS_ID])

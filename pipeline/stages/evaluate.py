@@ -7,7 +7,9 @@ times tokens per UTF-8 byte of the split, over ln 2. A unigram model fitted on t
 Beyond the validation split (``pipeline.evaluation``): bits per byte and perplexity on held-out
 Gutenberg books and WikiText-2 ``wiki.test.raw``, LAMBADA last-word accuracy and perplexity (with
 GPT-2 117M's published numbers beside ours), word-order sensitivity, an attention heatmap grid and,
-for MoE models, expert load and router entropy. The scoring runs on a GPU when the cluster has one
+for MoE models, expert load and router entropy. An encoder-decoder (model.arch encoder_decoder) is scored
+on what it was trained for instead: the denoising loss and bits per target byte of span-corrupted
+validation blocks (``pipeline.evaluation.denoising``), and its samples fill the sentinels of the prompts. The scoring runs on a GPU when the cluster has one
 (``eval.device``; bf16 autocast, batches grown to fit memory), else on ``eval.cpus`` CPUs with
 ``eval.threads`` torch threads (``pipeline.evaluation.device``). ``metrics.json`` holds ``metrics`` (flat numbers, which
 register copies into version tags and promote gates on), ``samples`` and ``references``.
@@ -25,7 +27,8 @@ import torch
 
 from models.export import load_safetensors
 from pipeline.config import RunConfig, hash_view
-from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
+from pipeline.data import span_corruption
+from pipeline.evaluation import denoising, lambada, plots, references, routing, text_metrics, word_order
 from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
 from pipeline.generation import TextGenerator
 from pipeline.data.token_blocks import TokenBlocks
@@ -85,7 +88,7 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
 def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, routing_stats: dict | None, tracker) -> None:
     """Log the attention heatmap grid and, for MoE models (``routing_stats`` from the scoring), the
     expert-load heatmap."""
-    if model.cfg.arch == "mamba":  # neither attention nor experts: nothing to draw
+    if model.cfg.arch in ("mamba", "encoder_decoder"):  # no decoder-only attention map, no experts
         return
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
     tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
@@ -126,7 +129,13 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if device == "cuda" and cfg.eval.fit_gpu_batch:
         batch_size = fit_batch_size(model, cfg.tokenize.seq_len, batch_size, limit=len(evaluated))
     with autocast(device, precision):
-        metrics, stats = _score(cfg, model, evaluated, batch_size, tok_dir, tokens_per_byte, inputs, tracker)
+        if model.cfg.arch == "encoder_decoder":
+            sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
+            metrics = denoising.denoising_metrics(model, evaluated, span_corruption.for_run(cfg), batch_size, sp)
+            tracker.log_metrics({"sets_scored": 1}, step=1)
+            stats = None
+        else:
+            metrics, stats = _score(cfg, model, evaluated, batch_size, tok_dir, tokens_per_byte, inputs, tracker)
     tracker.set_tags({"conduit.eval_device": device, "conduit.eval_precision": precision,
                       "conduit.eval_batch_size": batch_size})
     model = model.to("cpu")  # pictures and samples: small, and sampling draws from a CPU generator

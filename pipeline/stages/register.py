@@ -65,6 +65,15 @@ def version_tags(cfg: RunConfig, inputs: dict, metrics: dict[str, float], hf_not
 
 def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
     mc = cfg.model_config()
+    if mc.arch == "encoder_decoder":
+        return (
+            f"Conduit encoder-decoder (preset {cfg.model['preset']}, d_model {mc.d_model}, "
+            f"{mc.resolved_n_encoder_layers}+{mc.n_layers} layers), trained {cfg.train.steps} steps to restore "
+            f"spans (noise density {mc.denoise_noise_density}, mean span {mc.denoise_mean_span_length}) of "
+            f"{', '.join(cfg.data.train_paths)}; denoising loss {metrics['val_loss']:.3f}, "
+            f"{metrics['val_bits_per_target_byte']:.3f} bits per target byte. Prompts are text with "
+            f"<extra_id_k> sentinels; the answer is the spans that fill them."
+        )
     parts = [f"validation bits/byte {metrics['val_bits_per_byte']:.3f} "
              f"(unigram baseline {metrics['unigram_bits_per_byte']:.3f})"]
     for key, label in (("heldout_bits_per_byte", "held-out Gutenberg bits/byte"),

@@ -11,6 +11,10 @@ Sentencepiece skips a training sentence longer than its ``max_sentence_length`` 
 a corpus of long lines would train on almost nothing: lines longer than ``MAX_SENTENCE_BYTES`` are
 split instead, and the manifest's counts and the stage's metrics say how many (``long_lines_split``,
 ``sentences_from_splits``, ``training_sentences``). Version 3: that split (version 2 skipped them).
+
+An encoder-decoder run (model.arch encoder_decoder) also reserves the span-corruption sentinels
+``<extra_id_0>``, ... (``pipeline.data.span_corruption``) as user-defined symbols after the configured
+ones, one per span of a block; they enter the hash only then, so a decoder run's tokenizer is unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, hash_view
+from pipeline.data.span_corruption import num_sentinels, sentinel_symbols
 from pipeline.stage_io import TOKENIZER_FILE, SplitSizes, shard_files
 from pipeline.stages.stage import Stage
 from pipeline.text import MAX_SENTENCE_BYTES, load_sentencepiece, train_sentencepiece, training_lines
@@ -29,7 +34,13 @@ READ_BATCH_ROWS = 4096
 
 
 def hash_config(cfg: RunConfig) -> dict:
-    return {"tokenizer": hash_view(cfg.tokenizer)}
+    sentinels = num_sentinels(cfg)
+    return {"tokenizer": hash_view(cfg.tokenizer), **({"sentinels": sentinels} if sentinels else {})}
+
+
+def reserved_symbols(cfg: RunConfig) -> list[str]:
+    """The user-defined symbols the tokenizer reserves: the configured ones, then any sentinels."""
+    return [*cfg.tokenizer.user_defined_symbols, *sentinel_symbols(num_sentinels(cfg))]
 
 
 def in_sample(doc_id: str, rate: float) -> bool:
@@ -64,7 +75,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         training_lines(sample_docs(inputs["shard"].path, rate, tally), t.max_training_bytes, lines),
         vocab_size=t.vocab_size, model_type=t.model_type, character_coverage=t.character_coverage,
         byte_fallback=t.byte_fallback, normalization=t.normalization, num_threads=t.num_threads,
-        user_defined_symbols=t.user_defined_symbols,
+        user_defined_symbols=reserved_symbols(cfg),
     )
     (out_dir / TOKENIZER_FILE).write_bytes(model)
     sp = load_sentencepiece(str(out_dir / TOKENIZER_FILE))
@@ -73,7 +84,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     counts = {
         "vocab_size": sp.get_piece_size(), "sample_pieces": pieces[-20:],
         "sample_rate": rate, "sample_documents_seen": tally["documents"], "sample_bytes_seen": tally["bytes"],
-        "user_defined_symbols": {s: sp.piece_to_id(s) for s in t.user_defined_symbols},
+        "user_defined_symbols": {s: sp.piece_to_id(s) for s in reserved_symbols(cfg)},
         "training_sentences": lines["sentences"], "max_sentence_bytes": MAX_SENTENCE_BYTES,
         "long_lines_split": lines["long_lines_split"], "sentences_from_splits": lines["sentences_from_splits"],
     }

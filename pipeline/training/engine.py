@@ -109,7 +109,7 @@ def loss_definition(label_smoothing: float) -> str:
             "unsmoothed evaluation loss)")
 
 
-def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: torch.device,
                moe_stats=None, label_smoothing: float = 0.0) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns this rank's mean LM loss (detached).
 
@@ -118,13 +118,16 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], d
     trained on but not part of the returned loss, so dense and MoE losses compare.
 
     Args:
+        micro_batches: each the model's inputs then the targets: ``(inputs_BT, targets_BT)`` for a decoder,
+            ``(encoder_ids_BS, decoder_inputs_BT, targets_BT)`` for an encoder-decoder
+            (``pipeline.data.span_corruption.corrupt_micro_batches``).
         moe_stats: a ``metrics.MoEStats`` that collects routing statistics, or None.
         label_smoothing: train.label_smoothing; the returned loss is the one trained on, so it is the
             smoothed cross-entropy when this is > 0.
     """
     losses = []
-    for inputs_BT, targets_BT in micro_batches:
-        out = engine(inputs_BT.to(device))
+    for *model_inputs, targets_BT in micro_batches:
+        out = engine(*(x.to(device) for x in model_inputs))
         lm = lm_loss(out.logits.float(), targets_BT.to(device), label_smoothing=label_smoothing)
         engine.backward(lm + out.aux_loss)
         engine.step()

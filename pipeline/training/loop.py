@@ -46,6 +46,8 @@ from pipeline.stage_io import TRAIN_METRICS_FILE, WEIGHTS_FILE, write_train_metr
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.checksums import verify_checkpoint, write_checksums
 from pipeline.training.resume import usable_checkpoint
+from pipeline.data import span_corruption
+from pipeline.data.span_corruption import corrupt_micro_batches
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
     build_engine, full_state_dict, load_state, local_threads, loss_definition, save_state, train_step,
@@ -85,6 +87,7 @@ def main(config: dict) -> None:
                         cfg.tokenize.seq_len)
     engine, scheduler = build_engine(model_cfg, t, dims, precision=config["precision"], device=device,
                                      seed=cfg.run.seed)
+    corruption = span_corruption.for_run(cfg)  # None unless the model is an encoder-decoder
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
     loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
     start_step = 0
@@ -136,13 +139,17 @@ def main(config: dict) -> None:
     for step in range(start_step, t.steps):
         if stopped:
             break
-        loss = train_step(engine, loader.next_step(), device, moe_stats, t.label_smoothing)
+        batches = loader.next_step()
+        if corruption is not None:  # an encoder-decoder: each block span-corrupted, fresh noise per step
+            batches = corrupt_micro_batches(corruption, batches, salt=step)
+        loss = train_step(engine, batches, device, moe_stats, t.label_smoothing)
         window_tokens += dims.global_batch_tokens
         done = step + 1
         due_by_time = False
         val_loss = None
         if t.eval_every and done % t.eval_every == 0:  # a log step too (the config makes sure)
-            val_loss = validation_loss(engine, val_blocks, dims, rank, t.eval_batches, device, dist.all_reduce)
+            val_loss = validation_loss(engine, val_blocks, dims, rank, t.eval_batches, device, dist.all_reduce,
+                                       corruption)
             val_losses.append(val_loss)
             stopped = stop_early(val_losses, t.early_stop_patience)
         if done % t.log_every == 0 or done == t.steps:

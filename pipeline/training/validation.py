@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.data.token_blocks import TokenBlocks
 from pipeline.training.parallel import ParallelDims
 
@@ -50,26 +51,36 @@ def rank_slice(n: int, world: int, rank: int) -> slice:
 
 
 @torch.no_grad()
-def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device) -> tuple[float, int]:
-    """Summed next-token NLL (nats, accumulated in float64) and token count over ``blocks`` (n, T+1)."""
+def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device,
+                corruption: SpanCorruption | None = None) -> tuple[float, int]:
+    """Summed NLL (nats, accumulated in float64) and target count over ``blocks`` (n, T+1): next-token
+    targets, or with ``corruption`` (an encoder-decoder) the decoder targets of each span-corrupted block,
+    with evaluation's fixed noise."""
     total, count = 0.0, 0
     for b in range(0, len(blocks), micro):
         block = torch.from_numpy(np.asarray(blocks[b : b + micro]).astype(np.int64))
-        x, y = block[:, :-1].to(device), block[:, 1:].to(device)
-        logits = engine(x).logits.float()
+        if corruption is None:
+            inputs, y = (block[:, :-1],), block[:, 1:]
+        else:
+            enc, dec_in, y = corruption.batch(block, EVAL_SALT)
+            inputs = (enc, dec_in)
+        y = y.to(device)
+        logits = engine(*(x.to(device) for x in inputs)).logits.float()
         total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double().item()
         count += y.numel()
     return total, count
 
 
 def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims, rank: int, eval_batches: int,
-                    device: torch.device, all_reduce: Callable[[torch.Tensor], None] | None) -> float:
+                    device: torch.device, all_reduce: Callable[[torch.Tensor], None] | None,
+                    corruption: SpanCorruption | None = None) -> float:
     """The mean validation loss over the subset, the same on every rank.
 
     Args:
         blocks: the validation split's blocks; each rank reads only its slice of the subset.
         all_reduce: sums a float64 tensor over the ranks in place (``torch.distributed.all_reduce``);
             None in a single process.
+        corruption: the span corruption of an encoder-decoder run, else None.
     """
     n = subset_size(eval_batches, dims)
     rows = np.arange(n)[rank_slice(n, dims.world_size, rank)]
@@ -77,7 +88,7 @@ def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims
     was_training = engine.training
     engine.eval()
     try:
-        total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device)
+        total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device, corruption)
     finally:
         engine.train(was_training)
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=device)

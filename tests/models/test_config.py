@@ -127,6 +127,10 @@ PRESET_SHAPES = {
                              moe_shared_experts=2, vocab_size=32000),
     "debug_mamba": dict(arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, ssm_state_size=16),
     "mamba": dict(arch="mamba", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, ssm_state_size=16),
+    "debug_encdec": dict(arch="encoder_decoder", d_model=64, n_layers=2, n_encoder_layers=2, norm_position="post",
+                         pos_encoding="sinusoidal", ffn="relu", norm="layernorm", tie_embeddings=True),
+    "encdec": dict(arch="encoder_decoder", d_model=128, n_layers=4, n_encoder_layers=4, norm_position="post",
+                   pos_encoding="sinusoidal", ffn="relu", norm="layernorm", tie_embeddings=True),
 }
 
 

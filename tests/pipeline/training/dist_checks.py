@@ -3,6 +3,7 @@
     python -m tests.pipeline.training.dist_checks OUT_DIR                    (2 ranks)
     python -m tests.pipeline.training.dist_checks canonical-resume OUT_DIR   (1 rank)
     python -m tests.pipeline.training.dist_checks ep-replicas OUT_DIR        (4 ranks)
+    python -m tests.pipeline.training.dist_checks encdec OUT_DIR             (2 ranks)
 
 Rank 0 writes ``OUT_DIR/results.json`` (``canonical_resume.json``, ``ep_replicas.json``); the test
 asserts on it. Everything here goes through the same functions the Ray Train worker uses
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from models import ModelConfig, build_model
 from models.loss import lm_loss
 from pipeline.config import TrainSection
+from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
 from pipeline.training.canonical import load_canonical, save_canonical
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
@@ -55,24 +57,35 @@ MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_co
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
 MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
                     ssm_state_size=4)
+# An encoder-decoder in the paper's layout; its 9-token blocks become 8-token encoder inputs and 6-token
+# decoder targets (3 noise tokens in 2 spans), corrupted by the run seed and the step.
+ENCDEC = ModelConfig(arch="encoder_decoder", vocab_size=97, d_model=32, n_layers=2, n_encoder_layers=1, n_heads=4,
+                     max_seq_len=16, norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="relu",
+                     bias=True, tie_embeddings=True, denoise_noise_density=0.3, denoise_mean_span_length=1.5)
+ENCDEC_CORRUPTION = SpanCorruption(0.3, 1.5, first_sentinel_id=5, seed=SEED)
 TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
                      warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
 
 def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
-                      micro: int = GLOBAL, autocast: bool = False, grad_norms: list | None = None) -> dict:
+                      micro: int = GLOBAL, autocast: bool = False, grad_norms: list | None = None,
+                      corruption: SpanCorruption | None = None) -> dict:
     """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
     one forward; smaller: the same global batch accumulated over micro-batches of that size.
     ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32.
-    ``grad_norms``: gets each step's global gradient norm before clipping."""
+    ``grad_norms``: gets each step's global gradient norm before clipping. ``corruption``: an
+    encoder-decoder's span corruption, applied to each step's blocks as the training loop does."""
     seed_everything(SEED)
     model = build_model(model_cfg)
     optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
     loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, micro, SEQ), 0, seed=SEED)
-    for _ in range(steps):
-        for x, y in loader.next_step():
+    for step in range(steps):
+        batches = loader.next_step()
+        if corruption is not None:
+            batches = corrupt_micro_batches(corruption, batches, salt=step)
+        for *x, y in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = model(x)
+                out = model(*x)
             lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
             ((lm + out.aux_loss) * micro / GLOBAL).backward()
         if train.grad_clip > 0:
@@ -86,14 +99,17 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
 
 
 def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32",
-                        grad_norms: list | None = None):
+                        grad_norms: list | None = None, corruption: SpanCorruption | None = None):
     """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping."""
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
     engine, _ = build_engine(model_cfg, train, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = []
-    for _ in range(steps):
-        losses.append(train_step(engine, loader.next_step(), CPU, moe_stats, train.label_smoothing).item())
+    for step in range(steps):
+        batches = loader.next_step()
+        if corruption is not None:
+            batches = corrupt_micro_batches(corruption, batches, salt=step)
+        losses.append(train_step(engine, batches, CPU, moe_stats, train.label_smoothing).item())
         if grad_norms is not None:
             grad_norms.append(float(engine.get_global_grad_norm()))
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
@@ -348,10 +364,36 @@ def main(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def encdec(out: Path) -> None:
+    """An encoder-decoder on span-corrupted blocks: 2 ranks (ZeRO-1 and ZeRO-3) == 1 process."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    tokens = out / "train.tokens.npy"
+    if rank == 0:
+        rng = np.random.default_rng(0)
+        np.save(tokens, rng.integers(10, ENCDEC.vocab_size, size=(64, SEQ + 1), dtype=np.uint16))
+    dist.barrier()
+    results: dict = {"world_size": world}
+    for case, zero in (("encdec_zero1", 1), ("encdec_zero3", 3)):
+        train = dataclasses.replace(TRAIN, zero_stage=zero)
+        state, losses = distributed_weights(ENCDEC, train, tokens, 2, world, rank, corruption=ENCDEC_CORRUPTION)
+        if rank == 0:
+            ref = reference_weights(ENCDEC, train, tokens, 2, corruption=ENCDEC_CORRUPTION)
+            init = reference_weights(ENCDEC, train, tokens, 0)
+            results[case] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses}
+    if rank == 0:
+        (out / "encdec.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "canonical-resume":
         canonical_resume(Path(sys.argv[2]))
     elif sys.argv[1] == "ep-replicas":
         ep_replicas(Path(sys.argv[2]))
+    elif sys.argv[1] == "encdec":
+        encdec(Path(sys.argv[2]))
     else:
         main(sys.argv[1])

@@ -25,8 +25,8 @@ class PlainEngine(torch.nn.Module):
         self.module = model
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-    def forward(self, inputs_BT):
-        return self.module(inputs_BT)
+    def forward(self, *inputs):
+        return self.module(*inputs)
 
     def backward(self, loss):
         loss.backward()
@@ -107,3 +107,32 @@ def test_config_and_split_checks_name_the_fields():
                                          r"split has 50"):
         check_split(4, 16, 50)
     check_split(4, 16, 64)
+
+
+def test_an_encoder_decoders_validation_scores_its_span_corrupted_targets():
+    """With the run's span corruption, the validation loss is the mean decoder-target cross-entropy of
+    each block corrupted with evaluation's fixed noise, and 2 ranks' shares still sum to it."""
+    from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
+
+    cfg = ModelConfig(arch="encoder_decoder", vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_seq_len=12,
+                      pos_encoding="sinusoidal", denoise_noise_density=0.3, denoise_mean_span_length=1.5)
+    torch.manual_seed(0)
+    engine = PlainEngine(build_model(cfg))
+    sc = SpanCorruption(0.3, 1.5, first_sentinel_id=5, seed=1)
+    val = blocks(16) + 10  # no sentinel ids in the text
+    one = ParallelDims(1, 1, global_batch_size=4, micro_batch_size_per_rank=2, seq_len=8)
+    two = ParallelDims(2, 1, global_batch_size=4, micro_batch_size_per_rank=2, seq_len=8)
+    cpu = torch.device("cpu")
+    single = validation_loss(engine, val, one, 0, eval_batches=2, device=cpu, all_reduce=None, corruption=sc)
+    enc, dec_in, tgt = sc.batch(torch.from_numpy(val[:8].astype(np.int64)), EVAL_SALT)
+    engine.eval()
+    with torch.no_grad():
+        ref = F.cross_entropy(engine(enc, dec_in).logits.flatten(0, 1), tgt.flatten()).item()
+    assert single == pytest.approx(ref, rel=1e-6)
+    parts = []
+    for rank in (0, 1):
+        seen = []
+        validation_loss(engine, val, two, rank, eval_batches=2, device=cpu, all_reduce=seen.append, corruption=sc)
+        parts.append(seen[0].clone())
+    total = parts[0] + parts[1]
+    assert total[1].item() == tgt.numel() and (total[0] / total[1]).item() == pytest.approx(single, rel=1e-12)
