@@ -12,6 +12,10 @@ its own seeded generator). Two things make that true:
 A Mamba model has no positions: it zeroes masked inputs, so pads before a prompt leave its state as
 without them, and a finished row's state no longer matters.
 
+An encoder-decoder's requests (text with sentinels; the answer is the spans that fill them) run one
+row at a time through ``models.encdec.generate_encdec`` (the encoder once, a KV-cached decoder), each
+from its own seeded generator: the same output as alone, without the batching speed-up.
+
 The KV cache is sized for the batch (longest prompt + largest budget), which may exceed
 ``max_seq_len`` in slots; every row's own positions stay below it (``check_fits``).
 
@@ -61,6 +65,21 @@ def check_fits(request: GenRequest, max_seq_len: int) -> None:
                          f"exceeds the model's context of {max_seq_len} tokens")
 
 
+def _fill_spans(model: torch.nn.Module, r: GenRequest, eos_id: int) -> list[int]:
+    """An encoder-decoder's answer to one request: the decoder's tokens up to EOS or the budget."""
+    from models.encdec import generate_encdec
+    from pipeline.data.span_corruption import DECODER_START_ID
+
+    device = model.tok_embeddings.weight.device
+    new_BT = generate_encdec(
+        model, torch.tensor([r.prompt_ids], dtype=torch.long, device=device), decoder_start_id=DECODER_START_ID,
+        max_new_tokens=r.max_new_tokens, eos_id=eos_id, temperature=r.temperature,
+        top_p=None if r.top_p >= 1.0 else r.top_p,
+        generator=torch.Generator(device=device).manual_seed(r.seed))
+    out = new_BT[0].tolist()
+    return out[: out.index(eos_id)] if eos_id in out else out
+
+
 def _pad_left(requests: list[GenRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(len(r.prompt_ids) for r in requests)
     ids_BT = torch.zeros(len(requests), T, dtype=torch.long)
@@ -89,11 +108,10 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
     if not requests:
         raise ValueError("generate_batch needs at least one request")
     cfg = model.cfg
-    if cfg.arch == "encoder_decoder":
-        raise ValueError("batched generation (Ray Serve) serves decoder and mamba models; an encoder_decoder "
-                         "version is served by its MLflow pyfunc (mlflow models serve, pipeline.serving)")
     for r in requests:
         check_fits(r, cfg.max_seq_len)
+    if cfg.arch == "encoder_decoder":
+        return [_fill_spans(model, r, eos_id) for r in requests]
     p = model.tok_embeddings.weight
     ids_BT, mask_BT = _pad_left(requests, p.device)
     B, T = ids_BT.shape

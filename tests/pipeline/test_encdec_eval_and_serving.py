@@ -73,3 +73,18 @@ def test_the_generator_fills_sentinels(sp, model):
     want = generate_encdec(model, ids, decoder_start_id=0, max_new_tokens=10, eos_id=EOS_ID)[0].tolist()
     assert out == [sp.decode([t for t in want if t != EOS_ID])]
     assert sp.encode(prompt).count(5) == 1  # the sentinel is one token
+
+
+def test_ray_serves_batch_generation_fills_each_request_as_alone(sp, model):
+    """The deployment's batch path (``generate_batch``) answers each encoder-decoder request as it would
+    be answered alone: greedy rows as the generator's text, a sampled row as its own seed gives."""
+    from pipeline.batch_generation import GenRequest, generate_batch
+
+    prompts = ["First Citizen: <extra_id_0> speak, <extra_id_1>.", "All: <extra_id_0>"]
+    rows = [GenRequest((EOS_ID, *sp.encode(p)), 8) for p in prompts]
+    sampled = GenRequest(rows[0].prompt_ids, 8, temperature=1.0, top_p=0.9, seed=11)
+    out = generate_batch(model, [*rows, sampled], EOS_ID)
+    assert [sp.decode(ids) for ids in out[:2]] == TextGenerator(model, sp).generate(prompts, max_new_tokens=8,
+                                                                                      temperature=0.0)
+    assert out[2] == generate_batch(model, [sampled], EOS_ID)[0]
+    assert all(len(ids) <= 8 and EOS_ID not in ids for ids in out)
