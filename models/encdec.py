@@ -38,9 +38,9 @@ from models.block import TransformerBlock
 from models.config import ModelConfig
 from models.ffn import FeedForward
 from models.generate import sample_next
-from models.norms import LayerNorm, RMSNorm, build_norm
+from models.norms import build_norm
 from models.positions import rope_cos_sin, sinusoidal_table
-from models.transformer import ModelOutput
+from models.transformer import ModelOutput, init_base
 
 
 @dataclass
@@ -186,15 +186,7 @@ class EncoderDecoderLM(nn.Module):
         """
         self.tie_weights()
         std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
+        init_base(self, std, generator)
         for stack in (self.encoder_layers, self.layers):
             resid_std = std / math.sqrt(2 * len(stack))
             for block in stack:

@@ -34,7 +34,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.norms import RMSNorm
-from models.transformer import ModelOutput
+from models.transformer import ModelOutput, init_base
 
 SCAN_CHUNK = 4  # steps per chunk of the parallel scan: the fastest of 1-32 on CPU (benchmarks/mamba_speed.py)
 
@@ -313,15 +313,7 @@ class MambaLM(nn.Module):
         rule), norms 1, and the SSM dynamics as `MambaMixer.init_dynamics`."""
         self.tie_weights()
         std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+        init_base(self, std, generator)
         for block in self.layers:
             nn.init.normal_(block.mixer.out_proj.weight, 0.0, std / math.sqrt(self.cfg.n_layers), generator=generator)
             block.mixer.init_dynamics(generator)

@@ -99,15 +99,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, (RMSNorm, LayerNorm)):
-                module.reset_parameters()
+        init_base(self, std, generator)
         for block in self.layers:
             nn.init.normal_(block.attn.o_proj.weight, 0.0, resid_std, generator=generator)
             ffns = [block.ffn] if isinstance(block.ffn, FeedForward) else []
@@ -200,3 +192,20 @@ class Transformer(nn.Module):
         """An empty KV cache on this model's device and dtype (max_len defaults to max_seq_len)."""
         p = self.tok_embeddings.weight
         return KVCache.for_config(self.cfg, batch_size, max_len, device=p.device, dtype=p.dtype)
+
+
+@torch.no_grad()
+def init_base(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """The start of every family's ``init_weights``: linear and embedding weights ~ normal(0, std),
+    linear biases 0, norms reset (weight 1, bias 0), in ``model.modules()`` order (so a seeded
+    generator draws the same numbers whichever family calls it). Each family then redraws its own
+    residual projections."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+        elif isinstance(module, (RMSNorm, LayerNorm)):
+            module.reset_parameters()
