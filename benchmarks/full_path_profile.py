@@ -10,8 +10,12 @@ the engine ``pipeline.training.engine.build_engine`` makes) and times, interleav
 - ``bare``: the bare loop of ``train_throughput.py``;
 - ``bare_groups_sched``: plus ``make_optimizer``'s decay groups and LambdaLR schedule;
 - ``bare_groups_sched_clip``: plus ``clip_grad_norm_`` at ``train.grad_clip``;
-- ``engine_zero{0,1}``: ``build_engine`` + ``train_step`` (the loop's step), ZeRO 0 and 1, clipping on;
+- ``engine_zero{0,1}``: ``build_engine`` + ``train_step`` (the loop's step), ZeRO 0 and 1, clipping on
+  (ZeRO 1 on one rank runs as stage 0: ``engine.engine_zero_stage``);
+- ``engine_zero1_kept``: ZeRO 1 kept on one rank, as before issue 18 (flat fp32 copies, bucketed "reduction");
 - ``engine_zero1_noclip``: ZeRO 1 with ``grad_clip=0``.
+
+Every variant's AdamW is the one Conduit trains with (``engine.fused_adamw``: fused on the CPU).
 
 Each step is split into forward, backward and optimizer step (``time.perf_counter`` around each), so
 the table says which phase the extra time is in. Writes ``benchmarks/results/full_path_profile.json``.
@@ -43,7 +47,7 @@ class Bare:
     """The bare loop, optionally with the full path's optimizer groups, schedule and clipping."""
 
     def __init__(self, cfg, train, groups_sched: bool, clip: bool):
-        from pipeline.training.engine import make_optimizer, seed_everything
+        from pipeline.training.engine import fused_adamw, make_optimizer, seed_everything
 
         seed_everything(0)
         self.model = build_model(cfg)
@@ -51,7 +55,8 @@ class Bare:
         if groups_sched:
             self.opt, self.sched = make_optimizer(self.model, train, cfg.d_model)
         else:
-            self.opt, self.sched = torch.optim.AdamW(self.model.parameters(), lr=1e-4), None
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused_adamw(self.model))
+            self.sched = None
 
     def step(self, x_BT: torch.Tensor, t: dict[str, float]) -> None:
         t0 = time.perf_counter()
@@ -73,10 +78,19 @@ class Bare:
 class Engine:
     """``build_engine``'s DeepSpeed engine, stepped the way ``engine.train_step`` steps it."""
 
-    def __init__(self, cfg, train, dims):
-        from pipeline.training.engine import build_engine
+    def __init__(self, cfg, train, dims, keep_stage: bool = False):
+        """``keep_stage``: run the configured ZeRO stage even on one rank (as before issue 18; see
+        ``pipeline.training.engine.engine_zero_stage``)."""
+        from pipeline.training import engine as engine_module
 
-        self.engine, _ = build_engine(cfg, train, dims, precision="fp32", device=torch.device("cpu"), seed=0)
+        chosen = engine_module.engine_zero_stage
+        if keep_stage:
+            engine_module.engine_zero_stage = lambda t, d, p: t.zero_stage
+        try:
+            self.engine, _ = engine_module.build_engine(cfg, train, dims, precision="fp32",
+                                                        device=torch.device("cpu"), seed=0)
+        finally:
+            engine_module.engine_zero_stage = chosen
 
     def step(self, x_BT: torch.Tensor, t: dict[str, float]) -> None:
         t0 = time.perf_counter()
@@ -122,6 +136,7 @@ def main() -> None:
         "bare_groups_sched_clip": lambda: Bare(cfg, train, groups_sched=True, clip=True),
         "engine_zero0": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=0), dims),
         "engine_zero1": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), dims),
+        "engine_zero1_kept": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), dims, keep_stage=True),
         "engine_zero1_noclip": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1, grad_clip=0.0), dims),
     }
     runners = {name: make() for name, make in variants.items()}

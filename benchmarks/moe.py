@@ -50,6 +50,7 @@ from models.loss import lm_loss
 from models.grouped_experts import run_experts
 from models.moe import MoEFeedForward
 from pipeline.training.metrics import measure_matmul_flops
+from pipeline.training.engine import fused_adamw
 
 TARGET_RATIO = 1.15  # MoE / dense tokens/s, issue 8
 TARGET_ROUTING_SHARE = 0.05  # routing overhead, share of the MoE training step
@@ -226,7 +227,7 @@ def bare_loop(args: argparse.Namespace, dense_cfg: ModelConfig, moe_cfg: ModelCo
     for name in names:
         torch.manual_seed(0)
         models[name] = build_model(dense_cfg if name == "dense" else moe_cfg)
-        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4, fused=fused_adamw(models[name]))
     if args.before_ref:
         as_moe_at(models["moe_before"], load_moe_module_at(args.before_ref))
     g = torch.Generator().manual_seed(1)

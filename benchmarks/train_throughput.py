@@ -43,6 +43,7 @@ from models.accounting import flops_per_token  # noqa: E402
 from models.export import save_hf  # noqa: E402
 from models.loss import lm_loss  # noqa: E402
 from pipeline.training.metrics import measure_matmul_flops  # noqa: E402
+from pipeline.training.engine import fused_adamw  # noqa: E402
 
 BARE = ("conduit", "hf_llama", "conduit_amp_bf16", "conduit_compile")
 FULL = {  # name -> config overrides (besides model and batch)
@@ -96,7 +97,7 @@ def make_variant(name: str, ours):
 
 
 def steps_per_second(model, logits_of, autocast: bool, batches, steps: int, warmup: int = 2) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused_adamw(model))  # the optimizer Conduit trains with
     model.train()
 
     def step(x):

@@ -50,7 +50,8 @@ from pipeline.data import span_corruption
 from pipeline.data.span_corruption import corrupt_micro_batches
 from pipeline.training.data import BlockLoader
 from pipeline.training.engine import (
-    build_engine, full_state_dict, load_state, local_threads, loss_definition, save_state, train_step,
+    build_engine, engine_zero_stage, full_state_dict, load_state, local_threads, loss_definition, save_state,
+    train_step,
 )
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
 from pipeline.training.outbox import Outbox
@@ -93,7 +94,8 @@ def main(config: dict) -> None:
     start_step = 0
     history: list[dict] = []  # rank 0's logged metrics, one dict per logged step
     starts: list[int] = []  # the step each start of this training began at
-    layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": t.zero_stage}
+    # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
+    layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": engine_zero_stage(t, dims, config["precision"])}
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
     if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
         resume = usable_checkpoint(resume, verify_checkpoint, warn=lambda m: rank == 0 and print(m, flush=True))

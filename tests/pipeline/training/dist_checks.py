@@ -210,7 +210,8 @@ def canonical_continue(tokens: Path, ckpt: Path, world: int, rank: int, model_cf
 
 def canonical_resume(out: Path) -> None:
     """On a 1-rank world: continue the canonical checkpoints the 2-rank world saved (ZeRO-2, ZeRO-3,
-    and expert-parallel ep_size 2) with another ZeRO stage and ep_size 1."""
+    and expert-parallel ep_size 2) with another ZeRO stage and ep_size 1 (ZeRO 1 runs as stage 0 on
+    one rank, ``one_rank_check``)."""
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(1)
@@ -222,9 +223,29 @@ def canonical_resume(out: Path) -> None:
                                              micro=GLOBAL // 2),
         "ep2_to_ep1_zero1": canonical_continue(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=1),
     }
+    results["one_rank_zero1"] = one_rank_check(tokens, out / "ckpt_one_rank", world, rank)
     if rank == 0:
         (out / "canonical_resume.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
+
+
+def one_rank_check(tokens: Path, ckpt: Path, world: int, rank: int) -> dict:
+    """ZeRO-1 configured on one rank runs as stage 0 (``engine_zero_stage``): no all-reduce, the same
+    weights and clipping norms as plain torch, the norm kept for the ``grad_norm`` metric, and an
+    exact resume."""
+    assert world == 1
+    train = dataclasses.replace(TRAIN, zero_stage=1)
+    engine, _ = build_engine(DENSE, train, ParallelDims(world, 1, GLOBAL, MICRO, SEQ), precision="fp32", device=CPU,
+                             seed=SEED)
+    out = {"engine_stage": engine.zero_optimization_stage(), "allreduce": engine.enable_backward_allreduce}
+    del engine
+    norms: list[float] = []
+    ref_norms: list[float] = []
+    state, _ = distributed_weights(DENSE, train, tokens, 4, world, rank, grad_norms=norms)
+    ref = reference_weights(DENSE, train, tokens, 4, grad_norms=ref_norms)
+    out.update(max_abs_diff=max_diff(state, ref), grad_norms=norms, reference_grad_norms=ref_norms,
+               resume=resume_check(tokens, ckpt, world, rank))
+    return out
 
 
 def ep_cases(world: int, rank: int, tokens: Path, ep_size: int, cases) -> dict:

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.config import TrainSection
 from pipeline.training.data import BlockLoader
 from pipeline.training.ds_config import build_ds_config
+from pipeline.training.engine import engine_zero_stage
 from pipeline.training.parallel import ParallelDims
 
 
@@ -138,3 +140,16 @@ def test_a_checkpoint_without_canonical_copy_is_refused_clearly(tmp_path):
 
     with pytest.raises(ValueError, match=r"has no canonical\.pt \(an older checkpoint\): it resumes only with the same"):
         load_canonical(Engine(), tmp_path, scheduler=None)
+
+
+@pytest.mark.parametrize("world, stage, precision, offload, expected", [
+    (1, 1, "fp32", False, 0), (1, 2, "fp32", False, 0), (1, 1, "amp_bf16", False, 0),  # nothing to partition
+    (1, 0, "fp32", False, 0), (1, 3, "fp32", False, 3),  # ZeRO-3 keeps its own gather/partition path
+    (1, 1, "bf16", False, 1), (1, 2, "fp16", False, 2),  # 16-bit weights: ZeRO keeps the fp32 master copy
+    (1, 1, "fp32", True, 1),  # offloading is where memory lives, not a partition
+    (2, 1, "fp32", False, 1), (2, 2, "amp_bf16", False, 2),
+])
+def test_engine_zero_stage_is_0_where_zero_has_nothing_to_partition(world, stage, precision, offload, expected):
+    dims = ParallelDims(world_size=world, ep_size=1, global_batch_size=8, micro_batch_size_per_rank=4, seq_len=8)
+    train = TrainSection(zero_stage=stage, offload_optimizer=offload)
+    assert engine_zero_stage(train, dims, precision) == expected
