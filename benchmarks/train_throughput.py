@@ -155,6 +155,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="bare-loop repeats")
     p.add_argument("--full-repeats", type=int, default=3, help="full-path repeats (the first ones of --repeats)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
+    p.add_argument("--amp", choices=("auto", "on", "off"), default="auto",
+                   help="the amp_bf16 variants; auto: only where this CPU's bf16 matmul is not slower than fp32")
     p.add_argument("--probe-preset", help=argparse.SUPPRESS)
     p.add_argument("--probe-variant", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -162,11 +164,20 @@ def main() -> None:
         memory_probe(args)
         return
     torch.set_num_threads(args.threads)
-    bare_names = [v for v in BARE if not (args.no_compile and "compile" in v)]
-    full_names = [v for v in FULL if not (args.no_compile and "compile" in v)]
     peaks = {dt: measure_matmul_flops(512, dt, seconds=1.0) for dt in (torch.float32, torch.bfloat16)}
     print(f"matmul peak with {args.threads} threads (512^3): fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, "
           f"bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s")
+    note = None
+    amp = args.amp == "on" or (args.amp == "auto" and peaks[torch.bfloat16] >= peaks[torch.float32])
+    if not amp:
+        # Without bf16 matmul hardware (AMX, AVX512-BF16) autocast only measures an emulation, many
+        # times slower than fp32, and takes most of the run's time.
+        note = (f"amp_bf16 variants not run: this CPU's bf16 matmul peak ({peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s) "
+                f"is below its fp32 peak ({peaks[torch.float32] / 1e9:.1f} GFLOP/s), so bf16 autocast can only "
+                "be slower here (`--amp on` runs them anyway).")
+        print(note)
+    bare_names = [v for v in BARE if not (args.no_compile and "compile" in v) and (amp or "amp" not in v)]
+    full_names = [v for v in FULL if not (args.no_compile and "compile" in v) and (amp or "amp" not in v)]
     tokens_per_step = args.batch * args.seq_len
     rows, ratios, full_seconds, full_memory = [], {}, {}, {}
     for name in args.presets:
@@ -225,7 +236,7 @@ def main() -> None:
         "bare_steps": args.steps, "full_steps": args.full_steps, "full_log_every": args.full_log_every,
         "repeats": args.repeats, "peak_flops": {"fp32": peaks[torch.float32], "bf16": peaks[torch.bfloat16]},
         "formula": "MFU = tokens/s x (6N + 12*L*H*Q*T) / measured matmul peak (same threads, compute dtype)",
-        "rows": rows, "ratios": ratios, "full_path_seconds": full_seconds,
+        "rows": rows, "ratios": ratios, "full_path_seconds": full_seconds, "note": note,
         "notes": {k: NOTES[k.split("/", 1)[1]] for k, r in ratios.items()
                   if r["meets_goal"] is False and k.split("/", 1)[1] in NOTES},
     })

@@ -135,8 +135,10 @@ def grouped_experts(experts: Sequence[FeedForward], x_SD: torch.Tensor, counts_E
     w1s = [e.w1 for e in experts]
     if experts[0].kind == "swiglu":
         w3s = [e.w3 for e in experts]
-        # Gate and up in one grouped matmul: (E, D, 2F), split after.
-        w13_EDF2 = torch.cat([_stacked_weight(w1s, dtype), _stacked_weight(w3s, dtype)], dim=2)
+        # Gate and up in one grouped matmul: (E, D, 2F), split after. One cat of every expert's
+        # [w1; w3] (E*2F, D) is one copy, where stacking each then concatenating made three.
+        w13_EF2D = torch.cat([w.weight for e in experts for w in (e.w1, e.w3)]).to(dtype)
+        w13_EDF2 = w13_EF2D.view(len(experts), -1, w13_EF2D.shape[1]).transpose(1, 2)
         gate_SF, up_SF = GroupedMatmul.apply(x_SD, w13_EDF2, offsets_E).chunk(2, dim=1)
         h_SF = F.silu(_add_bias(gate_SF, w1s, expert_S)) * _add_bias(up_SF, w3s, expert_S)
     else:
