@@ -5,7 +5,8 @@ loop (model, ``torch.optim.AdamW`` over all parameters, nothing else). Between t
 optimizer's weight-decay groups and LR schedule, gradient clipping (a global norm over all gradients),
 DeepSpeed's engine (ZeRO's flat fp32 buffers, its backward hooks, its step), and the loop's own
 per-step work. This script builds the same model once per variant in one process (gloo, world size 1,
-the engine ``pipeline.training.engine.build_engine`` makes) and times, interleaved and repeated:
+the engine ``pipeline.training.engine.build_engine`` makes) and times them one step each in turn,
+``--steps`` rounds per repeat (each phase's median step), ``--repeats`` times:
 
 - ``bare``: the bare loop of ``train_throughput.py``;
 - ``bare_groups_sched``: plus ``make_optimizer``'s decay groups and LambdaLR schedule;
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -143,15 +145,21 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
     times: dict[str, list[dict[str, float]]] = {n: [] for n in runners}
-    for r in range(args.repeats):  # interleaved: every variant once per repeat
-        for name, runner in runners.items():
-            scratch = dict.fromkeys(PHASES, 0.0)
-            for x in batches[:2]:  # warm-up after the other variants ran
-                runner.step(x, scratch)
-            t = dict.fromkeys(PHASES, 0.0)
-            for i in range(args.steps):
+    for runner in runners.values():  # warm-up: AdamW's state, the allocator's caches
+        scratch = dict.fromkeys(PHASES, 0.0)
+        for x in batches[:2]:
+            runner.step(x, scratch)
+    for r in range(args.repeats):
+        # Step by step in turn (bare, bare_groups_sched, ..., bare, ...): a slow spell of this shared
+        # machine hits every variant alike. Per phase, a repeat's time is its median step's.
+        steps: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
+        for i in range(args.steps):
+            for name, runner in runners.items():
+                t = dict.fromkeys(PHASES, 0.0)
                 runner.step(batches[i % len(batches)], t)
-            times[name].append({k: v / args.steps for k, v in t.items()})
+                steps[name].append(t)
+        for name, per_step in steps.items():
+            times[name].append({k: statistics.median(t[k] for t in per_step) for k in PHASES})
         print(f"repeat {r + 1}/{args.repeats}: " + "  ".join(
             f"{n} {sum(times[n][-1].values()) * 1e3:.0f} ms" for n in runners), flush=True)
 

@@ -8,9 +8,11 @@ repeated (``--repeats``, ``--full-repeats``), median and range:
 
 1. Bare loop (one process, ``--threads`` threads, fp32, AdamW as Conduit builds it (fused on the
    CPU), random tokens, LM loss + MoE aux loss), the models stepping in turn, one step each, and a
-   repeat's rate that of its median step: tokens/s, FLOPs per token (``models.accounting``: 6N + 12·L·H·Q·T, N the *active*
-   non-embedding parameters + V·D), MFU against the measured fp32 512^3 matmul peak (the best of one
-   measurement per repeat: a busy neighbour can only lower it), MoE/dense ratio.
+   repeat's rate that of its median step: tokens/s, FLOPs per token (``models.accounting``:
+   6N + 12·L·H·Q·T, N the *active* non-embedding parameters + V·D), MFU against the measured fp32
+   512^3 matmul peak (the best of one measurement per repeat: a busy neighbour can only lower it),
+   MoE/dense ratio, and its ceiling: the ratio if the experts ran at the dense FFN's matmul rate and
+   routing were free (the dense FFN's share of the dense step bounds what any MoE can gain).
 2. Routing overhead: one MoE layer's forward + backward on a step's tokens, against the same experts'
    forward + backward on the same per-expert token groups (no router, no sort, gather, combine or aux
    losses). The difference is the routing overhead; its share of the layer, and of the bare-loop MoE

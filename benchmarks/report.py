@@ -330,7 +330,15 @@ def full_path_profile_tables(d: dict) -> list[str]:
            f"{c['weight_decay']}. Milliseconds per step (median), and bare-loop time / variant time per repeat:", ""]
     rows = [[name, *(f"{r[k]['median'] * 1e3:.1f}" for k in ("forward", "backward", "step", "total")),
              f"{num(r['vs_bare']['median'])} ({span(r['vs_bare'])})"] for name, r in d["rows"].items()]
-    return out + table(["variant", "forward", "backward", "optimizer step", "total", "bare / variant"], rows)
+    out += table(["variant", "forward", "backward", "optimizer step", "total", "bare / variant"], rows)
+    if "engine_zero1_kept" in d["rows"]:
+        out += ["", "`engine_zero1` is what a one-worker run with the default ZeRO 1 now builds: stage 0, no "
+                "all-reduce over one rank (`pipeline.training.engine.engine_zero_stage`); `engine_zero1_kept` keeps "
+                "ZeRO 1 on one rank as before, and its optimizer step shows the flat fp32 copies. Every variant's "
+                "AdamW is the one Conduit builds (fused on the CPU). What is left between the bare loop and the "
+                "engine is gradient clipping (a norm over every gradient and a multiply) and the weight-decay "
+                "groups and schedule.", ""]
+    return out
 
 
 TABLES: dict[str, Callable[[dict], list[str]]] = {"peak": peak_tables, "train_throughput": train_tables,

@@ -92,8 +92,8 @@ def engine_zero_stage(train: TrainSection, dims: ParallelDims, precision: str) -
 
     ZeRO 1 and 2 partition optimizer states and gradients over the data-parallel ranks; over one rank
     they partition nothing, yet still copy every gradient into a bucket, "reduce" it, copy it into a
-    flat fp32 partition, step that copy and copy it back into the weights (issue 18: 7% of a cpu_medium
-    step on one worker). So with one rank, fp32 weights (precision fp32 or amp_bf16) and no offload,
+    flat fp32 partition, step that copy and copy it back into the weights (issue 18: about 5% of a
+    cpu_medium step on one worker, ``benchmarks/full_path_profile.py``). So with one rank, fp32 weights (precision fp32 or amp_bf16) and no offload,
     the engine runs stage 0: DeepSpeed steps the client AdamW on the model's own gradients. The update
     is the same math. With bf16 or fp16 weights ZeRO keeps the fp32 master copy they need, and
     offloading is a choice of where memory lives, so both keep the configured stage; so does ZeRO-3.

@@ -95,7 +95,8 @@ def main(config: dict) -> None:
     history: list[dict] = []  # rank 0's logged metrics, one dict per logged step
     starts: list[int] = []  # the step each start of this training began at
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
-    layout = {"world_size": world, "ep_size": dims.ep_size, "zero_stage": engine_zero_stage(t, dims, config["precision"])}
+    layout = {"world_size": world, "ep_size": dims.ep_size,
+              "zero_stage": engine_zero_stage(t, dims, config["precision"])}
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
     if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
         resume = usable_checkpoint(resume, verify_checkpoint, warn=lambda m: rank == 0 and print(m, flush=True))
