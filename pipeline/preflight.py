@@ -117,8 +117,7 @@ def check_disk(cfg: RunConfig, item, stage, inputs: Mapping) -> None:
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise DiskError(f"stage {item.stage} cannot write to {probe_dir}: {e.strerror or e}. Point "
-                            "run.artifact_root (or train.checkpoint_storage) at a writable folder") from e
+            raise unwritable(item.stage, probe_dir, e) from e
         by_device.setdefault(os.stat(probe_dir).st_dev, []).append((probe_dir, need, what))
     for places in by_device.values():
         need = sum(n for _, n, _ in places)
@@ -128,6 +127,12 @@ def check_disk(cfg: RunConfig, item, stage, inputs: Mapping) -> None:
             raise DiskError(f"stage {item.stage} needs about {_gib(need)} of free disk ({where}) but that "
                             f"filesystem has {_gib(free)} free; free some space or point run.artifact_root / "
                             "train.checkpoint_storage elsewhere")
+
+
+def unwritable(stage: str, place: object, error: OSError) -> DiskError:
+    """The error for stage ``stage``, which cannot write to ``place`` (a folder or URI) because of ``error``."""
+    return DiskError(f"stage {stage} cannot write to {place}: {error.strerror or error}. Point "
+                     "run.artifact_root (or train.checkpoint_storage) at a writable folder")
 
 
 def _gib(n: int) -> str:

@@ -22,9 +22,9 @@ from pipeline import cluster, locks, tracking
 from pipeline.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.listen import warn_if_exposed
-from pipeline.preflight import DiskError, check_cluster_resources, check_disk
+from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
-from pipeline.storage import StorageError, Transfer, is_uri, store_for
+from pipeline.storage import StorageError, Transfer, is_uri, join, store_for
 
 
 class StageFailed(RuntimeError):
@@ -309,10 +309,7 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                     continue
             elif not item.run:
                 continue
-            # Held from clearing the folder until the stage is sealed or has failed: another driver of
-            # this config waits (run.lock_wait_s) or stops, naming this one.
-            lock = locks.acquire(cfg.artifact_root(), item.stage, item.hash, wait_s=cfg.run.lock_wait_s,
-                                 run_id=parent, on_wait=lambda line, s=item.stage: echo(f"{s}: {line}"))
+            lock = _lock_stage(cfg, item, parent, echo)
             try:
                 if lock.took_over:
                     echo(f"{item.stage}: took over the lock left by {locks.describe(lock.took_over)}, "
@@ -331,6 +328,22 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         tracking.end_run(uri, parent, end_status(e))
         raise
     return result
+
+
+def _lock_stage(cfg: RunConfig, item: PlanItem, run_id: str, echo: Callable[[str], None]) -> locks.Acquired:
+    """Take the stage's lock, held from clearing its folder until it is sealed or has failed: another
+    driver of this config waits (``run.lock_wait_s``) or stops, naming this one.
+
+    Raises:
+        StageLocked: another live driver holds it.
+        DiskError: the lock file cannot be made: the stage's folder in the artifact root is not writable
+            (its lock is the first thing a stage writes there, before ``check_disk``'s probes).
+    """
+    try:
+        return locks.acquire(cfg.artifact_root(), item.stage, item.hash, wait_s=cfg.run.lock_wait_s,
+                             run_id=run_id, on_wait=lambda line: echo(f"{item.stage}: {line}"))
+    except OSError as e:
+        raise unwritable(item.stage, join(cfg.artifact_root(), item.stage), e) from e
 
 
 def _use_cached(store, item: PlanItem, result: PipelineResult, echo: Callable[[str], None]) -> bool:

@@ -8,7 +8,8 @@ comes from one version, and says which: ``conduit_version`` in the JSON body and
 
 Concurrent requests (and the ``n`` choices and several prompts of one request) are batched by
 ``@serve.batch`` into one left-padded call of ``pipeline.batch_generation.generate_batch``, which runs
-in a worker thread so that the replica's event loop keeps accepting requests meanwhile.
+in a worker thread so that the replica's event loop keeps accepting requests meanwhile. ``/healthz``
+says what batching did on the replica that answers: batched calls, the rows they held, the largest.
 
 Routes: POST /v1/completions, GET /v1/models, GET /healthz. (No ``from __future__ import annotations``:
 FastAPI must see the ``Request`` annotation as the class, not a string, through Serve's ingress wrapper.)
@@ -101,11 +102,14 @@ class ConduitServer:
         if torch.cuda.is_available():  # Ray shows a replica only the GPUs it asked for (num_gpus)
             self.generator.model.to("cuda")
         self.loaded_at = int(time.time())
+        self.batches = {"calls": 0, "rows": 0, "largest": 0}  # what batching did, for /healthz
         self._generate.set_max_batch_size(max_batch_size)
         self._generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def _generate(self, requests: list[GenRequest]) -> list[list[int]]:
+        b = self.batches
+        b["calls"], b["rows"], b["largest"] = b["calls"] + 1, b["rows"] + len(requests), max(b["largest"], len(requests))
         return await asyncio.to_thread(generate_batch, self.generator.model, requests, EOS_ID)
 
     def _headers(self) -> dict[str, str]:
@@ -153,8 +157,8 @@ class ConduitServer:
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.target.model_name, "version": self.target.version},
-                            headers=self._headers())
+        return JSONResponse({"status": "ok", "model": self.target.model_name, "version": self.target.version,
+                             "batches": self.batches}, headers=self._headers())
 
     @app.get("/v1/models")
     async def models(self) -> JSONResponse:

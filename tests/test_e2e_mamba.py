@@ -1,6 +1,7 @@
 """configs/smoke_mamba.yaml, shortened, through the six stages in-process on the session's Ray cluster:
 a Mamba model trained by 2 DeepSpeed workers, evaluated, registered with its Hugging Face export, and
-served by the registered version."""
+served by the registered version. Its data stages are smoke.yaml's (the same data and tokenizer): they
+are found cached in the session smoke run's artifact root (tests/smoke_run.py)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_mamba_smoke_trains_registers_exports_and_serves(tmp_path, ray_cluster):
+def test_mamba_smoke_trains_registers_exports_and_serves(tmp_path, smoke, smoke_artifact_root):
     from transformers import MambaForCausalLM
 
     from models.export import load_safetensors
 
     cfg = load_config(ROOT / "configs" / "smoke_mamba.yaml",
-                      [f"run.workdir={tmp_path}", "train.steps=40", "eval.max_batches=2", "eval.max_new_tokens=8"])
+                      [f"run.workdir={tmp_path}", f"run.artifact_root={smoke_artifact_root}", "train.steps=40",
+                       "eval.max_batches=2", "eval.max_new_tokens=8"])
     lines: list[str] = []
     result = run_pipeline(cfg, echo=lines.append)
-    assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ORDER
+    data_stages, smoke_result = ORDER[:3], smoke[1]
+    assert [ln for ln in lines if ": cached" in ln] == \
+        [f"{n}: cached ({smoke_result.artifacts[n].hash})" for n in data_stages]
+    assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ORDER[3:]
 
     counts = result.artifacts["train"].manifest["counts"]
     assert counts["final_loss"] < counts["first_loss"] - 0.5, counts

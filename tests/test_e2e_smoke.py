@@ -1,7 +1,8 @@
 """The whole pipeline on configs/smoke.yaml: real Ray, real DeepSpeed workers, a real MLflow store.
 
-The pipeline runs once, as a person runs it: ``python -m jobs.run`` on a terminal (a pseudo-terminal),
-on the session's Ray cluster. Its terminal output is checked for what a person reads, and the
+The pipeline runs once per session, as a person runs it: ``python -m jobs.run`` on a terminal (a
+pseudo-terminal), on the session's Ray cluster (the ``smoke`` fixture of tests/smoke_run.py, whose
+data stages other tests reuse). Its terminal output is checked for what a person reads, and the
 artifacts, MLflow runs and registered model it left for everything else. Then configs/smoke_moe.yaml
 (an MoE with expert parallelism) runs beside it, in-process, reusing its data stages; its training
 metrics are checked where users read them, in MLflow.
@@ -11,15 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
@@ -27,45 +24,13 @@ from models.accounting import flops_per_token
 from pipeline import tracking
 from pipeline.config import load_config
 from pipeline.ray_logging import STATE_API_NOISE
-from pipeline.runner import ORDER, PipelineResult, make_plan, resolve, run_pipeline
-from pipeline.storage import store_for
+from pipeline.runner import ORDER, PipelineResult, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 MAX_TERMINAL_LINES = 40
 WARNING_MARKS = ("Warning:", "warnings.warn", "Traceback")
 WORKER_LINE = re.compile(r"\(\S+ pid=\d+\)")  # Ray's prefix of a forwarded worker line
-
-
-def run_on_terminal(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
-    """Run ``cmd`` with stdin, stdout and stderr on a new pseudo-terminal; its exit status and what
-    the terminal received."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=follower, stdout=follower, stderr=follower)
-    os.close(follower)
-    received, deadline = bytearray(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if select.select([leader], [], [], 1.0)[0]:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # EIO: every process holding the terminal has closed it
-                break
-            if not chunk:
-                break
-            received += chunk
-    else:
-        proc.kill()
-    os.close(leader)
-    return proc.wait(timeout=60), received.decode("utf-8", errors="replace")
-
-
-def screen_lines(raw: str) -> list[str]:
-    """The lines a terminal shows for ``raw``: a carriage return starts its line over."""
-    lines = []
-    for line in raw.replace("\r\n", "\n").split("\n"):
-        shown = line.split("\r")[-1]
-        lines.append(re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", shown))
-    return lines[:-1] if lines and not lines[-1] else lines
 
 
 def assert_readable(lines: list[str]) -> Path:
@@ -81,24 +46,6 @@ def assert_readable(lines: list[str]) -> Path:
     assert stage_lines and all(ln in logged for ln in stage_lines)
     assert any(WORKER_LINE.search(ln) for ln in logged), "the log lacks the workers' lines"
     return log
-
-
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory, ray_cluster):
-    work = tmp_path_factory.mktemp("smoke")
-    cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    code, raw = run_on_terminal([sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}"],
-                                env, timeout_s=900)
-    lines = screen_lines(raw)
-    assert code == 0, raw[-3000:]
-    # What the run left, as a later run finds it: every stage's sealed artifact, and its MLflow run id.
-    (run_id,) = re.findall(r"^MLflow run: (\w+) ", raw, flags=re.M)
-    store = store_for(cfg.artifact_root())
-    plan = make_plan(resolve(cfg))
-    result = PipelineResult(run_id=run_id, tracking_uri=resolve(cfg).tracking_uri(), plan=plan,
-                            artifacts={p.stage: store.load(p.stage, p.hash) for p in plan})
-    return cfg, result, lines, raw
 
 
 def test_all_six_stages_ran_in_order(smoke):

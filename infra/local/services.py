@@ -47,7 +47,10 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's bin: `ray`, `mlflow` and the jobs' `python`
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
-             "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+             "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+             # MLflow's GenAI job runner: 7 helper processes that each import MLflow at start and poll a
+             # queue (a seventh of a core, idle); Conduit runs no MLflow jobs
+             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 class InfraError(RuntimeError):
@@ -331,13 +334,19 @@ def down(state_dir: Path) -> list[str]:
         pid = int(values["CONDUIT_MLFLOW_PID"])
         n = terminate(process_group(pid, str(state_dir / "mlflow.db")))
         report.append(f"mlflow: stopped {n} processes (server pid {pid})")
-    if temp_dir.exists():
-        shutil.rmtree(temp_dir)  # session logs and the now stale ray_current_cluster
+    if temp_dir.exists():  # session logs and the now stale ray_current_cluster
+        shutil.rmtree(temp_dir, onerror=_unless_gone)  # an exiting process may still remove its own files
     for secret in (state_dir / TOKEN_FILE, state_dir / MLFLOW_PASSWORD_FILE):
         if secret.exists():
             secret.unlink()  # it opened services that no longer exist
     env_path.unlink()
     return report
+
+
+def _unless_gone(func, path, exc_info) -> None:
+    """``shutil.rmtree``'s error handler: a file that vanished meanwhile is fine, anything else raises."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 def main(argv: list[str] | None = None) -> int:

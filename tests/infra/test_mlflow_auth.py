@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from tests.infra.local_infra import ROOT
-from tests.jobs.conftest import free_port, stop_tree, wait_http
+from tests.servers import free_port, stop_tree, wait_http
 
 pytestmark = pytest.mark.slow
 

@@ -1,25 +1,19 @@
-"""A real ``mlflow server`` (sqlite, 127.0.0.1, a free port) and a tiny trained run registered into it.
+"""A tiny trained run, evaluated and registered into the session's real ``mlflow server``.
 
-The server and the run are built once per module: a sentencepiece tokenizer trained on a slice of
+The run is built once per session (``tiny_model``): a sentencepiece tokenizer trained on a slice of
 tiny-shakespeare, a debug_dense model trained a few dozen steps with plain torch, and the real
-evaluate and register stage bodies run against the server. Every process started here is stopped,
-with its whole tree, also when a test fails.
+evaluate stage body run against the server (tests/conftest.py's ``mlflow_server``). Each test module
+then registers it as version 1 of a registered model of its own (``tiny_run``: the module's
+``MODEL_NAME``), so that one module's promotions and versions never meet another's.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
-import requests
 import torch
 
 from models import build_model
@@ -34,73 +28,11 @@ from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIn
 from pipeline.stages import STAGES
 from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
 
-ROOT = Path(__file__).resolve().parents[2]
+
 MODEL_NAME = "conduit-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_tree(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM a process and all its descendants, then SIGKILL whatever is left after ``timeout``."""
-    if proc.poll() is not None:
-        return
-    parent = psutil.Process(proc.pid)
-    family = [*parent.children(recursive=True), parent]
-    for p in family:
-        if p.is_running():
-            p.terminate()
-    _, alive = psutil.wait_procs(family, timeout=timeout)
-    for p in alive:
-        p.kill()
-    psutil.wait_procs(alive, timeout=timeout)
-    proc.wait(timeout=timeout)
-
-
-def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Poll ``url`` until it answers 200; fail with the process's log if it dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args} exited with {proc.returncode} before {url} answered:\n{log.read_text()[-4000:]}")
-        try:
-            up = requests.get(url, timeout=5).status_code == 200
-        except (requests.ConnectionError, requests.Timeout):
-            up = False  # not listening yet, or still starting up on a busy machine
-        if up:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"{url} did not answer within {timeout}s:\n{log.read_text()[-4000:]}")
-
-
-def start_process(cmd: list[str], log: Path) -> subprocess.Popen:
-    with log.open("w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **tracking.env_for_workers()})
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """URI of a real MLflow tracking + registry server with proxied artifacts."""
-    work = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
-           "--artifacts-destination", str(work / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    log = work / "server.log"
-    proc = start_process(cmd, log)
-    try:
-        uri = f"http://127.0.0.1:{port}"
-        wait_http(f"{uri}/health", proc, log, timeout=300)  # ~20 s idle; minutes on a loaded box
-        yield uri
-    finally:
-        stop_tree(proc)
-
-
-def tiny_config(work: Path, uri: str, data_root: Path) -> RunConfig:
+def tiny_config(work: Path, uri: str, data_root: Path, model_name: str = MODEL_NAME) -> RunConfig:
     return config_from_dict({
         "run": {"name": "tiny", "workdir": str(work)},
         "data": {"data_root": str(data_root)},
@@ -110,7 +42,7 @@ def tiny_config(work: Path, uri: str, data_root: Path) -> RunConfig:
         "train": {"steps": 120},
         "eval": {"max_batches": 4, "max_text_tokens": 2048, "lambada_max_examples": 64, "max_new_tokens": 8,
                  "prompts": ["KING:", "The old man said"]},
-        "register": {"model_name": MODEL_NAME},
+        "register": {"model_name": model_name},
         "tracking": {"uri": uri, "experiment": "tests"},
     })
 
@@ -155,11 +87,12 @@ def _artifact(stage: str, path: Path, inputs: dict[str, str]) -> Artifact:
     return Artifact(stage=stage, hash=f"{stage}-test", path=path, manifest={"inputs": inputs, "counts": {}})
 
 
-@pytest.fixture(scope="module")
-def tiny_run(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
-    """Tokenizer, token blocks and a trained model as stage artifacts, then evaluate and register (v1)."""
+@pytest.fixture(scope="session")
+def tiny_model(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
+    """Tokenizer, token blocks and a trained model as stage artifacts, then the evaluate stage (not
+    registered: ``tiny_run`` registers it for each module)."""
     work = tmp_path_factory.mktemp("tiny_run")
-    cfg = tiny_config(work, mlflow_server, data_root)
+    cfg = tiny_config(work, mlflow_server.uri, data_root)
     docs = (data_root / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:400_000].split("\n\n")
     tok_dir, tokd_dir, train_dir = work / "tokenizer", work / "tokenize", work / "train"
     for d in (tok_dir, tokd_dir, train_dir):
@@ -186,8 +119,20 @@ def tiny_run(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
     arts = {"tokenizer": _artifact("tokenizer", tok_dir, {}),
             "tokenize": _artifact("tokenize", tokd_dir, {"tokenizer": "tokenizer-test"}),
             "train": _artifact("train", train_dir, {"tokenize": "tokenize-test"})}
-    exp_id = tracking.ensure_experiment(mlflow_server, cfg.tracking.experiment)
-    run = TinyRun(cfg, mlflow_server, exp_id, arts, model, sp, work, {})
+    exp_id = tracking.ensure_experiment(mlflow_server.uri, cfg.tracking.experiment)
+    run = TinyRun(cfg, mlflow_server.uri, exp_id, arts, model, sp, work, {})
     arts["evaluate"] = run.stage("evaluate", arts, work / "evaluate" / "a")
-    arts["register"] = run.stage("register", arts, work / "register" / "a")
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model, request, data_root) -> TinyRun:
+    """The session's tiny run registered as version 1 of the test module's ``MODEL_NAME`` (this
+    file's by default), with the module's own folder for what its tests write."""
+    name = getattr(request.module, "MODEL_NAME", MODEL_NAME)
+    work = tiny_model.work / name
+    work.mkdir()
+    run = replace(tiny_model, cfg=tiny_config(tiny_model.cfg.workdir(), tiny_model.uri, data_root, name),
+                  arts=dict(tiny_model.arts), run_ids=dict(tiny_model.run_ids), work=work)
+    run.arts["register"] = run.stage("register", run.arts, work / "register" / "a")
     return run

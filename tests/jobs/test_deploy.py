@@ -16,10 +16,11 @@ import requests
 from jobs import deploy as deploy_cli
 from jobs import promote
 from pipeline import deploy, tracking
-from tests.jobs.conftest import MODEL_NAME, free_port
 from tests.jobs.test_promote_serve import _register_with
+from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
+MODEL_NAME = "conduit-test-deploy"  # this module's registered model (tests/jobs/conftest.py: tiny_run)
 
 
 def _register_better(tiny_run, label: str) -> int:
@@ -68,8 +69,10 @@ def test_openai_client_completions_streaming_and_models(served):
     assert 0 < out.usage.completion_tokens <= 32 and out.usage.prompt_tokens > 0
     assert out.model_extra["conduit_version"] == 1
     seeded = [client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=12, temperature=1.0,
-                                        top_p=0.9, seed=7).choices[0].text for _ in range(2)]
-    assert seeded[0] == seeded[1]
+                                        top_p=0.9, seed=seed).choices[0].text for seed in (7, 7, 8, 9)]
+    assert seeded[0] == seeded[1]  # a seed gives the same sample again
+    greedy = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=12, temperature=0.0).choices[0].text
+    assert len(set(seeded[1:])) > 1 and set(seeded) != {greedy}, (seeded, greedy)  # temperature samples
     full = out.choices[0].text
     stop = full[2:4]
     cut = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=8, temperature=0.0, stop=[stop])
@@ -118,14 +121,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
 
 
 def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
+    """Six clients at once: each gets what it got alone, and the replica (one: --replicas 1) ran them
+    in fewer generation calls than rows, at least one call holding several requests."""
     prompts = ["KING:", "The old man said", "O", "What light through yonder window", "First Citizen:", "Ay"]
     alone = [_complete(served, prompt=p, max_tokens=10 + i, temperature=0.0).json()["choices"][0]["text"]
              for i, p in enumerate(prompts)]
+    health = served.removesuffix("/v1") + "/healthz"
+    before = requests.get(health, timeout=30).json()["batches"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda ip: _complete(served, prompt=ip[1], max_tokens=10 + ip[0],
                                                       temperature=0.0).json()["choices"][0]["text"],
                                  enumerate(prompts)))
+    after = requests.get(health, timeout=30).json()["batches"]
     assert together == alone
+    assert after["rows"] - before["rows"] == len(prompts), (before, after)
+    assert after["calls"] - before["calls"] < len(prompts) and after["largest"] > 1, (before, after)
 
 
 def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, tiny_run, capsys):

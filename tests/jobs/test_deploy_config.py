@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import cluster, deploy
 from pipeline.config import ConfigError, DeploySection, load_config
-from tests.jobs.conftest import ROOT
+from tests.servers import ROOT
 
 
 def test_deploy_section_defaults_overrides_and_bad_values():

@@ -21,7 +21,8 @@ from pipeline import promotion, serving, tracking
 from pipeline.config import ConfigError, PromoteSection, load_config
 from pipeline.evaluation.references import GPT2_117M
 from pipeline.generation import TextGenerator
-from tests.jobs.conftest import MODEL_NAME, ROOT, _artifact, free_port, start_process, stop_tree, wait_http
+from tests.jobs.conftest import MODEL_NAME, _artifact
+from tests.servers import ROOT, free_port, start_process, stop_tree, wait_http
 
 ORIGINAL_KEYS = ("val_loss", "val_perplexity", "val_bits_per_byte", "unigram_val_loss", "unigram_bits_per_byte")
 

@@ -1,26 +1,34 @@
-"""jobs.submit / status / logs / stop against a real two-node Ray cluster and MLflow server on 127.0.0.1.
+"""infra/local/up and down, and jobs.submit / status / logs / stop, against a real two-node Ray cluster
+and MLflow server on 127.0.0.1.
 
-infra/local/up starts a head and a second node (its own CPUs and a custom resource) plus an MLflow
-server; the smoke pipeline is submitted once with STRICT_SPREAD, so it also proves that training
-workers on two nodes train correctly. MLflow is checked through its REST API, Ray through the CLIs.
-Everything runs as subprocesses; infra/local/down stops it all, also when a test fails.
+infra/local/up (with an empty HOME, as on a new machine) starts a head and a second node (its own CPUs
+and a custom resource) plus an MLflow server; the first service test checks what up wrote and that the
+jobs CLIs find the cluster through it; the smoke pipeline is submitted once with STRICT_SPREAD, so it
+also proves that training workers on two nodes train correctly; the last test brings everything down
+with infra/local/down and checks that exactly up's processes stopped. MLflow is checked through its
+REST API, Ray through the CLIs. Everything runs as subprocesses; the fixture's down stops what is left
+when a test fails.
 """
 
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
+import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
 from pipeline import cluster
 from pipeline.config import load_config
 from pipeline.runner import ORDER
-from tests.infra.local_infra import RAY, ROOT, down, jobs_cli, run, up, wait_for
+from tests.infra.local_infra import RAY, ROOT, UP, clean_env, down, jobs_cli, run, up, wait_for
 
 SMALL = ["train.steps=40", "eval.max_batches=4", "eval.max_text_tokens=2048", "eval.lambada_max_examples=50",
          "parallel.placement_strategy=STRICT_SPREAD", "cluster.shared_storage=true"]
@@ -31,6 +39,7 @@ class Services:
     state_dir: Path
     env: dict[str, str]
     workdir: Path
+    home: Path  # the empty HOME up ran with
 
     @property
     def address(self) -> str:
@@ -58,6 +67,26 @@ class Services:
     def status(self, job_id: str) -> str:
         return self.cli("status", job_id).stdout.strip()
 
+    def wait_for_line(self, job_id: str, text: str, timeout: float) -> None:
+        """Follow the job's log (one ``jobs.logs --follow``, not a poll) until a line holds ``text``."""
+        cmd = [sys.executable, "-m", "jobs.logs", job_id, "--follow"]
+        follow = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=clean_env(CONDUIT_INFRA_ENV=str(self.state_dir / "env")))
+        timer = threading.Timer(timeout, follow.kill)
+        timer.start()
+        try:
+            seen = []
+            for line in follow.stdout:
+                seen.append(line)
+                if text in line:
+                    return
+            raise AssertionError(f"{job_id}'s log ended (or {timeout} s passed) without {text!r}:\n"
+                                 + "".join(seen[-30:]))
+        finally:
+            timer.cancel()
+            follow.kill()
+            follow.wait()
+
     def train_workers(self) -> list[dict]:
         out = run([RAY, "list", "actors", "--address", self.address, "--filter", "class_name=RayTrainWorker",
                    "--format", "json", "--limit", "1000"], timeout=120, **self.auth)
@@ -67,10 +96,14 @@ class Services:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
+    """infra/local/up's services, started with an empty HOME as on a new machine (the cluster's token
+    is Conduit's own). The module's last test brings them down and checks what down stopped; this
+    teardown is a no-op then, and stops them only when that test did not run."""
     state = tmp_path_factory.mktemp("infra")
+    empty_home = tmp_path_factory.mktemp("home")
     try:
-        env = up(state, "--num-cpus", "2", "--worker-nodes", "1", "--worker-cpus", "2")
-        yield Services(state, env, tmp_path_factory.mktemp("work"))
+        env = up(state, "--num-cpus", "2", "--worker-nodes", "1", "--worker-cpus", "2", HOME=str(empty_home))
+        yield Services(state, env, tmp_path_factory.mktemp("work"), empty_home)
     finally:
         stopped = down(state)
         assert stopped.returncode == 0, stopped.stderr
@@ -140,6 +173,43 @@ def test_k8s_manifests_parse_and_name_what_the_readme_promises():
 
 
 # ---- against real services -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_up_answers_and_writes_env_and_the_clis_find_the_cluster_by_it(services, tmp_path):
+    """infra/local/up (run with an empty HOME): both services answer, the env file names them and
+    where the cluster's own token is, and the jobs CLIs need nothing else. First of the module's
+    service tests: no job has been submitted yet."""
+    env, state_dir = services.env, services.state_dir
+    assert env["RAY_ADDRESS"].startswith("http://127.0.0.1:") and env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
+    assert env["RAY_AUTH_MODE"] == "token"
+    assert requests.get(f"{env['MLFLOW_TRACKING_URI']}/health", timeout=10).status_code == 200
+    # The token is the cluster's own: in the state dir, readable by this user only, never in HOME,
+    # and the env file says where it is, not what it is.
+    token_path = Path(env["RAY_AUTH_TOKEN_PATH"])
+    assert token_path.parent == state_dir and stat.S_IMODE(token_path.stat().st_mode) == 0o600
+    token = token_path.read_text()
+    assert len(token) == 64 and token not in (state_dir / "env").read_text()
+    assert not (services.home / ".ray").exists(), list(services.home.rglob("*"))
+    # The jobs CLIs find the cluster and its token through the env file alone (no --address, no
+    # RAY_ADDRESS, no RAY_AUTH_MODE, another empty HOME).
+    client_home = tmp_path / "client-home"
+    client_home.mkdir()
+    listed = jobs_cli("status", CONDUIT_INFRA_ENV=str(state_dir / "env"), HOME=str(client_home))
+    assert listed.returncode == 0 and listed.stdout == "", listed.stderr
+    # Without the token, or with a wrong one: exit 2 and a sentence that says where tokens come from.
+    no_env_file = str(tmp_path / "no-env")
+    missing = jobs_cli("status", "--address", env["RAY_ADDRESS"], CONDUIT_INFRA_ENV=no_env_file,
+                       HOME=str(client_home), RAY_AUTH_MODE="token")
+    (tmp_path / "wrong").write_text("0" * 64)
+    wrong = jobs_cli("status", CONDUIT_INFRA_ENV=str(state_dir / "env"), HOME=str(client_home),
+                     RAY_AUTH_TOKEN_PATH=str(tmp_path / "wrong"))
+    for out in (missing, wrong):
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"the Ray cluster at {env['RAY_ADDRESS']} refused this client's token" in out.stderr, out.stderr
+        assert "RAY_AUTH_TOKEN_PATH" in out.stderr and token not in out.stderr + out.stdout
+    again = run([UP, "--state-dir", state_dir], timeout=60)
+    assert again.returncode == 1 and "run infra/local/down" in again.stderr, again.stderr
+
+
 @pytest.mark.slow
 def test_a_bad_config_fails_at_submit_time_and_sends_nothing(services, tmp_path):
     before = services.job_ids()
@@ -221,9 +291,41 @@ def test_stop_ends_a_long_job_and_frees_its_workers(services, smoke_job):
                            f"run.workdir={services.workdir}", "--tracking-uri", services.env["MLFLOW_TRACKING_URI"])
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.strip()
-    wait_for(lambda: "train: running" in services.cli("logs", job_id).stdout, 300, f"{job_id} to start training")
+    services.wait_for_line(job_id, "train: running", 300)
     stopped = services.cli("stop", job_id, "--wait", "120", timeout=180)
     assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stdout + stopped.stderr
     assert services.status(job_id) == "STOPPED"
     wait_for(lambda: not [w for w in services.train_workers() if w["state"] == "ALIVE"], 120,
              "the stopped job's training workers to exit")
+
+
+@pytest.mark.slow
+def test_down_stops_exactly_what_up_started(services):
+    """Last of the module: infra/local/down stops exactly the processes up started (by pid and by the
+    cluster's own temp dir), and nothing else; a second down has nothing to stop."""
+    env, state_dir = services.env, services.state_dir
+    token_path = Path(env["RAY_AUTH_TOKEN_PATH"])
+    ray_pids = [int(p) for p in env["CONDUIT_RAY_PIDS"].split(",")]
+    mlflow_pid = int(env["CONDUIT_MLFLOW_PID"])
+    assert len(ray_pids) >= 4 and _alive([*ray_pids, mlflow_pid]) == [*ray_pids, mlflow_pid]
+    mlflow_family = [c.pid for c in psutil.Process(mlflow_pid).children(recursive=True)]
+    # A process that looks like Ray by name but is not this cluster's (as another person's would be).
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "raylet", "gcs_server"])
+    try:
+        done = down(state_dir)
+        assert done.returncode == 0, done.stderr
+        assert "ray: stopped" in done.stdout and f"server pid {mlflow_pid}" in done.stdout, done.stdout
+        assert _alive([*ray_pids, mlflow_pid, *mlflow_family]) == []
+        assert not (state_dir / "env").exists() and not Path(env["CONDUIT_RAY_TEMP_DIR"]).exists()
+        assert not token_path.exists()
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{env['MLFLOW_TRACKING_URI']}/health", timeout=5)
+        assert bystander.poll() is None, "down stopped a process that was not this cluster's"
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert "nothing to stop" in down(state_dir).stdout
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -4,6 +4,7 @@ hash-neutrality of its config fields for decoder configs."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,14 +25,20 @@ def encdec_cfg(**kw) -> ModelConfig:
 
 
 def random_encdec(seed: int = 0, **kw) -> EncoderDecoderLM:
-    """An initialised model whose biases and norm weights are moved off 0 and 1, so every tensor matters."""
+    """An initialised model with every parameter moved off its init, so every tensor matters.
+
+    Query and key weights move by 0.5 * N(0, 1), so attention is far from uniform (at init_std it is
+    nearly uniform, and swapped queries and keys would pass the parity tests, see
+    test_random_model_notices_swapped_queries_and_keys); the rest by 0.1 * N(0, 1), as larger values
+    and outputs would make the encoder's outputs alike at every source position.
+    """
     torch.manual_seed(seed)
     model = build_model(encdec_cfg(**kw))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "norm.weight")):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            scale = 0.5 if name.endswith(("q_proj.weight", "k_proj.weight")) else 0.1
+            p.add_(scale * torch.randn(p.shape, generator=g))
     return model.eval()
 
 
@@ -95,6 +102,31 @@ def test_forward_equals_the_papers_equations():
     logits = model(src, tgt).logits
     for b in range(2):
         torch.testing.assert_close(logits[b], reference_logits(model, src[b], tgt[b]), atol=1e-5, rtol=1e-5)
+
+
+def _swap_queries_and_keys(attns) -> None:
+    """Exchange q_proj and k_proj (weight and bias) of each attention: what a mis-mapped export does."""
+    with torch.no_grad():
+        for attn in attns:
+            for q, k in zip(attn.q_proj.parameters(), attn.k_proj.parameters()):
+                q_copy = q.clone()
+                q.copy_(k)
+                k.copy_(q_copy)
+
+
+@pytest.mark.parametrize("stack", ["encoder", "cross"])
+def test_random_model_notices_swapped_queries_and_keys(stack):
+    """The parity tests (above, and the HF exports) compare at 1e-5; on the random model, swapping queries
+    and keys in the encoder's self-attention or in the cross-attention moves them by over 1e4 times that."""
+    model = random_encdec()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(0, 64, (2, 11), generator=g), torch.randint(0, 64, (2, 7), generator=g)
+    swapped = copy.deepcopy(model)
+    _swap_queries_and_keys([b.attn for b in swapped.encoder_layers] if stack == "encoder"
+                           else [b.cross_attn for b in swapped.layers])
+    with torch.no_grad():
+        moved = (swapped(src, tgt).logits - model(src, tgt).logits).abs().max().item()
+    assert moved > 0.1
 
 
 def test_shared_embeddings_and_separate_depths():
@@ -176,13 +208,20 @@ def test_generation_equals_greedy_full_recompute():
 
 
 def test_generation_stops_rows_at_eos():
+    """A row that emits EOS keeps emitting it (padding) while the other row goes on, as it would alone."""
     model = random_encdec()
-    src = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(6))
-    free = generate_encdec(model, src, decoder_start_id=0, max_new_tokens=6)
-    eos = int(free[0, 1])
-    out = generate_encdec(model, src, decoder_start_id=0, max_new_tokens=6, eos_id=eos)
-    first = int((out[0] == eos).nonzero()[0])
-    assert (out[0, first:] == eos).all()
+    src = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    free = generate_encdec(model, src, decoder_start_id=0, max_new_tokens=12)
+    # EOS: row 0's first token that neither row emitted before and row 1 never emits.
+    stops = [k for k in range(1, 12) if free[0, k] not in free[0, :k] and free[0, k] not in free[1]]
+    stop, eos = stops[0], int(free[0, stops[0]])
+    assert stop <= 8, f"row 0 should stop at an intermediate step, stops at {stop} of 12"
+    out = generate_encdec(model, src, decoder_start_id=0, max_new_tokens=12, eos_id=eos)
+    assert out.shape == (2, 12)  # row 1 never finishes, so every step runs
+    assert torch.equal(out[0, :stop + 1], free[0, :stop + 1])
+    assert (out[0, stop:] == eos).all()  # padded from its stop onward
+    alone = generate_encdec(model, src[1:], decoder_start_id=0, max_new_tokens=12, eos_id=eos)
+    assert torch.equal(out[1], alone[0]) and torch.equal(out[1], free[1])
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_encdec(model, src, decoder_start_id=0, max_new_tokens=32)
 

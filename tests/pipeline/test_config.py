@@ -146,6 +146,25 @@ def test_numbers_load_as_people_write_them(tmp_path):
     assert load_config(None, ["run.name=1e3x"]).run.name == "1e3x"  # not a number: stays a string
 
 
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize("field,refusal", [
+    ("train.lr", r"train\.lr must be a finite number"),  # a float field
+    ("train.steps", r"train\.steps must be an integer"),  # an integer field
+    ("model.rope_base", r"model: rope_base must be a finite number"),  # a ModelConfig field
+])
+def test_nan_and_infinities_are_refused_naming_the_field(tmp_path, value, field, refusal):
+    """YAML reads ``.nan``, ``.inf`` and ``-.inf`` as floats: each is refused, in the file and in an
+    override, naming the field and what was found (rather than training on a NaN learning rate)."""
+    section, name = field.split(".")
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{section}:\n  {name}: {value}\n")
+    found = {".nan": "nan", ".inf": "inf", "-.inf": "-inf"}[value]
+    with pytest.raises(ConfigError, match=rf"{refusal}, got {found}$"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=rf"{refusal}, got {found}$"):
+        load_config(None, [f"{field}={value}"])
+
+
 def test_a_key_given_twice_names_both_lines(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  steps: 7\nparallel:\n  num_workers: 1\ntrain:\n  lr: 0.01\n")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models import build_model
-from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption, sentinel_symbols
+from pipeline.data.span_corruption import DECODER_START_ID, EVAL_SALT, SpanCorruption, sentinel_symbols
 from pipeline.evaluation.denoising import denoising_metrics, piece_bytes
 from pipeline.generation import TextGenerator
 from pipeline.text import EOS_ID, load_sentencepiece, train_sentencepiece
@@ -63,16 +63,59 @@ def test_denoising_metrics_equal_the_sums_by_hand(sp, model):
     assert m["val_bits_per_target_byte"] == pytest.approx(nll / math.log(2) / nbytes, rel=1e-6)
 
 
-def test_the_generator_fills_sentinels(sp, model):
-    gen = TextGenerator(model, sp)
-    prompt = "First Citizen: <extra_id_0> speak, <extra_id_1>."
-    out = gen.generate([prompt], max_new_tokens=10, temperature=0.0)
-    from models.encdec import generate_encdec
+# Prompts and the spans that fill their sentinels, in order.
+FILLS = {"First Citizen: <extra_id_0> we proceed any further, <extra_id_1> speak.": ("Before", "hear me"),
+         "You are all <extra_id_0> to die than <extra_id_1>?": ("resolved rather", "to famish")}
 
-    ids = torch.tensor([[EOS_ID] + sp.encode(prompt)])
-    want = generate_encdec(model, ids, decoder_start_id=0, max_new_tokens=10, eos_id=EOS_ID)[0].tolist()
-    assert out == [sp.decode([t for t in want if t != EOS_ID])]
-    assert sp.encode(prompt).count(5) == 1  # the sentinel is one token
+
+def _span_target(sp, spans) -> list[int]:
+    """A decoder target as SpanCorruption.corrupt writes it: each span after its sentinel, then EOS."""
+    first_sentinel = sp.piece_to_id("<extra_id_0>")
+    return [t for k, span in enumerate(spans) for t in (first_sentinel + k, *sp.encode(span))] + [EOS_ID]
+
+
+@pytest.fixture(scope="module")
+def filler(sp):
+    """A model trained on FILLS (the encoder reads EOS + prompt, the decoder starts from DECODER_START_ID)
+    until its teacher-forced greedy answers are the targets."""
+    torch.manual_seed(0)
+    model = build_model("debug_encdec", vocab_size=sp.get_piece_size(), max_seq_len=40)
+    pairs = [(torch.tensor([[EOS_ID, *sp.encode(p)]]), torch.tensor([_span_target(sp, spans)]))
+             for p, spans in FILLS.items()]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        logits = [model(src, F.pad(tgt[:, :-1], (1, 0), value=DECODER_START_ID)).logits for src, tgt in pairs]
+        if all(torch.equal(lg.argmax(-1), tgt) for lg, (_, tgt) in zip(logits, pairs)):
+            return model.eval()
+        loss = sum(F.cross_entropy(lg[0], tgt[0]) for lg, (_, tgt) in zip(logits, pairs))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise AssertionError("the model did not learn FILLS in 200 steps")
+
+
+def _greedy_by_hand(model, prompt: str, sp, max_new_tokens: int) -> list[int]:
+    """Greedy decoding written out from the forward: EOS + prompt in, the whole decoder input again at
+    every step, until EOS."""
+    src, dec = torch.tensor([[EOS_ID, *sp.encode(prompt)]]), [DECODER_START_ID]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(src, torch.tensor([dec])).logits[0, -1].argmax())
+            if nxt == EOS_ID:
+                break
+            dec.append(nxt)
+    return dec[1:]
+
+
+def test_the_generator_fills_sentinels(sp, model, filler):
+    # A model taught the spans answers each prompt with its spans, each after its sentinel, as T5 does.
+    out = TextGenerator(filler, sp).generate(list(FILLS), max_new_tokens=12, temperature=0.0)
+    assert out == ["<extra_id_0> Before<extra_id_1> hear me", "<extra_id_0> resolved rather<extra_id_1> to famish"]
+    # Any model: the served text is its greedy decoding written out by hand, sentinels kept, cut at EOS.
+    prompts = ["First Citizen: <extra_id_0> speak, <extra_id_1>.", "All: <extra_id_0>"]
+    want = [sp.decode(_greedy_by_hand(model, p, sp, 10)) for p in prompts]
+    assert TextGenerator(model, sp).generate(prompts, max_new_tokens=10, temperature=0.0) == want
+    assert sp.encode(prompts[0]).count(5) == 1  # the sentinel is one token
 
 
 def test_ray_serves_batch_generation_fills_each_request_as_alone(sp, model):

@@ -24,7 +24,7 @@ from pipeline import locks, tracking
 from pipeline.artifacts import is_complete
 from pipeline.config import load_config
 from pipeline.preflight import DiskError, check_disk
-from pipeline.runner import make_plan, resolve, run_pipeline
+from pipeline.runner import main_exit_code, make_plan, resolve, run_pipeline
 from pipeline.stages import STAGES, Stage, in_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,6 +183,43 @@ def test_an_unwritable_artifact_root_is_named_before_the_stage_runs(tmp_path):
     cfg, plan = smoke_plan(tmp_path, "run.artifact_root=/sys/conduit-artifacts")
     with pytest.raises(DiskError, match=r"stage shard cannot write to /sys/conduit-artifacts/shard"):
         check_disk(cfg, plan["shard"], STAGES["shard"], {})
+
+
+# A folder root cannot create files in (sysfs): the tests run as root, whom chmod does not stop.
+READ_ONLY = Path("/sys/kernel")
+
+
+def test_an_unwritable_place_stops_the_runner_before_the_stage_and_keeps_what_is_done(tmp_path, ray_cluster):
+    """Through the runner: stage b's folder in the artifact root, then its state folder (as train's
+    checkpoint storage), cannot be written; each time b is refused before it runs, naming the place
+    (exit 2), and a, finished, stays."""
+    stateful = in_order([TOY["a"], dataclasses.replace(TOY["b"], disk_need=lambda cfg, inputs, h: [
+        (f"{cfg.train.checkpoint_storage}/toy-{h}", 1 << 20, "toy checkpoints")]), TOY["c"]])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [f"run.workdir={tmp_path / 'work'}", f"tracking.uri={uri}", "tracking.experiment=toy"]
+    cfg = load_config(None, [*common, f"train.checkpoint_storage={tmp_path / 'checkpoints'}"])
+    plan = {p.stage: p for p in make_plan(resolve(cfg), stages=stateful)}
+    b_folder = plan["b"].path.parent  # <artifact_root>/b: b's lock and artifact folder go there
+    b_folder.parent.mkdir(parents=True)
+    b_folder.symlink_to(READ_ONLY)
+    lines: list[str] = []
+    with pytest.raises(DiskError, match=rf"^stage b cannot write to {b_folder}: ") as e:
+        run_pipeline(cfg, stages=stateful, echo=lines.append)
+    assert main_exit_code(e.value) == 2
+    assert [ln.split(" ")[:2] for ln in lines] == [["a:", "running"], ["a:", "done"]]
+
+    b_folder.unlink()
+    cfg = load_config(None, [*common, f"train.checkpoint_storage={READ_ONLY}/conduit-checkpoints"])
+    lines = []
+    with pytest.raises(DiskError, match=rf"^stage b cannot write to {READ_ONLY}/conduit-checkpoints: ") as e:
+        run_pipeline(cfg, stages=stateful, echo=lines.append)
+    assert main_exit_code(e.value) == 2
+    assert lines == [f"a: cached ({plan['a'].hash})"]
+    assert (cfg.workdir() / "ran.log").read_text().split() == ["a"]
+    client = tracking.client(uri)
+    runs = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
+    assert sorted(f"{r.data.tags.get('conduit.stage', 'parent')} {r.info.status}" for r in runs) == \
+        ["a FINISHED", "parent FAILED", "parent FAILED"]  # b's run never started
 
 
 def test_a_stage_bigger_than_the_free_disk_is_refused_with_the_numbers(tmp_path):

@@ -134,3 +134,15 @@ def test_a_failed_stage_is_redone_and_force_reruns_what_follows(tmp_path, ray_cl
     assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ["b"]
     assert (healed.artifacts["b"].path / "out.txt").read_text() == "ab"
     assert (work / "ran.log").read_text().split() == ["a", "b", "c", "b", "c", "b"]
+
+    # Altered at the same size: only the sha256 tells, and it is named the same way; c is kept.
+    (b_dir / "out.txt").write_text("zz")
+    lines = []
+    altered = run_pipeline(cfg, echo=lines.append, stages=TOY)
+    assert lines[1] == f"b: the cached artifact is damaged ({b_dir / 'out.txt'} does not match its sha256 in the " \
+                       "manifest); rebuilding it", lines
+    assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ["b"]
+    assert f"c: cached ({healed.artifacts['c'].hash})" in lines
+    assert altered.artifacts["c"].manifest == healed.artifacts["c"].manifest
+    assert (altered.artifacts["b"].path / "out.txt").read_text() == "ab"
+    assert (work / "ran.log").read_text().split() == ["a", "b", "c", "b", "c", "b", "b"]

@@ -1,11 +1,17 @@
 """The storage seam against an S3 server (moto): an object-store artifact root caches, seals (manifest
 last), verifies and fetches (once per node) as a local root does, and the runner drives it with toy
-stages whose bodies only ever see local folders."""
+stages whose bodies only ever see local folders, through the store's faults: an upload cut off, a node
+that lost its scratch folder, a store that does not answer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import shutil
+import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +21,7 @@ import pytest
 from pipeline import storage
 from pipeline.artifacts import MANIFEST
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.runner import make_plan, resolve, run_pipeline
+from pipeline.runner import StageFailed, main_exit_code, make_plan, resolve, run_pipeline
 from pipeline.stages import Stage, in_order
 from pipeline.stages.train import checkpoint_location
 from pipeline.storage import LocalStore, NodeFolder, ObjectStore, StorageError, join, store_for
@@ -100,13 +106,20 @@ def test_checkpoints_default_under_a_uri_root_keyed_by_the_train_hash(tmp_path):
 
 def test_publish_uploads_every_file_then_the_manifest_last(bucket, tmp_path, monkeypatch):
     fs, root = bucket
-    order: list[str] = []
+    finished: list[str] = []  # in the order the uploads complete
     real = storage._copy_out
-    monkeypatch.setattr(storage, "_copy_out",
-                        lambda src, f, dst: order.append(dst.rsplit("/", 1)[-1]) or real(src, f, dst))
+
+    def slow_copy_out(src, f, dst):
+        if not dst.endswith(MANIFEST):
+            time.sleep(0.2)  # files take a while: a manifest sent while one is still in flight lands first
+        n = real(src, f, dst)
+        finished.append(dst.rsplit("/", 1)[-1])
+        return n
+
+    monkeypatch.setattr(storage, "_copy_out", slow_copy_out)
     store = ObjectStore(root, scratch=tmp_path / "node-a")
     art = sealed_in(store, tmp_path)
-    assert sorted(order[:-1]) == ["blob.bin", "out.txt"] and order[-1] == MANIFEST  # files at once, then it
+    assert sorted(finished[:-1]) == ["blob.bin", "out.txt"] and finished[-1] == MANIFEST  # every file done, then it
     assert art.uri == join(root, "one", "h1") and art.path == tmp_path / "node-a" / "cache" / "one" / "h1"
     assert not (tmp_path / "node-a" / "build" / "one" / "h1").exists()  # moved into the node's cache
     assert store.is_complete("one", "h1") and not store.is_complete("one", "h2")
@@ -182,12 +195,31 @@ TOY = in_order([
 ])
 
 
-def test_the_runner_caches_on_an_object_store_like_on_a_local_root(bucket, tmp_path, ray_cluster, monkeypatch):
-    fs, root = bucket
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One sqlite MLflow store for the runner tests of this module (a new one runs MLflow's migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def toy_config(tmp_path: Path, root: str, mlflow_uri: str, experiment: str):
     work = tmp_path / "work"
-    cfg = load_config(None, [f"run.workdir={work}", f"run.artifact_root={root}",
-                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.experiment=s3toy"])
     work.mkdir()
+    return load_config(None, [f"run.workdir={work}", f"run.artifact_root={root}", f"tracking.uri={mlflow_uri}",
+                              f"tracking.experiment={experiment}"])
+
+
+def stored_files(fs, root: str) -> dict[str, int]:
+    """Every object under the root URI: ``path below it -> bytes``."""
+    base = root.split("//", 1)[1].split("?")[0]
+    return {i.path[len(base) + 1:]: i.size for i in fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            if i.type == pafs.FileType.File}
+
+
+def test_the_runner_caches_on_an_object_store_like_on_a_local_root(bucket, tmp_path, ray_cluster, monkeypatch,
+                                                                   mlflow_uri):
+    fs, root = bucket
+    cfg = toy_config(tmp_path, root, mlflow_uri, "s3toy")
+    work = cfg.workdir()
     # The stage tasks' scratch is the session Ray's (its workers' environment); this is the driver's.
     monkeypatch.setenv(storage.SCRATCH_ENV, str(tmp_path / "scratch-1"))
     lines: list[str] = []
@@ -220,6 +252,91 @@ def test_the_runner_caches_on_an_object_store_like_on_a_local_root(bucket, tmp_p
     assert lines[0].startswith(f"a: the cached artifact is damaged ({join(root, 'a', plan[0].hash, 'out.txt')} has 5")
     assert (work / "ran.log").read_text().split() == ["a", "b", "a"]
     assert store_for(root).check(store_for(root).load("a", plan[0].hash)) is None
+
+
+def a_whose_upload_is_cut_off(cfg, inputs, out_dir, tracker):
+    """Stage a's body. While ``cut_upload`` is in the workdir, its upload dies part-way (in the stage
+    task's process, where ``publish`` runs): ``sub/blob.bin``'s stream breaks after 1000 of its bytes,
+    which the store keeps, as a connection that drops mid-file leaves them. That attempt also writes a
+    file the next one does not, to show what clearing leaves."""
+    out = counted("a")(cfg, inputs, out_dir, tracker)
+    if not (cfg.workdir() / "cut_upload").exists():
+        return out
+    (out_dir / "only-in-the-cut-attempt.txt").write_text("stale")
+    real = storage._copy_out
+
+    def copy_out(src, fs, dst):
+        if src.name != "blob.bin":
+            return real(src, fs, dst)
+        storage._copy_out = real  # cut once: this worker process uploads normally from here on
+        with fs.open_output_stream(dst) as stream:
+            stream.write(src.read_bytes()[:1000])
+        raise ConnectionResetError(f"the connection dropped while uploading {dst} (injected)")
+
+    storage._copy_out = copy_out
+    return out
+
+
+CUT = in_order([dataclasses.replace(TOY["a"], run=a_whose_upload_is_cut_off)])
+
+
+def test_an_upload_cut_off_leaves_no_manifest_and_the_next_run_redoes_the_stage(bucket, tmp_path, ray_cluster,
+                                                                              mlflow_uri):
+    fs, root = bucket
+    cfg = toy_config(tmp_path, root, mlflow_uri, "s3cut")
+    (cfg.workdir() / "cut_upload").touch()
+    with pytest.raises(StageFailed, match=r"stage a failed: ConnectionResetError\('the connection dropped"):
+        run_pipeline(cfg, stages=CUT, echo=lambda line: None)
+    a = make_plan(resolve(cfg), stages=CUT)[0]
+    assert not a.cached
+    assert stored_files(fs, root) == {f"a/{a.hash}/only-in-the-cut-attempt.txt": 5, f"a/{a.hash}/out.txt": 1000,
+                                      f"a/{a.hash}/sub/blob.bin": 1000}  # what got through, and no manifest
+
+    (cfg.workdir() / "cut_upload").unlink()
+    lines: list[str] = []
+    done = run_pipeline(cfg, stages=CUT, echo=lines.append)
+    assert lines[0] == f"a: running ({a.hash})"
+    assert (cfg.workdir() / "ran.log").read_text().split() == ["a", "a"]
+    stored = stored_files(fs, root)
+    assert set(done.artifacts["a"].manifest["files"]) == {"out.txt", "sub/blob.bin"}
+    assert stored == {f"a/{a.hash}/out.txt": 1000, f"a/{a.hash}/sub/blob.bin": 25600,  # the leftover is gone
+                      f"a/{a.hash}/{MANIFEST}": stored[f"a/{a.hash}/{MANIFEST}"]}
+
+
+def test_a_node_that_lost_its_scratch_folder_fetches_the_inputs_again(bucket, tmp_path, ray_cluster, mlflow_uri):
+    _, root = bucket
+    cfg = toy_config(tmp_path, root, mlflow_uri, "s3scratch")
+    first = run_pipeline(cfg, stages=TOY, until="a", echo=lambda line: None)
+    # The folder of the node's stage tasks (the session Ray's workers have their own environment): a's
+    # task left its copy there, which b's task on this node would read without a download.
+    scratch = ray_cluster.get(ray_cluster.remote(storage.scratch_root).remote())
+    a_copy = scratch / "cache" / "a" / first.artifacts["a"].hash
+    assert (a_copy / "out.txt").is_file()
+    shutil.rmtree(scratch)
+
+    lines: list[str] = []
+    then = run_pipeline(cfg, stages=TOY, echo=lines.append)
+    assert lines[0] == f"a: cached ({first.artifacts['a'].hash})" and lines[1].startswith("b: running")
+    assert then.transfers["b"].fetched_bytes == 1000 + 25600  # a's files, from the store
+    assert (a_copy / "out.txt").is_file() and json.loads((a_copy / MANIFEST).read_text()) == first.artifacts["a"].manifest
+    b_copy = scratch / "cache" / "b" / then.artifacts["b"].hash
+    assert (b_copy / "out.txt").read_text() == "x" * 2000  # b read a's whole out.txt
+
+
+def test_a_store_that_does_not_answer_stops_the_run_before_any_stage(tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = f"s3://conduit/art?endpoint_override=127.0.0.1:{port}&scheme=http"
+    cfg = load_config(None, [f"run.workdir={tmp_path}", f"run.artifact_root={root}",
+                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    lines: list[str] = []
+    with pytest.raises(StorageError, match=rf"^run\.artifact_root='{re.escape(root)}': the store did not answer") as e:
+        run_pipeline(cfg, stages=TOY, echo=lines.append)
+    assert main_exit_code(e.value) == 2
+    printed = capsys.readouterr().err
+    assert printed.startswith("error: run.artifact_root=") and printed.count("\n") == 1, printed
+    assert lines == [] and not (tmp_path / "mlflow.db").exists()  # planning failed: no stage, no MLflow run
 
 
 class NullTracker:

@@ -5,10 +5,12 @@ marks the dead attempt's MLflow runs FAILED), and two configs sharing one checkp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +28,7 @@ from pipeline.runner import make_plan, resolve
 from pipeline.stage_io import read_train_starts
 from pipeline.stages import STAGES
 from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_location
+from pipeline.storage import store_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -83,7 +86,7 @@ def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_
         killed.append(pid)
 
 
-STEPS, EVERY = 120, 20  # six checkpoints: room to kill between them
+STEPS, EVERY = 60, 20  # three checkpoints: a kill after two, a kill at the last
 TRAIN = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.log_every=10", "train.progress_bar=false",
          "train.adam_eps=0.0001"]
 
@@ -98,41 +101,52 @@ def artifact_run_dir(art) -> Path:
     return ray_run_dir(config_from_dict(art.manifest["run_config"]), art.hash)
 
 
-def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, prune: bool = True,
+DATA_STAGES = ("shard", "tokenizer", "tokenize")
+
+
+def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root: str, prune: bool = True,
                damaged: list[int] | None = None):
-    """The first four stages of the smoke config, called directly; with ``kill``, workers of the train
-    stage are SIGKILLed (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``)."""
+    """The smoke config's train stage, called directly, on the data stages the session's smoke run
+    sealed under ``data_root`` (tests/smoke_run.py: the same data config, so the same hashes). The
+    stage writes into ``<tmp>/<name>/train/<hash>`` and keeps its checkpoints in
+    ``<tmp>/<name>/checkpoints`` (unless ``overrides`` name a ``train.checkpoint_storage``), so runs
+    of one config never see each other's. With ``kill``, workers of the train stage are SIGKILLed
+    (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``)."""
     work = tmp / name
-    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}", *TRAIN, *overrides]))
+    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [
+        f"run.workdir={work}", f"run.artifact_root={data_root}", f"train.checkpoint_storage={work / 'checkpoints'}",
+        *TRAIN, *overrides]))
     uri = cfg.tracking_uri()
     work.mkdir(parents=True)
     exp = tracking.ensure_experiment(uri, "fault", artifact_location=str(work / "mlartifacts"))
     plan = {p.stage: p for p in make_plan(cfg)}
-    arts = {}
-    for stage in ("shard", "tokenizer", "tokenize", "train"):
-        tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, stage))
-        killed: list[int] = []
-        killer, done = None, threading.Event()
-        if stage == "train" and kill:
-            killer = threading.Thread(target=kill_workers,
-                                      args=(ray_run_dir(cfg, plan["train"].hash), killed, done, cfg.train.steps,
-                                            [] if damaged is None else damaged))
-            killer.start()
-        # prune=False keeps every checkpoint Ray Train kept (not just the final one) for a test to resume from
-        record = STAGES[stage] if prune else dataclasses.replace(STAGES[stage], after_seal=None)
-        try:
-            arts[stage] = record.execute(cfg, plan[stage].hash, plan[stage].path, arts, tracker)
-        finally:
-            done.set()
-            if killer:
-                killer.join()
+    store = store_for(cfg.artifact_root())
+    arts = {stage: store.load(stage, plan[stage].hash) for stage in DATA_STAGES}
+    assert all(store.check(a) is None for a in arts.values()), "the smoke run's data stages are not sealed"
+    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "train"))
+    killed: list[int] = []
+    killer, done = None, threading.Event()
+    if kill:
+        killer = threading.Thread(target=kill_workers,
+                                  args=(ray_run_dir(cfg, plan["train"].hash), killed, done, cfg.train.steps,
+                                        [] if damaged is None else damaged))
+        killer.start()
+    # prune=False keeps every checkpoint Ray Train kept (not just the final one) for a test to resume from
+    record = STAGES["train"] if prune else dataclasses.replace(STAGES["train"], after_seal=None)
+    try:
+        arts["train"] = record.execute(cfg, plan["train"].hash, work / "train" / plan["train"].hash, arts, tracker)
+    finally:
+        done.set()
+        if killer:
+            killer.join()
     history = json.loads((arts["train"].path / "train_metrics.json").read_text())
     return load_file(arts["train"].path / "model.safetensors"), history, killed, arts["train"]
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, ray_cluster):
-    return train_once(tmp_path_factory.mktemp("straight"), "straight", [], kill=False, prune=False)
+def straight(tmp_path_factory, smoke_artifact_root):
+    return train_once(tmp_path_factory.mktemp("straight"), "straight", [], kill=False, data_root=smoke_artifact_root,
+                      prune=False)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -140,14 +154,14 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert all((a[k] == b[k]).all() for k in a), "the weights differ from the uninterrupted run's"
 
 
-def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, monkeypatch):
+def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smoke_artifact_root, monkeypatch):
     """One worker killed mid-run, and one of the restarted group killed after the final checkpoint
     (before the weights are written): the stage still seals, with the uninterrupted run's weights."""
     straight, straight_history, _, _ = straight
     monkeypatch.setenv("CONDUIT_FAILPOINTS", json.dumps({"pause_after_final_checkpoint_s": 120}))
     damaged: list[int] = []
     resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["train.max_failures=2"], kill=True,
-                                                       damaged=damaged)
+                                                       data_root=smoke_artifact_root, damaged=damaged)
     assert len(killed) == 2
     # The group restarted past a checkpoint, then at the final one; the history is whole: every
     # logged step once, as in the uninterrupted run, with the same losses.
@@ -178,24 +192,75 @@ def command_of(proc: psutil.Process) -> str:
         return f"(pid {proc.pid}, ended)"
 
 
-def run_cli(work: Path, *extra: str) -> subprocess.Popen:
+def cli_overrides(work: Path, data_root: str) -> list[str]:
+    """The driver tests' config: the smoke config with TRAIN, the session smoke run's artifact root
+    (its data stages cached) and checkpoints of this test's own."""
+    return [f"run.workdir={work}", f"run.artifact_root={data_root}", f"train.checkpoint_storage={work / 'checkpoints'}",
+            *TRAIN]
+
+
+def run_cli(work: Path, data_root: str, *extra: str) -> subprocess.Popen:
     """``python -m jobs.run configs/smoke.yaml`` as a user starts it (its own embedded Ray)."""
-    cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", *TRAIN,
+    cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", *cli_overrides(work, data_root),
            "eval.max_batches=2", "eval.max_text_tokens=512", "eval.lambada_max_examples=16",
            "eval.max_new_tokens=4", *extra]
     with open(work.parent / f"{work.name}-{time.monotonic_ns()}.log", "w") as log:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight):
+@contextlib.contextmanager
+def a_ray_that_died_uncleanly():
+    """``ray start --head`` in Ray's default temp dir, then SIGKILL of every process it started: what
+    is left is ``/tmp/ray/ray_current_cluster`` naming a cluster that no longer exists, which a plain
+    ``ray.init()`` would try to join (STACK.md). Removed afterwards, unless it was there before."""
+    from ray._common.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_bytes() if address_file.exists() else None
+    gcs = free_port()
+    ports = [f"--port={gcs}", f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
+    started = subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--num-cpus=0",
+                              "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+                              *ports], capture_output=True, text=True, timeout=120, start_new_session=True)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert address_file.read_text().strip().endswith(f":{gcs}"), address_file.read_text()
+        mine = [p for p in psutil.process_iter(["cmdline"]) if f"127.0.0.1:{gcs}" in " ".join(p.info["cmdline"] or [])
+                or f"gcs_server_port={gcs}" in " ".join(p.info["cmdline"] or [])]
+        assert mine, "no process of the new Ray cluster was found"
+        for p in mine:
+            p.kill()
+        psutil.wait_procs(mine, timeout=30)
+        assert address_file.exists()  # SIGKILL leaves it: the cluster it names is gone
+        yield address_file
+    finally:
+        if before is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_bytes(before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight, smoke_artifact_root):
+    """The driver SIGKILLed once two checkpoints are registered; then, with another Ray on the machine
+    dead uncleanly (``/tmp/ray/ray_current_cluster`` left behind), the same command again: the rerun
+    starts its own Ray, continues from the checkpoints, ends with the uninterrupted run's weights, and
+    marks the dead attempt's MLflow runs FAILED."""
     weights, _, _, straight_art = straight
     work = tmp_path / "driver"
     work.mkdir()
-    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}", *TRAIN]))
-    train_hash = {p.stage: p for p in make_plan(cfg)}["train"].hash
+    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", cli_overrides(work, smoke_artifact_root)))
+    plan = {p.stage: p for p in make_plan(cfg)}
+    train_hash = plan["train"].hash
     assert train_hash == straight_art.hash  # evaluate's settings are outside the train hash
+    assert [s for s in DATA_STAGES if plan[s].cached] == list(DATA_STAGES)  # the smoke run's, reused
     run_dir = ray_run_dir(cfg, train_hash)
-    driver = run_cli(work, "cluster.include_dashboard=true")  # as the demo: the dashboard and its agents too
+    driver = run_cli(work, smoke_artifact_root, "cluster.include_dashboard=true")  # as the demo: dashboard, agents
     deadline = time.monotonic() + 600
     while registered_checkpoints(run_dir) < 2:
         assert driver.poll() is None, "the pipeline ended before two checkpoints: nothing to kill"
@@ -208,12 +273,13 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
     # dashboard and its agents, which Ray renames ray::DashboardAgent, workers) ends on its own.
     named = {p.pid: command_of(p) for p in ray_procs}
     assert any("DashboardAgent" in c for c in named.values()), named
-    _, alive = psutil.wait_procs(ray_procs, timeout=120)
-    assert not alive, f"processes of the killed driver's Ray still run: {[named[p.pid] for p in alive]}"
-
-    rerun = run_cli(work, "--until", "train")  # what is asserted ends at train (evaluate and register: test_e2e_smoke)
-    assert rerun.wait(timeout=900) == 0, "the rerun failed: see its log beside the workdir"
-    train_dir = work / "artifacts" / "train" / train_hash
+    with a_ray_that_died_uncleanly():  # started while the killed driver's processes wind down
+        _, alive = psutil.wait_procs(ray_procs, timeout=120)
+        assert not alive, f"processes of the killed driver's Ray still run: {[named[p.pid] for p in alive]}"
+        # what is asserted ends at train (evaluate and register: test_e2e_smoke)
+        rerun = run_cli(work, smoke_artifact_root, "--until", "train")
+        assert rerun.wait(timeout=900) == 0, "the rerun failed: see its log beside the workdir"
+    train_dir = Path(cfg.artifact_root()) / "train" / train_hash
     starts = read_train_starts(train_dir)
     # The first attempt started at 0; the rerun began past its two checkpoints, not at step 0.
     assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 2 * EVERY and starts[1] % EVERY == 0, starts
@@ -230,7 +296,7 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
     assert any(r.data.tags.get("conduit.stage") == "train" and r.info.status == "FAILED" for r in dead_children)
 
 
-def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_path, ray_cluster):
+def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_path, smoke_artifact_root):
     """Config A, then config B (another learning rate) on one ``train.checkpoint_storage``: B trains
     from step 0 on its own (it used to restore A's final step and fail); ``--force train`` on A
     removes exactly A's checkpoints (the runner calls the stage's ``discard_state``, checked with
@@ -241,9 +307,10 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
              "parallel.num_workers=1"]
     # A checkpoints only at the end; B also whenever train.checkpoint_every_s has passed at a log step
     # (every 10 steps): here always, so at 10, 20 and 30.
-    _, a_history, _, a = train_once(tmp_path, "a", [*short, "train.checkpoint_every_s=0"], kill=False)
+    _, a_history, _, a = train_once(tmp_path, "a", [*short, "train.checkpoint_every_s=0"], kill=False,
+                                    data_root=smoke_artifact_root)
     _, b_history, _, b = train_once(tmp_path, "b", [*short, "train.checkpoint_every_s=0.000001", "train.lr=0.002"],
-                                    kill=False)
+                                    kill=False, data_root=smoke_artifact_root)
     reports = {art.hash: json.loads((storage / f"train-{art.hash}" / "checkpoint_manager_snapshot.json").read_text())
                ["current_report_index"] for art in (a, b)}
     assert reports == {a.hash: 1, b.hash: 3}
@@ -255,16 +322,16 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
     assert [p.name for p in storage.iterdir()] == [f"train-{b.hash}"]
 
 
-def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s3):
-    """2 workers trained to step 100; that checkpoint, copied to S3 (a moto server), is continued by
+def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_artifact_root, moto_s3):
+    """2 workers trained to step STEPS - EVERY (40); that checkpoint, copied to S3 (a moto server), is continued by
     1 worker (``train.resume_from=s3://...``, through the layout-independent canonical.pt since the
-    world size differs) to step 120: same weights as the 2-worker run, and its own checkpoint is
+    world size differs) to step STEPS (60): same weights as the 2-worker run, and its own checkpoint is
     reported to ``train.checkpoint_storage=s3://...``."""
     import pyarrow.fs as pafs
 
     weights, _, _, train_art = straight
     first_kept = sorted(p for p in artifact_run_dir(train_art).glob("checkpoint_*") if p.is_dir())[0]
-    assert first_kept.name.startswith("checkpoint_")  # keep_checkpoints=2 (not pruned here): 100, 120
+    assert first_kept.name.startswith("checkpoint_")  # keep_checkpoints=2 (not pruned here): 40, 60
     assert json.loads((first_kept / "layout.json").read_text()) == {"world_size": 2, "ep_size": 1, "zero_stage": 1}
     query = f"endpoint_override={moto_s3}&scheme=http"
     fs = pafs.S3FileSystem(endpoint_override=moto_s3, scheme="http", allow_bucket_creation=True)
@@ -273,8 +340,8 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, moto_s
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     resumed, history, _, art = train_once(tmp_path, "s3", [
         "parallel.num_workers=1", f"train.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
-        f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False)
-    # Continued at 100 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
+        f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False, data_root=smoke_artifact_root)
+    # Continued at 40 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
     # history), so the history runs whole from the first logged step to the last.
     assert read_train_starts(art.path) == [0, STEPS - EVERY]
     assert [h["step"] for h in history] == list(range(10, STEPS + 1, 10))

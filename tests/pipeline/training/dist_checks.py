@@ -3,10 +3,9 @@
     python -m tests.pipeline.training.dist_checks OUT_DIR                    (2 ranks)
     python -m tests.pipeline.training.dist_checks canonical-resume OUT_DIR   (1 rank)
     python -m tests.pipeline.training.dist_checks ep-replicas OUT_DIR        (4 ranks)
-    python -m tests.pipeline.training.dist_checks encdec OUT_DIR             (2 ranks)
 
-Rank 0 writes ``OUT_DIR/results.json`` (``canonical_resume.json``, ``ep_replicas.json``); the test
-asserts on it. Everything here goes through the same functions the Ray Train worker uses
+Rank 0 writes ``OUT_DIR/results.json`` and ``OUT_DIR/encdec/encdec.json`` (``canonical_resume.json``,
+``ep_replicas.json``); the test asserts on them. Everything here goes through the same functions the Ray Train worker uses
 (``pipeline.training.engine`` and ``BlockLoader``).
 """
 
@@ -382,16 +381,17 @@ def main(out_dir: str) -> None:
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
+    encdec(out, rank, world)
     dist.destroy_process_group()
 
 
-def encdec(out: Path) -> None:
-    """An encoder-decoder on span-corrupted blocks: 2 ranks (ZeRO-1 and ZeRO-3) == 1 process."""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+def encdec(out: Path, rank: int, world: int) -> None:
+    """An encoder-decoder on span-corrupted blocks: 2 ranks (ZeRO-1 and ZeRO-3) == 1 process. Runs in
+    ``main``'s world (its own tokens under ``out``/encdec)."""
+    out = out / "encdec"
     tokens = out / "train.tokens.npy"
     if rank == 0:
+        out.mkdir()
         rng = np.random.default_rng(0)
         np.save(tokens, rng.integers(10, ENCDEC.vocab_size, size=(64, SEQ + 1), dtype=np.uint16))
     dist.barrier()
@@ -406,7 +406,6 @@ def encdec(out: Path) -> None:
     if rank == 0:
         (out / "encdec.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -414,7 +413,5 @@ if __name__ == "__main__":
         canonical_resume(Path(sys.argv[2]))
     elif sys.argv[1] == "ep-replicas":
         ep_replicas(Path(sys.argv[2]))
-    elif sys.argv[1] == "encdec":
-        encdec(Path(sys.argv[2]))
     else:
         main(sys.argv[1])

@@ -1,11 +1,10 @@
 """The metrics outbox: producers never wait, delivery is in order and complete, failures are retried.
 
-The slow test stops a real MLflow server for 20 s while steps keep coming, starts it again on the same
-store, and finds every step in MLflow."""
+The slow test stops the session's real MLflow server while steps keep coming, until the outbox has
+failed and retried three sends, starts it again on the same store, and finds every step in MLflow."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -97,38 +96,37 @@ def test_close_gives_up_after_its_timeout_and_says_how_much_is_left():
 
 
 @pytest.mark.slow
-def test_a_stopped_mlflow_server_loses_no_metric(tmp_path):
-    from tests.jobs.conftest import free_port, start_process, stop_tree, wait_http
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    uri = f"http://127.0.0.1:{port}"
-    server = start_process(cmd, tmp_path / "server-1.log")
+def test_a_stopped_mlflow_server_loses_no_metric(mlflow_server, monkeypatch):
+    """The session's real MLflow server stopped while steps keep coming, for as long as the outbox
+    takes to fail three sends and back off between them (MLflow's client set to fail at once, so
+    that the retries are the outbox's own), then started again on the same store and address."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = mlflow_server.uri
+    exp = tracking.ensure_experiment(uri, "outbox")
+    run_id = tracking.start_run(uri, exp, "train")
+    box = Outbox(tracking.StageTracker(uri, run_id), retry_s=0.5, max_retry_s=4.0)
     try:
-        wait_http(f"{uri}/health", server, tmp_path / "server-1.log", timeout=300)
-        exp = tracking.ensure_experiment(uri, "outbox")
-        run_id = tracking.start_run(uri, exp, "train")
-        box = Outbox(tracking.StageTracker(uri, run_id), retry_s=0.5, max_retry_s=4.0)
         for step in range(1, 11):
             box.log_metrics({"loss": 10.0 - step / 10}, step=step)
         deadline = time.monotonic() + 60
         while box.pending() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert box.pending() == 0, "the first steps never reached the running server"
-        stop_tree(server)
-        # The server is gone: posting stays instant, and nothing is lost for 20 s.
+        assert box.pending() == 0 and box.failed_attempts == 0, "the first steps never reached the running server"
+        mlflow_server.stop()
+        # The server is gone: posting stays instant, and nothing is lost while sends fail.
         t0 = time.perf_counter()
         for step in range(11, 41):
             box.log_metrics({"loss": 10.0 - step / 10}, step=step)
         assert time.perf_counter() - t0 < 0.5
-        time.sleep(20)
-        assert box.pending() > 0  # held back (MLflow's client retries inside one send, then ours), not dropped
-        server = start_process(cmd, tmp_path / "server-2.log")  # the same store, the same address
-        wait_http(f"{uri}/health", server, tmp_path / "server-2.log", timeout=300)
+        deadline = time.monotonic() + 120
+        while box.failed_attempts < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert box.failed_attempts >= 3, "the sends to a stopped server did not fail"
+        assert box.pending() > 0  # held back and retried, not dropped
+        mlflow_server.start()  # the same store, the same address
         assert box.close(timeout_s=240) == 0
-        history = tracking.client(uri).get_metric_history(run_id, "loss")
-        assert sorted((m.step, m.value) for m in history) == [(s, 10.0 - s / 10) for s in range(1, 41)]
     finally:
-        stop_tree(server)
+        if not mlflow_server.running:
+            mlflow_server.start()  # the session's other tests need it
+    history = tracking.client(uri).get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, 10.0 - s / 10) for s in range(1, 41)]
