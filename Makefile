@@ -24,13 +24,13 @@ USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
 
 install: $(VENV)/.installed
 
-# --no-compile: Python compiles a module's bytecode when something first imports it, so pip need not
-# compile every file of torch, transformers and mlflow up front (about 50 s of a 2-core install).
+# pip compiles every module's bytecode here (about 50 s of a 2-core install): keep it, since machines
+# that set PYTHONDONTWRITEBYTECODE (these do) would otherwise compile torch anew in every process.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -U pip setuptools wheel
-	$(PY) -m pip install -q --no-compile $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)" -e ".[dev]"
+	$(PY) -m pip install -q -U pip setuptools wheel
+	$(PY) -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
 	touch $@
 
 run: install

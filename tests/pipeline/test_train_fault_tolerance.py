@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -225,12 +226,18 @@ def a_ray_that_died_uncleanly():
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         assert address_file.read_text().strip().endswith(f":{gcs}"), address_file.read_text()
-        mine = [p for p in psutil.process_iter(["cmdline"]) if f"127.0.0.1:{gcs}" in " ".join(p.info["cmdline"] or [])
-                or f"gcs_server_port={gcs}" in " ".join(p.info["cmdline"] or [])]
-        assert mine, "no process of the new Ray cluster was found"
+        # Its processes: those that name its session folder or its GCS port, and their children (the
+        # agents, which rename themselves).
+        commands = {p: " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])}
+        (gcs_cmd,) = [c for c in commands.values() if "gcs_server" in c and f"--gcs_server_port={gcs}" in c]
+        session = re.search(r"(/\S*/session_[\w-]+)/logs", gcs_cmd).group(1)
+        mine = {p for p, c in commands.items() if session in c or re.search(rf":{gcs}\b", c)}
+        mine |= {child for p in list(mine) for child in p.children(recursive=True)}
+        assert len(mine) >= 3, [commands.get(p) for p in mine]  # GCS, raylet, monitors, agents
         for p in mine:
-            p.kill()
-        psutil.wait_procs(mine, timeout=30)
+            with contextlib.suppress(psutil.NoSuchProcess):  # one may end as its parent goes
+                p.kill()
+        psutil.wait_procs(list(mine), timeout=30)
         assert address_file.exists()  # SIGKILL leaves it: the cluster it names is gone
         yield address_file
     finally:
