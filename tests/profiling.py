@@ -103,10 +103,10 @@ def _count_pipeline_runs() -> None:
 
     real = runner.run_pipeline
 
-    def counted(cfg, *args, **kwargs):
-        if kwargs.get("stages") is None and len(args) < 3:
+    def counted(cfg, **kwargs):
+        if kwargs.get("stages") is None:
             PROFILE.pipeline_calls += 1
-        return real(cfg, *args, **kwargs)
+        return real(cfg, **kwargs)
 
     counted.__wrapped__ = real
     counted.__doc__ = real.__doc__

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pipeline.stage_io import read_train_starts
 from pipeline.stages import STAGES
 from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_location
 from pipeline.storage import store_for
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -245,12 +245,6 @@ def a_ray_that_died_uncleanly():
             address_file.unlink(missing_ok=True)
         else:
             address_file.write_bytes(before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight, smoke_artifact_root):
