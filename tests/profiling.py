@@ -7,7 +7,8 @@ Counted from the outside, so that nothing in the product knows about it: a threa
 machine's new processes twice a second (a Ray cluster has one ``gcs_server``; a Ray Train run one
 ``TrainController`` actor and a ``RayTrainWorker`` per worker; ``tests.distributed.run_world`` starts
 ``python -m tests...`` ranks), and in-process calls of ``pipeline.runner.run_pipeline`` on the real
-stages are counted by wrapping it before the test modules import it. The table is printed at the end
+stages are counted by wrapping it before the test modules import it. The same thread samples each
+process's CPU time, so the table also says where the machine's CPU-seconds went. The table is printed at the end
 of the session and written as JSON to ``$CONDUIT_TEST_PROFILE`` when that is set. Under pytest-xdist
 the controller watches the processes and each worker sends it its fixtures and pipeline calls.
 """
@@ -36,6 +37,23 @@ PROCESS_KINDS = (
     ("distributed-helper ranks (tests.distributed)", lambda cmd: " -m tests." in f"{cmd} "),
 )
 
+# Where the machine's CPU time went, by the last command line each process showed (Ray workers
+# rename themselves after the actor or task they run).
+CPU_KINDS = (
+    ("Ray GCS servers", lambda cmd: "gcs_server" in cmd.split(" ", 1)[0]),
+    ("raylets", lambda cmd: "/raylet" in cmd.split(" ", 1)[0]),
+    ("Ray Train workers", lambda cmd: cmd.startswith("ray::RayTrainWorker")),
+    ("Ray Train controllers", lambda cmd: cmd.startswith("ray::TrainController")),
+    ("Ray task workers (last seen idle)", lambda cmd: cmd.startswith("ray::IDLE") or "default_worker.py" in cmd),
+    ("Ray Serve and other actors/tasks", lambda cmd: cmd.startswith("ray::") and "Dashboard" not in cmd),
+    ("Ray dashboards, agents, monitors", lambda cmd: "/ray/" in cmd or cmd.startswith("ray::Dashboard")),
+    ("pipeline CLIs (jobs.run)", lambda cmd: " -m jobs.run " in f"{cmd} "),
+    ("other jobs CLIs", lambda cmd: " -m jobs." in cmd),
+    ("MLflow servers", lambda cmd: "mlflow" in cmd or "uvicorn" in cmd or "gunicorn" in cmd),
+    ("distributed-helper ranks", lambda cmd: " -m tests." in f"{cmd} "),
+    ("pytest processes", lambda cmd: "pytest" in cmd or "xdist" in cmd or "execnet" in cmd),
+)
+
 
 class SessionProfile:
     def __init__(self) -> None:
@@ -43,14 +61,18 @@ class SessionProfile:
         self.counts: Counter = Counter()
         self.pipeline_calls = 0
         self._seen: dict[int, float] = {}
+        self._cpu_seen: dict[tuple[int, float], tuple[str, float]] = {}  # (pid, created): (kind, CPU-s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conduit-test-profile", daemon=True)
         self.started = time.monotonic()
         self._cpu = psutil.cpu_times()
 
     def start(self) -> None:
-        for proc in psutil.process_iter(["create_time"]):  # what ran before the session is not counted
+        self._cpu_before: dict[tuple[int, float], float] = {}
+        for proc in psutil.process_iter(["create_time", "cpu_times"]):  # what ran before the session is not counted
             self._seen[proc.pid] = proc.info["create_time"]
+            if proc.info["cpu_times"] is not None:
+                self._cpu_before[(proc.pid, proc.info["create_time"])] = sum(proc.info["cpu_times"][:2])
         self._thread.start()
 
     def stop(self) -> None:
@@ -61,7 +83,8 @@ class SessionProfile:
         untitled: dict[int, psutil.Process] = {}  # Ray workers not yet given an actor's title
         while not self._stop.wait(0.5):
             fresh = []
-            for proc in psutil.process_iter(["create_time"]):
+            for proc in psutil.process_iter(["create_time", "cmdline", "cpu_times"]):
+                self._account(proc)
                 if self._seen.get(proc.pid) != proc.info["create_time"]:
                     self._seen[proc.pid] = proc.info["create_time"]
                     fresh.append(proc)
@@ -79,6 +102,21 @@ class SessionProfile:
                         self.counts[kind] += 1
                         break
 
+    def _account(self, proc: psutil.Process) -> None:
+        times, cmd = proc.info["cpu_times"], " ".join(proc.info["cmdline"] or [])
+        if times is None or not cmd:
+            return
+        kind = next((k for k, matches in CPU_KINDS if matches(cmd)), "other processes")
+        self._cpu_seen[(proc.pid, proc.info["create_time"])] = (kind, times.user + times.system)
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        """CPU-seconds per kind of process, as last sampled (up to half a second of each ended
+        process is missed; what ran before the session is counted from its start)."""
+        total: Counter = Counter()
+        for key, (kind, seconds) in self._cpu_seen.items():
+            total[kind] += seconds - self._cpu_before.get(key, 0.0)
+        return {k: round(v, 1) for k, v in total.most_common()}
+
     def table(self) -> dict:
         now, then = psutil.cpu_times(), self._cpu
         busy = sum(now) - now.idle - now.iowait - (sum(then) - then.idle - then.iowait)
@@ -90,6 +128,7 @@ class SessionProfile:
             "fixtures": [{"seconds": round(s, 1), "scope": scope, "fixture": name, "first_test": test}
                          for s, scope, name, test in sorted(self.fixtures, reverse=True)],
             "counts": {**dict(self.counts), "pipeline runs in the test process (run_pipeline)": self.pipeline_calls},
+            "cpu_seconds_by_process": self.cpu_by_kind(),
         }
 
 
@@ -167,6 +206,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write(f"{table['session_s']:>8.0f}  seconds of session; the machine's {table['cores']} cores were busy "
           f"{table['machine_cpu_busy_s']:.0f} CPU-seconds "
           f"({table['machine_cpu_busy_s'] / max(table['session_s'] * table['cores'], 1e-9):.0%})")
+    write("CPU-seconds by kind of process:")
+    for kind, seconds in table["cpu_seconds_by_process"].items():
+        write(f"{seconds:>8.0f}  {kind}")
     out = os.environ.get("CONDUIT_TEST_PROFILE")
     if out:
         with open(out, "w", encoding="utf-8") as f:
