@@ -91,9 +91,9 @@ class FullPath:
         import ray
 
         from pipeline import tracking
-        from pipeline.artifacts import write_manifest
+        from pipeline.store.artifacts import write_manifest
         from pipeline.runner import worker_env
-        from pipeline.stage_io import SplitTokens, TokenIndex, tokens_file
+        from pipeline.store.contracts import SplitTokens, TokenIndex, tokens_file
 
         os.environ.update(worker_env())
         self.work = Path(tempfile.mkdtemp(prefix="conduit-bench-fullpath-"))
@@ -136,7 +136,7 @@ class FullPath:
         from pipeline import tracking
         from pipeline.config import load_config
         from pipeline.runner import resolve
-        from pipeline.stage_io import read_train_metrics
+        from pipeline.store.contracts import read_train_metrics
         from pipeline.stages import STAGES
 
         if steps < 2 * log_every:

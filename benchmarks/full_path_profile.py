@@ -122,7 +122,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from pipeline.config import load_config
-    from pipeline.training.parallel import ParallelDims
+    from pipeline.training.layout import ParallelDims
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

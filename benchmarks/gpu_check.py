@@ -41,7 +41,7 @@ def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
     from models.accounting import flops_per_token, param_counts
     from pipeline.config import TrainSection
     from pipeline.training.engine import build_engine, train_step
-    from pipeline.training.parallel import ParallelDims
+    from pipeline.training.layout import ParallelDims
 
     cfg = PRESETS[preset].replace(max_seq_len=max(args.seq_len, PRESETS[preset].max_seq_len))
     train = TrainSection(steps=args.steps + 2, global_batch_size=args.micro_batch,

@@ -266,7 +266,7 @@ def start_s3() -> tuple[object, str]:
 def storage_run(config: Path, work: Path, root: str | None, overrides: list[str]) -> dict:
     """One fresh run of ``config``; per stage: body seconds and, on an object store, upload and cold-fetch
     bytes and seconds."""
-    from pipeline.storage import ObjectStore
+    from pipeline.store.backends import ObjectStore
 
     extra = [f"run.workdir={work}", f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
              *([f"run.artifact_root={root}"] if root else []), *overrides]

@@ -2,7 +2,7 @@
 
 An untrained ``--preset`` model (speed does not depend on the weights) and a small sentencepiece
 tokenizer are registered in a throwaway MLflow store (sqlite) under two names, and deployed by
-``pipeline.deploy`` on an embedded Ray as two applications side by side, each one replica of ``--cpus``
+``pipeline.serving.deploy`` on an embedded Ray as two applications side by side, each one replica of ``--cpus``
 CPUs: with ``deploy.max_batch_size=16`` (batched, route ``/batched``) and with ``1`` (one at a time,
 route ``/single``). For 1, 4 and 16 concurrent clients, each sending POST /v1/completions back to back
 (greedy, ``--max-tokens`` new tokens, prompts of a few words), it measures requests/s, generated
@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_result
 from models import build_model
 from models.export import save_safetensors
-from pipeline import deploy, tracking
+from pipeline import tracking
+from pipeline.serving import deploy
 from pipeline.config import DEFAULT_DATA_ROOT, REPO_ROOT, DeploySection
-from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
+from pipeline.tokenization.spm import load_sentencepiece, train_sentencepiece, training_lines
 
 TARGET_SPEEDUP = 3.0  # batched / one-at-a-time requests/s at 16 clients
 LEVELS = (1, 4, 16)

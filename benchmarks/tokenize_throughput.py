@@ -29,11 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import summary, write_result
-from pipeline.artifacts import Artifact
+from pipeline.store.artifacts import Artifact
 from pipeline.config import load_config
 from pipeline.runner import make_plan, resolve, worker_env
 from pipeline.stages import STAGES, shard
-from pipeline.text import load_sentencepiece
+from pipeline.tokenization.spm import load_sentencepiece
 
 
 

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from pipeline import deploy
+from pipeline.serving import deploy
 from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 

@@ -4,12 +4,12 @@
                            [--force --reason "..."] [--config configs/demo.yaml] [--tracking-uri URI]
     python -m jobs.promote NAME --rollback [--to champion] [--reason "..."]
 
-Gates come from the config's ``promote`` section (``pipeline.promotion``). A failed gate prints the
+Gates come from the config's ``promote`` section (``pipeline.serving.promotion``). A failed gate prints the
 comparison table and exits 1 unless ``--force --reason`` is given, which is recorded on the version.
 Every promotion tags the version with who, when and the previous holder; promoting the version that
 already holds the alias changes nothing. ``--rollback`` moves the alias back to the version it replaced
 (the holder's ``promotion.<alias>.previous_version`` tag; no gates). After the alias moves, a Ray Serve
-deployment that follows it (``jobs.deploy``) is rolled over to the new holder (``pipeline.deploy.follow``).
+deployment that follows it (``jobs.deploy``) is rolled over to the new holder (``pipeline.serving.deploy.follow``).
 Exit status: 0 promoted or already there, 1 refused or the deployment could not follow, 2 usage.
 """
 
@@ -20,7 +20,8 @@ import datetime
 import getpass
 import sys
 
-from pipeline import deploy, promotion, tracking
+from pipeline import tracking
+from pipeline.serving import deploy, promotion
 from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
 

@@ -16,7 +16,7 @@ import sys
 
 from pipeline import tracking
 from pipeline.config import ConfigError, load_config
-from pipeline.listen import warn_if_exposed
+from pipeline.serving.listen import warn_if_exposed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

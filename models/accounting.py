@@ -1,5 +1,8 @@
 """Parameter and FLOP accounting, computed analytically from the config (no model is built).
 
+Each family computes its own (`models.families`: decoder, mamba, encdec); this module asks the table
+and holds the definitions and formulas they follow.
+
 Definitions:
 - embedding: token embedding table + learned position table (if any) + the output head when it is
   NOT tied (a tied head is the embedding table, counted once).
@@ -42,44 +45,7 @@ with G num_kv_heads (H for MHA, 1 for MQA), R kv_lora_rank, P qk_rope_head_dim.
 from __future__ import annotations
 
 from models.config import ModelConfig
-
-
-def _ffn_params(cfg: ModelConfig, hidden: int) -> int:
-    D = cfg.d_model
-    if cfg.ffn == "swiglu":
-        return 3 * D * hidden + ((2 * hidden + D) if cfg.bias else 0)
-    return 2 * D * hidden + ((hidden + D) if cfg.bias else 0)
-
-
-def _norm_params(cfg: ModelConfig) -> int:
-    if cfg.norm == "rmsnorm":
-        return cfg.d_model
-    return cfg.d_model * (2 if cfg.bias else 1)
-
-
-def _mla_params(cfg: ModelConfig) -> int:
-    D, H = cfg.d_model, cfg.n_heads
-    R, P = cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim
-    Q, V = cfg.resolved_qk_nope_head_dim + P, cfg.resolved_v_head_dim
-    b = 1 if cfg.bias else 0
-    if cfg.q_lora_rank is None:
-        query = D * H * Q + b * H * Q
-    else:
-        rq = cfg.q_lora_rank
-        query = D * rq + b * rq + rq + rq * H * Q + b * H * Q  # q_a_proj, q_a_norm, q_b_proj
-    latent = D * (R + P) + b * (R + P) + R  # kv_a_proj, kv_a_norm
-    expand = R * H * (Q - P + V) + b * H * (Q - P + V)  # kv_b_proj
-    out = H * V * D + b * D
-    return query + latent + expand + out
-
-
-def _attention_params(cfg: ModelConfig) -> int:
-    if cfg.attention == "mla":
-        return _mla_params(cfg)
-    D, H, G, K = cfg.d_model, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim
-    weights = D * H * K + 2 * D * G * K + H * K * D
-    biases = (H * K + 2 * G * K + D) if cfg.bias else 0
-    return weights + biases
+from models.families import family
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -91,38 +57,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     Returns:
         dict with total, active, embedding, non_embedding and active_non_embedding.
     """
-    if cfg.arch == "mamba":
-        return _mamba_param_counts(cfg)
-    if cfg.arch == "encoder_decoder":
-        return _encdec_param_counts(cfg)
-    D, V = cfg.d_model, cfg.vocab_size
-    embedding = V * D
-    if cfg.pos_encoding == "learned":
-        embedding += cfg.max_seq_len * D
-    if not cfg.tie_embeddings:
-        embedding += V * D
-
-    expert = _ffn_params(cfg, cfg.resolved_moe_d_ff)
-    non_embedding = 0
-    inactive = 0
-    for i in range(cfg.n_layers):
-        non_embedding += 2 * _norm_params(cfg) + _attention_params(cfg)
-        if cfg.is_moe_layer(i):
-            non_embedding += D * cfg.num_experts + (cfg.num_experts + cfg.moe_shared_experts) * expert
-            inactive += (cfg.num_experts - cfg.moe_top_k) * expert
-        else:
-            non_embedding += _ffn_params(cfg, cfg.resolved_d_ff)
-    if cfg.norm_position == "pre":
-        non_embedding += _norm_params(cfg)
-
-    total = embedding + non_embedding
-    return {
-        "total": total,
-        "active": total - inactive,
-        "embedding": embedding,
-        "non_embedding": non_embedding,
-        "active_non_embedding": non_embedding - inactive,
-    }
+    return family(cfg).param_counts(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
@@ -140,21 +75,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    n = param_counts(cfg)["active_non_embedding"] + cfg.vocab_size * cfg.d_model
-    if cfg.arch == "mamba":
-        scan = 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size
-        return {"total": 6 * n + 3 * scan, "forward": 2 * n + scan}
-    if cfg.arch == "encoder_decoder":
-        n_enc, n_dec, L_enc = _encdec_stack_params(cfg)
-        n = (n_enc + n_dec + cfg.vocab_size * cfg.d_model) / 2
-        attn = (L_enc + 2 * cfg.n_layers) * cfg.n_heads * 2 * cfg.head_dim * seq_len / 2
-        return {"total": round(6 * n + 6 * attn), "forward": round(2 * n + 2 * attn)}
-    if cfg.attention == "mla":
-        qk_plus_v = cfg.resolved_qk_nope_head_dim + cfg.resolved_qk_rope_head_dim + cfg.resolved_v_head_dim
-    else:
-        qk_plus_v = 2 * cfg.head_dim
-    attn = cfg.n_layers * cfg.n_heads * qk_plus_v * seq_len  # = 2 * L * H * K * T for MHA
-    return {"total": 6 * n + 6 * attn, "forward": 2 * n + 2 * attn}
+    return family(cfg).flops_per_token(cfg, seq_len)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
@@ -172,48 +93,4 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     """
     if bytes_per_element < 1:
         raise ValueError(f"bytes_per_element must be >= 1, got {bytes_per_element}")
-    if cfg.arch == "mamba":
-        return 0  # a fixed-size state (models.mamba.MambaState), nothing per token
-    if cfg.attention == "mla":
-        per_layer = cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim
-    else:
-        per_layer = 2 * cfg.resolved_num_kv_heads * cfg.head_dim
-    return cfg.n_layers * per_layer * bytes_per_element
-
-
-def _mamba_param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """`param_counts` of a Mamba model: per layer a norm, in_proj (D -> 2E), the depthwise conv (E x K and
-    its bias), x_proj (E -> R + 2N), dt_proj (R -> E with bias), A_log (E x N), D (E) and out_proj (E -> D)."""
-    D, V, E, N = cfg.d_model, cfg.vocab_size, cfg.ssm_d_inner, cfg.ssm_state_size
-    R, K = cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
-    layer = (D + D * 2 * E + E * K + E + E * (R + 2 * N) + R * E + E + E * N + E + E * D
-             + ((2 * E + D) if cfg.bias else 0))
-    embedding = V * D * (1 if cfg.tie_embeddings else 2)
-    non_embedding = cfg.n_layers * layer + D
-    total = embedding + non_embedding
-    return {"total": total, "active": total, "embedding": embedding, "non_embedding": non_embedding,
-            "active_non_embedding": non_embedding}
-
-
-def _encdec_stack_params(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(encoder, decoder) non-embedding parameters and the encoder depth. An encoder layer is a decoder
-    layer without cross-attention: two norms, self-attention, FFN; a decoder layer adds a norm and the
-    cross-attention; pre-norm stacks end in one norm each, and embedding_norm adds one per stack."""
-    final = _norm_params(cfg) if cfg.norm_position == "pre" else 0
-    enc_layer = 2 * _norm_params(cfg) + _attention_params(cfg) + _ffn_params(cfg, cfg.resolved_d_ff)
-    dec_layer = enc_layer + _norm_params(cfg) + _attention_params(cfg)
-    final += _norm_params(cfg) if cfg.embedding_norm else 0
-    L_enc = cfg.resolved_n_encoder_layers
-    return L_enc * enc_layer + final, cfg.n_layers * dec_layer + final, L_enc
-
-
-def _encdec_param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """`param_counts` of an encoder-decoder: one shared token table, one learned position table per stack."""
-    D, V = cfg.d_model, cfg.vocab_size
-    embedding = V * D * (1 if cfg.tie_embeddings else 2)
-    if cfg.pos_encoding == "learned":
-        embedding += 2 * cfg.max_seq_len * D
-    n_enc, n_dec, _ = _encdec_stack_params(cfg)
-    total = embedding + n_enc + n_dec
-    return {"total": total, "active": total, "embedding": embedding, "non_embedding": n_enc + n_dec,
-            "active_non_embedding": n_enc + n_dec}
+    return family(cfg).kv_cache_bytes_per_token(cfg, bytes_per_element)

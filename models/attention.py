@@ -88,10 +88,10 @@ class KVCache:
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KVCache max_len ({max_len}) exceeds max_seq_len ({cfg.max_seq_len})")
-        if cfg.attention == "mla":
-            return cls(cfg.n_layers, batch_size, 1, cfg.resolved_kv_lora_rank, max_len, device, dtype,
-                       value_dim=cfg.resolved_qk_rope_head_dim)
-        return cls(cfg.n_layers, batch_size, cfg.resolved_num_kv_heads, cfg.head_dim, max_len, device, dtype)
+        from models.families import attention_kind  # the table imports this module
+
+        heads, key_dim, value_dim = attention_kind(cfg).cache_shape(cfg)
+        return cls(cfg.n_layers, batch_size, heads, key_dim, max_len, device, dtype, value_dim=value_dim)
 
     def begin_step(self, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         """Record the mask of T new tokens and return their position ids.

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import Attention, KVCache
+from models.attention import KVCache
 from models.config import ModelConfig
 from models.ffn import FeedForward
-from models.mla import MultiHeadLatentAttention
 from models.moe import MoEFeedForward
 from models.norms import build_norm
 
@@ -36,7 +35,9 @@ class TransformerBlock(nn.Module):
         self.pre_norm = cfg.norm_position == "pre"
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.attn_norm = build_norm(cfg)
-        self.attn: nn.Module = MultiHeadLatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        from models.families import attention_kind  # the table imports this module
+
+        self.attn: nn.Module = attention_kind(cfg).build(cfg)
         self.ffn_norm = build_norm(cfg)
         self.ffn: nn.Module = (
             MoEFeedForward(cfg) if self.is_moe else FeedForward(cfg.d_model, cfg.resolved_d_ff, cfg.ffn, cfg.bias)

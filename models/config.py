@@ -18,12 +18,11 @@ POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
 FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
-ARCHS = ("decoder", "mamba", "encoder_decoder")
-ENCDEC_FIELDS = ("n_encoder_layers", "denoise_noise_density", "denoise_mean_span_length", "embedding_norm")  # in to_dict() only for arch encoder_decoder (see to_dict)
-ATTENTION_KINDS = ("mha", "mla")
 # How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
-MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Optional sizes: None (derived) or an int >= 1.
+_OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                   "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
 
 
 def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
@@ -44,7 +43,8 @@ class ModelConfig:
     kv_lora_rank .. v_head_dim), positions (pos_encoding, rope_*), block layout (ffn, norm,
     norm_position, norm_eps, bias, tie_embeddings), regularisation (dropout, attn_dropout),
     initialisation (init_std), mixture of experts (num_experts, moe_*), the family (arch) with Mamba's
-    ssm_* and the encoder-decoder's fields (ENCDEC_FIELDS). See the field comments.
+    ssm_* and the encoder-decoder's fields. Which fields belong to which family or attention kind, and
+    the checks that depend on them, are the family table's (`models.families`). See the field comments.
 
     Raises:
         ValueError: from `__post_init__` when a field has a bad type or value; the message names the
@@ -104,7 +104,7 @@ class ModelConfig:
 
     # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
     # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
-    # the ssm_* fields; the attention, position, FFN and MoE fields do not apply (see _check_mamba).
+    # the ssm_* fields; the attention, position, FFN and MoE fields do not apply (see models/families/mamba.py).
     arch: str = "decoder"
     ssm_state_size: int = 16  # N, the SSM state per channel
     ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
@@ -115,7 +115,7 @@ class ModelConfig:
     # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
     # stacks use the attention, position, FFN and norm fields above and share one embedding table; the
     # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
-    # debug_encdec and encdec (see _check_encdec for what does not apply).
+    # debug_encdec and encdec (see models/families/encdec.py for what does not apply).
     n_encoder_layers: int | None = None  # None = n_layers
     embedding_norm: bool = False  # a norm over each stack's summed embeddings, before its first layer (BART)
     # The denoising objective it is trained with (T5 span corruption, pipeline/data/span_corruption.py):
@@ -134,13 +134,18 @@ class ModelConfig:
         }
         for name, minimum in ints.items():
             _check_int(name, getattr(self, name), minimum)
-        for name in ("num_kv_heads", "d_ff", "moe_d_ff", *MLA_FIELDS):
+        for name in ("ssm_state_size", "ssm_conv_kernel", "ssm_expand"):
+            _check_int(name, getattr(self, name), 1)
+        for name in _OPTIONAL_SIZES:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
-        for name in ("bias", "tie_embeddings", "moe_renormalize"):
+        for name in ("bias", "tie_embeddings", "moe_renormalize", "embedding_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
-        _check_choice("attention", self.attention, ATTENTION_KINDS)
+        from models.families import ATTENTION_KINDS, FAMILIES, check_family  # the table imports this module
+
+        _check_choice("arch", self.arch, tuple(FAMILIES))
+        _check_choice("attention", self.attention, tuple(ATTENTION_KINDS))
         _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
         _check_choice("ffn", self.ffn, FFN_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
@@ -170,30 +175,6 @@ class ModelConfig:
                 f"num_kv_heads ({kv}) must divide n_heads ({self.n_heads}); allowed: None or "
                 f"{[h for h in range(1, self.n_heads + 1) if self.n_heads % h == 0]}"
             )
-        if self.attention == "mla":
-            if self.pos_encoding != "rope":
-                raise ValueError(
-                    f"attention 'mla' carries positions in its decoupled RoPE features, so pos_encoding must be "
-                    f"'rope', got {self.pos_encoding!r}"
-                )
-            if self.num_kv_heads is not None:
-                raise ValueError(
-                    f"num_kv_heads must be None with attention 'mla' (every head reads the shared latent), "
-                    f"got {self.num_kv_heads!r}"
-                )
-            if self.resolved_qk_rope_head_dim % 2 != 0:
-                raise ValueError(
-                    f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.resolved_qk_rope_head_dim}"
-                )
-        else:
-            for name in MLA_FIELDS:
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"{name} is an option of attention 'mla'; with attention {self.attention!r} it must be "
-                        f"None, got {getattr(self, name)!r}"
-                    )
-        if self.attention == "mha" and self.pos_encoding == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"pos_encoding 'rope' needs an even head_dim, got d_model/n_heads = {self.head_dim}")
         if self.pos_encoding == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"pos_encoding 'sinusoidal' needs an even d_model, got {self.d_model}")
         if self.num_experts > 0 and self.moe_top_k > self.num_experts:
@@ -206,8 +187,13 @@ class ModelConfig:
                 raise ValueError(
                     f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor!r}"
                 )
-        _check_mamba(self)
-        _check_encdec(self)
+        _check_float("denoise_noise_density", self.denoise_noise_density)
+        _check_float("denoise_mean_span_length", self.denoise_mean_span_length)
+        if not 0.0 < self.denoise_noise_density < 1.0:
+            raise ValueError(f"denoise_noise_density must be in (0, 1), got {self.denoise_noise_density!r}")
+        if self.denoise_mean_span_length < 1.0:
+            raise ValueError(f"denoise_mean_span_length must be >= 1, got {self.denoise_mean_span_length!r}")
+        check_family(self, _DEFAULTS)
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -243,7 +229,9 @@ class ModelConfig:
     @property
     def rope_head_dim(self) -> int:
         """How many features of each query/key head RoPE rotates: head_dim (mha) or qk_rope_head_dim (mla)."""
-        return self.resolved_qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        from models.families import attention_kind
+
+        return attention_kind(self).rope_head_dim(self)
 
     @property
     def resolved_num_kv_heads(self) -> int:
@@ -302,18 +290,9 @@ class ModelConfig:
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain JSON-serialisable dict.
-
-        The encoder-decoder fields (ENCDEC_FIELDS) appear only when arch is 'encoder_decoder': the dict
-        feeds the train stage's content hash, and a field that a decoder cannot use must not change the
-        hash (and so the cached artifacts) of every decoder config written before it existed.
-        `from_dict` gives the missing fields their defaults, so the round trip is exact.
-        """
-        d = dataclasses.asdict(self)
-        if self.arch != "encoder_decoder":
-            for name in ENCDEC_FIELDS:
-                del d[name]
-        return d
+        """The fields as a plain JSON-serialisable dict (`from_dict` gives missing fields their defaults,
+        so the round trip is exact)."""
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -347,58 +326,6 @@ class ModelConfig:
         merged = self.to_dict()
         merged.update(kw)
         return type(self).from_dict(merged)
-
-
-def _check_mamba(cfg: ModelConfig) -> None:
-    """The arch field and the ssm_* fields; for arch 'mamba', the Transformer options it cannot honour."""
-    _check_choice("arch", cfg.arch, ARCHS)
-    for name in ("ssm_state_size", "ssm_conv_kernel", "ssm_expand"):
-        _check_int(name, getattr(cfg, name), 1)
-    if cfg.ssm_dt_rank is not None:
-        _check_int("ssm_dt_rank", cfg.ssm_dt_rank, 1)
-    if cfg.arch != "mamba":
-        return
-    # A Mamba block is pre-norm RMSNorm with no positions, attention or FFN: a value here that asks for
-    # something else would be silently ignored, so it is refused instead.
-    wrong = {"attention": (cfg.attention, "mha"), "pos_encoding": (cfg.pos_encoding, "none"),
-             "norm": (cfg.norm, "rmsnorm"), "norm_position": (cfg.norm_position, "pre"),
-             "num_experts": (cfg.num_experts, 0), "attn_dropout": (cfg.attn_dropout, 0.0)}
-    for name, (value, needed) in wrong.items():
-        if value != needed:
-            raise ValueError(f"{name} must be {needed!r} when arch is 'mamba' (Mamba has no attention, positions "
-                             f"or experts), got {value!r}; the presets debug_mamba and mamba set it")
-
-
-def _check_encdec(cfg: ModelConfig) -> None:
-    """n_encoder_layers; for arch 'encoder_decoder', the options its layers do not implement."""
-    if cfg.n_encoder_layers is not None:
-        _check_int("n_encoder_layers", cfg.n_encoder_layers, 1)
-        if cfg.arch != "encoder_decoder":
-            raise ValueError(f"n_encoder_layers is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} it "
-                             f"must be None, got {cfg.n_encoder_layers!r}")
-    if not isinstance(cfg.embedding_norm, bool):
-        raise ValueError(f"embedding_norm must be a bool (True or False), got {cfg.embedding_norm!r}")
-    _check_float("denoise_noise_density", cfg.denoise_noise_density)
-    _check_float("denoise_mean_span_length", cfg.denoise_mean_span_length)
-    if not 0.0 < cfg.denoise_noise_density < 1.0:
-        raise ValueError(f"denoise_noise_density must be in (0, 1), got {cfg.denoise_noise_density!r}")
-    if cfg.denoise_mean_span_length < 1.0:
-        raise ValueError(f"denoise_mean_span_length must be >= 1, got {cfg.denoise_mean_span_length!r}")
-    if cfg.arch != "encoder_decoder":
-        for name in ENCDEC_FIELDS[1:]:
-            if getattr(cfg, name) != _DEFAULTS[name]:
-                raise ValueError(f"{name} is an option of arch 'encoder_decoder'; with arch {cfg.arch!r} leave it "
-                                 f"at {_DEFAULTS[name]!r}, got {getattr(cfg, name)!r}")
-        return
-    # ALiBi's bias is written for causal attention (distance to past keys) and MLA/MoE were never built
-    # into the encoder-decoder layers: refused rather than silently ignored.
-    wrong = {"attention": (cfg.attention, "mha"), "num_experts": (cfg.num_experts, 0)}
-    for name, (value, needed) in wrong.items():
-        if value != needed:
-            raise ValueError(f"{name} must be {needed!r} when arch is 'encoder_decoder', got {value!r}")
-    if cfg.pos_encoding == "alibi":
-        raise ValueError("pos_encoding must be one of ['rope', 'sinusoidal', 'learned', 'none'] when arch is "
-                         "'encoder_decoder' (ALiBi is defined for causal attention), got 'alibi'")
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

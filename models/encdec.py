@@ -59,24 +59,13 @@ class EncoderState:
     cross_kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class CrossAttention(nn.Module):
-    """Multi-head attention from decoder queries to encoder keys/values (q/k/v/o_proj as in Attention).
+class CrossAttention(Attention):
+    """Multi-head attention from decoder queries to encoder keys/values: Attention's q/k/v/o_proj (built
+    by its constructor), without positions, cache or causal mask.
 
     Args:
         cfg: model config (d_model, n_heads, num_kv_heads, bias, attn_dropout).
     """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.resolved_num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.attn_dropout = cfg.attn_dropout
-        d_q, d_kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, d_q, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, d_kv, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, d_kv, bias=cfg.bias)
-        self.o_proj = nn.Linear(d_q, cfg.d_model, bias=cfg.bias)
 
     def project_memory(self, memory_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the encoder output, (B, G, S, K) each."""
@@ -154,7 +143,9 @@ class EncoderDecoderLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if not isinstance(cfg, ModelConfig) or cfg.arch != "encoder_decoder":
+        from models.families import family  # the table imports this module
+
+        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not EncoderDecoderLM:
             raise ValueError(f"EncoderDecoderLM expects a ModelConfig with arch 'encoder_decoder', got {cfg!r}")
         self.cfg = cfg
         learned = cfg.pos_encoding == "learned"

@@ -1,6 +1,7 @@
 """Conduit MLA models <-> Hugging Face DeepseekV2 (`DeepseekV2ForCausalLM`): config and tensors.
 
-`models.export` calls these for `attention == "mla"`; they only map dicts of tensors (no file I/O).
+A decoder with multi-head latent attention exports as DeepseekV2 (the attention kind "mla" in
+`models.families.attention` names this format); these functions only map dicts (no file I/O).
 
 What maps how:
 - names: Conduit's MLA parameters carry DeepseekV2's names except `kv_a_proj` (HF
@@ -31,7 +32,9 @@ import re
 
 import torch
 
+from models import hf_llama
 from models.config import ModelConfig
+from models.families.spec import HFFormat
 
 # Our MLA / MoE names (after "layers.{i}.") -> DeepseekV2's (after "model.layers.{i}.").
 _ATTN_NAMES = {
@@ -57,15 +60,7 @@ _HF_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def unsupported_options(cfg: ModelConfig) -> list[str]:
     """Options of an MLA config DeepseekV2 cannot express, as "field=value (reason)" strings."""
-    problems = []
-    if cfg.norm != "rmsnorm":
-        problems.append(f"norm={cfg.norm!r} (DeepseekV2 uses rmsnorm)")
-    if cfg.norm_position != "pre":
-        problems.append(f"norm_position={cfg.norm_position!r} (DeepseekV2 is pre-norm)")
-    if cfg.ffn != "swiglu":
-        problems.append(f"ffn={cfg.ffn!r} (DeepseekV2 uses swiglu)")
-    if cfg.bias:
-        problems.append("bias=True (HF export supports bias-free models only)")
+    problems = hf_llama.block_problems(cfg, "DeepseekV2")
     if cfg.num_experts > 0:
         if cfg.moe_every != 1:
             problems.append(f"moe_every={cfg.moe_every} (DeepseekV2's MoE layers are all layers from "
@@ -182,10 +177,10 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     return out
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """The DeepseekV2-specific config.json keys of an MLA model (export adds the common ones)."""
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of DeepseekV2ForCausalLM for an MLA model: the Llama-like keys and its own."""
     moe = cfg.num_experts > 0
-    return {
+    return {**hf_llama.common_config(cfg, dtype), **{
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
         "num_key_value_heads": cfg.n_heads,
@@ -207,7 +202,21 @@ def hf_config(cfg: ModelConfig) -> dict:
         "routed_scaling_factor": 1.0,
         "norm_topk_prob": False,
         "mlp_bias": False,
-    }
+    }}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig a DeepseekV2 config.json describes."""
+    fields = {**hf_llama.common_fields(hf, check_head_dim=False), **config_fields(hf)}
+    fields.pop("num_kv_heads")  # MLA has no separate key/value heads
+    return ModelConfig.from_dict(fields)
+
+
+def architecture(cfg: ModelConfig) -> tuple:
+    """What a DeepseekV2 config.json determines: the Llama-like sizes and MLA's."""
+    return (*hf_llama.architecture(cfg), cfg.q_lora_rank,
+            *(getattr(cfg, f"resolved_{f}") for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                       "v_head_dim")))
 
 
 def config_fields(hf: dict) -> dict:
@@ -241,3 +250,15 @@ def config_fields(hf: dict) -> dict:
                       moe_shared_experts=hf.get("n_shared_experts") or 0, moe_renormalize=False,
                       moe_first_dense_layers=first_dense)
     return fields
+
+
+FORMAT = HFFormat(
+    name="DeepseekV2ForCausalLM",
+    model_types=("deepseek_v2",),
+    unsupported_options=unsupported_options,
+    hf_config=hf_config,
+    config_from_hf=config_from_hf,
+    to_hf=to_hf_tensors,
+    from_hf=from_hf_tensors,
+    architecture=architecture,
+)

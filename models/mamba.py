@@ -291,7 +291,9 @@ class MambaLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if not isinstance(cfg, ModelConfig) or cfg.arch != "mamba":
+        from models.families import family  # the table imports this module
+
+        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not MambaLM:
             raise ValueError(f"MambaLM expects a ModelConfig with arch 'mamba', got {cfg!r}")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)

@@ -51,12 +51,14 @@ class MultiHeadLatentAttention(nn.Module):
     kv_a_layernorm), kv_b_proj, o_proj.
 
     Args:
-        cfg: model config with attention == "mla".
+        cfg: model config with attention "mla".
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.attention != "mla":
+        from models.families import attention_kind  # the table imports this module
+
+        if attention_kind(cfg).build is not MultiHeadLatentAttention:
             raise ValueError(f"MultiHeadLatentAttention needs attention='mla', got {cfg.attention!r}")
         self.n_heads = cfg.n_heads
         self.kv_lora_rank = cfg.resolved_kv_lora_rank

@@ -23,6 +23,7 @@ import torch
 
 from models.config import ModelConfig
 from models.encdec import EncoderDecoderLM
+from models.families import family
 from models.mamba import MambaLM
 from models.transformer import Transformer
 
@@ -79,8 +80,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer] | type[MambaLM] | type[EncoderDecoderLM]:
-    """The nn.Module class that builds `cfg` (by `cfg.arch`)."""
-    return {"mamba": MambaLM, "encoder_decoder": EncoderDecoderLM}.get(cfg.arch, Transformer)
+    """The nn.Module class that builds `cfg` (its family's, `models.families`)."""
+    return family(cfg).model_class
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -101,7 +102,7 @@ def build_model(
     device: torch.device | str | None = None,
     **overrides,
 ) -> Transformer | MambaLM | EncoderDecoderLM:
-    """Build and initialise a model (a Transformer, or a MambaLM for arch 'mamba').
+    """Build and initialise a model of `cfg`'s family (a Transformer, a MambaLM, an EncoderDecoderLM).
 
     The module is created on the meta device, materialised on `device` with `to_empty` and then set
     by `init_weights()`, so weights are initialised once, directly where they live.

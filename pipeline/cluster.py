@@ -24,9 +24,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import credentials
-from pipeline.config import REPO_ROOT, RunConfig
+from pipeline.base import REPO_ROOT, is_uri
+
+if TYPE_CHECKING:  # a hint only: the jobs.status / logs / stop CLIs need no config, no models, no torch
+    from pipeline.config import RunConfig
 
 DEFAULT_ENV_FILE = REPO_ROOT / "outputs" / "infra" / "env"
 ENV_FILE_VAR = "CONDUIT_INFRA_ENV"
@@ -103,7 +107,7 @@ AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 def apply_auth(address: str) -> None:
     """Token auth for ``address``: when it is the env file's cluster (its Jobs API or, for
-    ``pipeline.deploy``, its GCS address), take ``RAY_AUTH_MODE`` and
+    ``pipeline.serving.deploy``, its GCS address), take ``RAY_AUTH_MODE`` and
     ``RAY_AUTH_TOKEN_PATH`` from that file unless the environment sets them (or ``RAY_AUTH_TOKEN``)
     itself. Another address never gets the env file's token. Ray reads these variables once, on its
     first use, so this must run before that."""
@@ -165,7 +169,7 @@ def pin_locations(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
         ``data.data_root`` absolute when set to local paths; ``CONDUIT_DATA_ROOT`` always.
     """
     overrides = [f"run.workdir={cfg.workdir()}"]
-    if cfg.run.artifact_root and "://" not in cfg.run.artifact_root:
+    if cfg.run.artifact_root and not is_uri(cfg.run.artifact_root):
         overrides.append(f"run.artifact_root={cfg.artifact_root()}")
     if cfg.data.data_root:
         overrides.append(f"data.data_root={cfg.data_root()}")

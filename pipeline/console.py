@@ -286,7 +286,7 @@ def summary_lines(result) -> list[str]:
     Args:
         result: the ``pipeline.runner.PipelineResult`` of a run that was not a dry run.
     """
-    from pipeline.stage_io import RegisteredModel
+    from pipeline.store.contracts import RegisteredModel
 
     lines = ["", f"{'stage':<10} {'status':<7} {'seconds':>8}  result"]
     for name, art in result.artifacts.items():

@@ -14,15 +14,11 @@ Each store has a place for its secret outside the URI: S3 reads ``AWS_ACCESS_KEY
 
 from __future__ import annotations
 
-import re
 from typing import Any
 from urllib.parse import parse_qsl
 
-# Query parameters that carry a secret: pyarrow's S3 options, signed URLs, generic names.
-SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passwd", "secret", "token",
-                 "api_key", "apikey", "sig", "signature", "x-amz-signature", "x-amz-credential",
-                 "x-amz-security-token"}
-_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(?P<authority>[^/?#\s]*)(?P<path>[^?#\s]*)(?:\?(?P<query>[^#\s]*))?")
+from pipeline.base import SECRET_PARAMS, URI_PATTERN as _URI
+from pipeline.base import redact as redact  # noqa: F401  (offered here too: callers redact what they print)
 WHERE_INSTEAD = ("set credentials in the environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for S3, "
                  "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for an MLflow server, PGPASSWORD or a "
                  "password file for a database)")
@@ -43,22 +39,6 @@ def found_in(value: str) -> str | None:
         if secret:
             return f"the secret query parameter(s) {secret}"
     return None
-
-
-def redact(value: str) -> str:
-    """``value`` with every URI password and secret query value replaced by ``***``."""
-    def one(m: re.Match) -> str:
-        authority = m.group("authority")
-        userinfo, at, host = authority.rpartition("@")
-        if ":" in userinfo:
-            authority = f"{userinfo.split(':', 1)[0]}:***{at}{host}"
-        query = m.group("query")
-        if query is not None:
-            query = "&".join(f"{k}=***" if k.lower() in SECRET_PARAMS else part
-                             for part in query.split("&") for k in [part.split("=", 1)[0]])
-        scheme = m.group(0).split("://", 1)[0]
-        return f"{scheme}://{authority}{m.group('path')}" + ("" if query is None else f"?{query}")
-    return _URI.sub(one, value)
 
 
 def strings_of(value: Any, name: str):

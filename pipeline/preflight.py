@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from pipeline.base import is_uri
 from pipeline.config import ConfigError, RunConfig
 from pipeline.training.device import resolve_device, resolve_precision
 
@@ -107,7 +108,7 @@ def check_disk(cfg: RunConfig, item, stage, inputs: Mapping) -> None:
     by_device: dict[int, list[tuple[Path, int, str]]] = {}
     for location, need, what in needs:
         location = str(item.path) if location is None else location
-        if "://" in location:
+        if is_uri(location):
             continue
         path = Path(location)
         probe_dir = path if path.exists() else path.parent

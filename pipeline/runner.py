@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline import cluster, locks, tracking
-from pipeline.artifacts import Artifact, content_hash
+from pipeline import cluster, tracking
+from pipeline.store import locks
+from pipeline.store.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
-from pipeline.listen import warn_if_exposed
+from pipeline.serving.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
-from pipeline.storage import StorageError, Transfer, is_uri, join, store_for
+from pipeline.store.backends import StorageError, Transfer, is_uri, join, store_for
 
 
 class StageFailed(RuntimeError):
@@ -35,7 +36,7 @@ class StageFailed(RuntimeError):
 class PlanItem:
     stage: str
     hash: str
-    path: Path | str  # the artifact's folder, or its URI in an object store (pipeline.storage)
+    path: Path | str  # the artifact's folder, or its URI in an object store (pipeline.store.backends)
     cached: bool
     run: bool  # False: skipped because cached, or outside --only
     forced: bool = False  # --force (or downstream of it): state kept to resume an attempt is discarded
@@ -204,7 +205,7 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
         return
     local = [f"{name}={path}" for name, path in (
         ("run.artifact_root", cfg.artifact_root()), ("train.checkpoint_storage", cfg.train.checkpoint_storage),
-    ) if path and "://" not in path]
+    ) if path and not is_uri(path)]
     if local:
         raise ConfigError(
             f"the Ray cluster has {num_nodes} nodes but {', '.join(local)} is a local path: stages and "
@@ -239,7 +240,7 @@ STAGE_RESOURCE_SHARE = 0.001  # of each cluster.stage_resources name, per stage 
 
 def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:
     """A stage's Ray task: its inputs on this node, its body into a node-local folder, sealed and
-    published to the artifact store (``pipeline.storage``; in place for a local root)."""
+    published to the artifact store (``pipeline.store.backends``; in place for a local root)."""
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     store = store_for(cfg.artifact_root())
     local_inputs = {k: a if k in stage.read_in_place else store.fetch(a) for k, a in inputs.items()}

@@ -1,4 +1,4 @@
-"""Everything Conduit says to MLflow goes through this module (with ``pipeline.serving``, the served
+"""Everything Conduit says to MLflow goes through this module (with ``pipeline.serving.pyfunc``, the served
 model itself, the only modules that import mlflow).
 
 Lineage: one parent run per pipeline run, one nested run per stage, artifact hashes as tags. Stage
@@ -22,7 +22,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline import credentials, serving
+from pipeline.base import is_uri
+from pipeline import credentials
+from pipeline.serving import pyfunc
 
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
 
@@ -194,7 +196,7 @@ class StageTracker:
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         # The source as MLflow's own file sources write it: {"uri": ...}, typed by the URI's scheme.
-        source_type = source.split("://", 1)[0] if "://" in source else "local"
+        source_type = source.split("://", 1)[0] if is_uri(source) else "local"
         entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
                          profile=None if profile is None else json.dumps(profile, sort_keys=True))
         client(self.uri).log_inputs(
@@ -214,7 +216,7 @@ def log_and_register_model(
     code_paths: list[str],
     extra_artifacts: dict[str, Path] | None = None,
 ) -> int:
-    """Log the served model (``pipeline.serving.ConduitLM``, as the code of ``serving.MODEL_CODE``) into
+    """Log the served model (``pipeline.serving.pyfunc.ConduitLM``, as the code of ``pyfunc.MODEL_CODE``) into
     the tracker's run, register it, point ``alias`` at it.
 
     Args:
@@ -227,13 +229,13 @@ def log_and_register_model(
     with _fluent_uri(tracker.uri), mlflow.start_run(run_id=tracker.run_id):
         info = mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(serving.MODEL_CODE),  # models from code: nothing is pickled
+            python_model=str(pyfunc.MODEL_CODE),  # models from code: nothing is pickled
             artifacts={"weights": str(weights), "tokenizer": str(tokenizer),
                        **{k: str(v) for k, v in (extra_artifacts or {}).items()}},
             code_paths=code_paths,
-            signature=serving.signature(),
-            input_example=serving.input_example(),
-            pip_requirements=serving.pinned_requirements(),
+            signature=pyfunc.signature(),
+            input_example=pyfunc.input_example(),
+            pip_requirements=pyfunc.pinned_requirements(),
             registered_model_name=model_name,
         )
     version = int(info.registered_model_version)

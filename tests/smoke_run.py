@@ -1,13 +1,13 @@
 """The session's one run of configs/smoke.yaml, shared by every test that can read it.
 
 ``python -m jobs.run configs/smoke.yaml`` runs once per session, as a person runs it: on a terminal
-(a pseudo-terminal), on the session's Ray cluster, into a workdir of its own. tests/test_e2e_smoke.py
+(a pseudo-terminal), on the session's Ray cluster, into a workdir of its own. tests/e2e/test_smoke.py
 checks what it printed and left; every other test that needs the smoke config's data stages (shard,
 tokenizer, tokenize: the same hashes) points ``run.artifact_root`` at this run's artifact root
 (``smoke_artifact_root``), so those stages are built once per session and found cached, as the
 content-addressed cache is made to do. Such a test must not run a stage of this run's own hashes
 again (``--force``) or write into its workdir, with one exception: the MoE pipeline of
-tests/test_e2e_smoke.py, which shares the workdir on purpose.
+tests/e2e/test_smoke.py, which shares the workdir on purpose.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def smoke(tmp_path_factory, ray_cluster):
     """``(config, PipelineResult, screen lines, raw terminal bytes)`` of the session's smoke run."""
     from pipeline.config import load_config
     from pipeline.runner import PipelineResult, make_plan, resolve
-    from pipeline.storage import store_for
+    from pipeline.store.backends import store_for
 
     work = tmp_path_factory.mktemp("smoke")
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])

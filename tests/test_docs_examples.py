@@ -1,4 +1,4 @@
-"""Every pipeline command that README.md, infra/README.md and the Kubernetes manifests show a user
+"""Every pipeline command that README.md, docs/*.md, infra/README.md and the Kubernetes manifests show a user
 loads and validates: the config file and the exact overrides they pass to ``jobs.run`` /
 ``jobs.submit`` / ``make run`` / ``make submit``. A documented example that Conduit itself would
 refuse (a batch that does not divide over the workers, a misspelt key) fails here, not for a user."""
@@ -15,7 +15,7 @@ import yaml
 from pipeline.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "infra" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "infra" / "README.md"]
 OVERRIDE = re.compile(r"^[a-z_]+\.[a-z_]+=")
 
 
@@ -75,7 +75,8 @@ EXAMPLES = documented_examples()
 def test_the_docs_show_the_examples_this_test_is_about():
     """The parser finds what a reader sees (so that the next test cannot pass by finding nothing)."""
     where = [w for w, _, _ in EXAMPLES]
-    assert sum(w.startswith("README.md") for w in where) >= 10, where
+    assert sum(w.startswith("README.md") for w in where) >= 5, where
+    assert sum(w.startswith(("README.md", "docs/")) for w in where) >= 10, where
     assert sum(w.startswith("infra/README.md") for w in where) >= 3, where
     assert "infra/k8s/rayjob.yaml" in where
     assert any("parallel.num_workers=16" in o for _, _, ov in EXAMPLES for o in ov), "the 16-GPU example"

@@ -42,7 +42,7 @@ FIRST = (
     "tests/jobs/test_submit.py",
     "mlflow-server",
     "tests/pipeline/training/test_distributed_training.py",
-    "tests/pipeline/test_cluster_object_store.py",
+    "tests/e2e/test_cluster_object_store.py",
     "tests/pipeline/test_runner_recovery.py",
 )
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.data.packing import segment
-from pipeline.text import load_sentencepiece
+from pipeline.tokenization.spm import load_sentencepiece
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

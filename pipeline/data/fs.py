@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from pipeline.base import is_uri
 from pipeline.data import DataError
 
 
@@ -28,7 +29,7 @@ def filesystem_for(uri: str) -> tuple[pafs.FileSystem, str]:
     Raises:
         DataError: a URI that pyarrow cannot parse or has no filesystem for.
     """
-    if "://" not in uri:
+    if not is_uri(uri):
         return pafs.LocalFileSystem(), uri
     try:
         return pafs.FileSystem.from_uri(uri)

@@ -13,7 +13,7 @@ tails in shard order, so any number of processes can pack shards independently a
 the same files. The global block order is then fixed by the data: the blocks of shard 0, then shard
 1, ..., then the tail shard; global block ``g`` is found from the per-shard counts in the index.
 Training draws a permutation of ``range(n_blocks)`` seeded by ``(run.seed, epoch)``
-(``pipeline.training.data``): a pure function of the data and the seed, whatever the number of
+(``pipeline.training.loader``): a pure function of the data and the seed, whatever the number of
 encoders or of training workers.
 
 Beside every token the shard keeps the index of the document it came from (uint32, counted over the
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.stage_io import docs_file, tokens_file
-from pipeline.text import BOS_ID, EOS_ID
+from pipeline.store.contracts import docs_file, tokens_file
+from pipeline.tokenization.spm import BOS_ID, EOS_ID
 
 
 def segment(ids: list[list[int]], add_bos: bool, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

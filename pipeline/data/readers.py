@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.base import is_uri
 from pipeline.data import DataError
 from pipeline.data.clean import CleanOptions, clean_documents
 from pipeline.data.fs import InputFile, filesystem_for
@@ -124,7 +125,7 @@ def _read_datasets(uri: str, text_field: str) -> tuple[list[str | None], dict]:
             data = f.readall()
         digest.update(info.path[len(root):].encode("utf-8") + b"\0" + data)
         size += len(data)
-    loaded = datasets.load_from_disk(uri if "://" in uri else root)
+    loaded = datasets.load_from_disk(uri if is_uri(uri) else root)
     parts = [loaded] if isinstance(loaded, datasets.Dataset) else [loaded[k] for k in sorted(loaded)]
     docs: list[str | None] = []
     for part in parts:
@@ -133,7 +134,7 @@ def _read_datasets(uri: str, text_field: str) -> tuple[list[str | None], dict]:
 
 
 def _local_path(uri: str) -> str | None:
-    if "://" not in uri:
+    if not is_uri(uri):
         return uri
     return uri[len("file://"):] if uri.startswith("file://") else None
 

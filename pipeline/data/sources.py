@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from pipeline.config import ConfigError
+from pipeline.base import ConfigError, is_uri
 from pipeline.data.fs import InputFile, filesystem_for
 
 # .csv and .json are always read through ``datasets.load_dataset``; the others by Conduit's readers
@@ -39,7 +39,7 @@ QUERY = re.compile(r"\?\w+=[^?&]*(?:&\w+=[^?&]*)*$")  # ?key=value&key=value at 
 def split_query(uri: str) -> tuple[str, str]:
     """``s3://b/x/*.txt?scheme=http`` -> (``s3://b/x/*.txt``, ``?scheme=http``); local paths and
     ``file://`` URIs have no query (there a ``?`` is a glob character)."""
-    if "://" not in uri or uri.startswith("file://"):
+    if not is_uri(uri) or uri.startswith("file://"):
         return uri, ""
     m = QUERY.search(uri)
     return (uri[: m.start()], m.group(0)) if m else (uri, "")
@@ -47,7 +47,7 @@ def split_query(uri: str) -> tuple[str, str]:
 
 def _join(prefix: str, path: str, query: str = "") -> str:
     """Rebuild a URI from the scheme part of ``prefix``, a filesystem path and the query."""
-    if "://" not in prefix:
+    if not is_uri(prefix):
         return path
     return f"{prefix.split('://', 1)[0]}://{path}{query}"
 
@@ -112,7 +112,7 @@ def resolve_pattern(pattern: str, data_root: Path) -> list[InputFile]:
     Raises:
         ConfigError: nothing matches, or a matched file has an unsupported suffix.
     """
-    full = pattern if ("://" in pattern or Path(pattern).is_absolute()) else str(data_root / pattern)
+    full = pattern if (is_uri(pattern) or Path(pattern).is_absolute()) else str(data_root / pattern)
     full, query = split_query(full)
     scheme_prefix, _, rest = full.rpartition("://")
     body = rest if scheme_prefix else full

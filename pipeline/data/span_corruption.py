@@ -6,7 +6,8 @@ with sentinels where spans were dropped, and a decoder target that lists the dro
     encoder : a b <s0> e f g h <s1> i j
     target  : <s0> c d <s1> h </s>      decoder input: <pad> <s0> c d <s1> h
 
-The arithmetic is T5's `random_spans_noise_mask`: of a block of L tokens, exactly
+The arithmetic is T5's `random_spans_noise_mask` (`span_counts`, in the encoder-decoder family's module
+models/families/encdec.py, where the config's checks read it too): of a block of L tokens, exactly
 round(L * noise_density) (at least 1, at most L - 1) are noise, in exactly
 max(1, round(noise / mean_span_length)) spans; the noise and the kept tokens are each cut into that many
 non-empty runs at uniformly random places, and the runs alternate kept, noise, kept, noise, ... so a block
@@ -23,7 +24,7 @@ on-the-fly preprocessing does, where noise fixed in the artifact would be the sa
 Determinism: the noise of a block is a pure function of (run seed, salt, the block's tokens), with the
 salt the optimizer step in training and a constant in evaluation. It needs no sample index from the
 loader (whose layout is another module's business), it is the same on every rank layout (the global
-batch of a step is, see pipeline.training.data), and a block read again in another epoch (another step)
+batch of a step is, see pipeline.training.loader), and a block read again in another epoch (another step)
 gets other noise. Two equal blocks in one step get equal noise, which changes nothing.
 
 Sentinels: the tokenizer reserves `sentinel_symbols(n)` as user-defined symbols after the configured
@@ -41,7 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.text import EOS_ID, NUM_SPECIAL, PAD_ID
+from models.families import family
+from models.families.encdec import span_counts
+from pipeline.tokenization.spm import EOS_ID, NUM_SPECIAL, PAD_ID
 
 DECODER_START_ID = PAD_ID  # the decoder's first input, as in T5 and Marian
 EVAL_SALT = -1  # the salt of evaluation's noise (training's is the step, >= 0)
@@ -50,19 +53,6 @@ EVAL_SALT = -1  # the salt of evaluation's noise (training's is the step, >= 0)
 def sentinel_symbols(n: int) -> list[str]:
     """The n sentinel pieces, T5's spelling: <extra_id_0>, <extra_id_1>, ..."""
     return [f"<extra_id_{k}>" for k in range(n)]
-
-
-def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
-    """(noise tokens, noise spans) of a block of `length` tokens, T5's rounding.
-
-    Raises:
-        ValueError: on a block shorter than 2 tokens (it has no room for kept and noise tokens).
-    """
-    if length < 2:
-        raise ValueError(f"span corruption needs blocks of at least 2 tokens, got {length}")
-    noise = min(max(round(length * noise_density), 1), length - 1)
-    spans = max(round(noise / mean_span_length), 1)
-    return noise, min(spans, noise, length - noise)  # every run non-empty
 
 
 @dataclass(frozen=True)
@@ -136,7 +126,7 @@ def first_sentinel_id(user_defined_symbols: list[str]) -> int:
 def for_run(cfg) -> SpanCorruption | None:
     """The objective of a run (a ``pipeline.config.RunConfig``): None unless model.arch is encoder_decoder."""
     mc = cfg.model_config()
-    if mc.arch != "encoder_decoder":
+    if not family(mc).seq2seq:
         return None
     return SpanCorruption(mc.denoise_noise_density, mc.denoise_mean_span_length,
                           first_sentinel_id(cfg.tokenizer.user_defined_symbols), cfg.run.seed)

@@ -10,7 +10,7 @@ global index. Each shard is opened the first time one of its blocks is wanted:
   ranged read (``read_at``) of the object, several in parallel, after one read of the file's ``.npy``
   header. Nothing else of the object is downloaded, so a training worker reads about its ``1/W`` share.
   The store's own integrity checks cover these reads; the manifest's sha256 of a whole file cannot be
-  checked on a part of it (``pipeline.storage.ObjectStore.fetch`` checks it when a node fetches the artifact).
+  checked on a part of it (``pipeline.store.backends.ObjectStore.fetch`` checks it when a node fetches the artifact).
 
 ``bytes_read`` counts the bytes of token rows (and, for ranged reads, headers) read so far: the
 benchmark and the tests compare it with the split's size.
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.artifacts import Artifact
-from pipeline.stage_io import TokenIndex, docs_file, tokens_file
+from pipeline.store.artifacts import Artifact
+from pipeline.store.contracts import TokenIndex, docs_file, tokens_file
 
 RANGE_READ_THREADS = 8  # ranged reads in flight: object stores answer parallel requests well
 
@@ -135,7 +135,7 @@ class TokenBlocks:
         ranged reads for one in an object store (nothing fetched to this node)."""
         if artifact.uri is None:
             return cls.of(artifact.path, split, kind=kind)
-        from pipeline.storage import remote_folder
+        from pipeline.store.backends import remote_folder
 
         fs, folder = remote_folder(artifact)
         return cls._from_index(_Source(folder, fs), _index_of(artifact), split, kind)
@@ -214,7 +214,7 @@ def _index_of(artifact: Artifact) -> TokenIndex:
     """The ``TokenIndex`` of a tokenize artifact, from its manifest counts (which hold the index)."""
     counts = dict(artifact.manifest["counts"])
     fields = {f: counts[f] for f in ("seq_len", "dtype", "vocab_size", "add_bos")}
-    from pipeline.stage_io import SplitTokens
+    from pipeline.store.contracts import SplitTokens
 
     return TokenIndex(**fields, splits={s: SplitTokens(**v) for s, v in counts["splits"].items()})
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pipeline.evaluation.device import on_model
-from pipeline.text import EOS_ID
+from pipeline.tokenization.spm import EOS_ID
 
 
 @dataclass(frozen=True)

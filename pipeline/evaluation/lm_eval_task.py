@@ -5,7 +5,7 @@
 into one folder, which ``lm_eval --include_path FOLDER --tasks NAME`` (or ``TaskManager(include_path=...)``)
 picks up. The task reports ``bits_per_byte``, ``byte_perplexity`` and ``word_perplexity`` of each
 document, scored in disjoint windows of the model's ``max_length``, as Conduit's evaluate stage scores
-its held-out text (``pipeline.evaluation.text_metrics``). README.md, "lm-evaluation-harness", says how
+its held-out text (``pipeline.evaluation.text_metrics``). docs/hf-export.md says how
 to run it on a registered version.
 """
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from pipeline.text import EOS_ID
+from pipeline.tokenization.spm import EOS_ID
 
 MAX_ATTENTION_TOKENS = 32  # beyond this the token labels are unreadable
 

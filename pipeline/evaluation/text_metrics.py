@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.evaluation.device import on_model
-from pipeline.text import EOS_ID
+from pipeline.tokenization.spm import EOS_ID
 
 IGNORE = -100
 _CHARS_PER_TOKEN_BOUND = 16  # a piece of a 512..32k BPE vocabulary is far shorter; bounds the text we encode

@@ -30,11 +30,12 @@ from pipeline.config import RunConfig, hash_view
 from pipeline.data import span_corruption
 from pipeline.evaluation import denoising, lambada, plots, references, routing, text_metrics, word_order
 from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
-from pipeline.generation import TextGenerator
+from pipeline.inference.generator import TextGenerator
 from pipeline.data.token_blocks import TokenBlocks
-from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex
+from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex
 from pipeline.stages.stage import Resources, Stage
-from pipeline.text import load_sentencepiece
+from pipeline.tokenization.spm import load_sentencepiece
+from models.families import family
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -88,7 +89,7 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
 def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, routing_stats: dict | None, tracker) -> None:
     """Log the attention heatmap grid and, for MoE models (``routing_stats`` from the scoring), the
     expert-load heatmap."""
-    if model.cfg.arch in ("mamba", "encoder_decoder"):  # no decoder-only attention map, no experts
+    if not family(model.cfg).draws_attention:  # no decoder-only attention map, no experts
         return
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
     tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
@@ -129,7 +130,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if device == "cuda" and cfg.eval.fit_gpu_batch:
         batch_size = fit_batch_size(model, cfg.tokenize.seq_len, batch_size, limit=len(evaluated))
     with autocast(device, precision):
-        if model.cfg.arch == "encoder_decoder":
+        if family(model.cfg).seq2seq:
             sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
             metrics = denoising.denoising_metrics(model, evaluated, span_corruption.for_run(cfg), batch_size, sp)
             tracker.log_metrics({"sets_scored": 1}, step=1)

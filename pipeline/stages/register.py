@@ -1,6 +1,6 @@
 """register: trained weights + tokenizer + metrics -> an MLflow registered model version.
 
-The version is an MLflow pyfunc model (``pipeline.serving.ConduitLM``) that answers prompts with
+The version is an MLflow pyfunc model (``pipeline.serving.pyfunc.ConduitLM``) that answers prompts with
 generated text; it gets the configured alias (``challenger`` by default), tags that lead back to the
 data, config, code and metrics it came from (``metric.<name>`` tags are what ``jobs.promote`` gates
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
@@ -15,12 +15,14 @@ import shutil
 from pathlib import Path
 
 from models.export import hf_unsupported_options, load_safetensors, read_config, save_hf
-from pipeline import hf_tokenizer, tracking
-from pipeline.artifacts import code_version, content_hash
+from pipeline import tracking
+from pipeline.tokenization import hf_fast
+from pipeline.store.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
-from pipeline.stage_io import EVAL_METRICS_FILE, HF_DIR, TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, RegisteredModel
+from pipeline.store.contracts import EVAL_METRICS_FILE, HF_DIR, TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, RegisteredModel
 from pipeline.stages.stage import Resources, Stage
-from pipeline.text import BOS_ID, EOS_ID, PAD_ID
+from pipeline.tokenization.spm import BOS_ID, EOS_ID, PAD_ID
+from models.families import family
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -30,7 +32,7 @@ def hash_config(cfg: RunConfig) -> dict:
 
 def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
     """Write the Hugging Face export of ``weights`` into ``out_dir``: the model, and the tokenizer as a
-    ``tokenizer.json`` that encodes exactly as ``tokenizer`` (``pipeline.hf_tokenizer``), beside the
+    ``tokenizer.json`` that encodes exactly as ``tokenizer`` (``pipeline.tokenization.hf_fast``), beside the
     sentencepiece ``tokenizer.model`` itself.
 
     Returns:
@@ -38,14 +40,14 @@ def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
         export cannot express).
     """
     problems = hf_unsupported_options(read_config(weights))
-    problems += hf_tokenizer.unsupported_options(hf_tokenizer.read_model(tokenizer))
+    problems += hf_fast.unsupported_options(hf_fast.read_model(tokenizer))
     if problems:
         return "; ".join(problems)
     model = load_safetensors(weights)
     save_hf(model, model.cfg, out_dir,
             extra_config={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
     shutil.copyfile(tokenizer, out_dir / "tokenizer.model")
-    hf_tokenizer.write_hf_tokenizer(tokenizer, out_dir, model.cfg.max_seq_len)
+    hf_fast.write_hf_tokenizer(tokenizer, out_dir, model.cfg.max_seq_len)
     return None
 
 
@@ -65,7 +67,7 @@ def version_tags(cfg: RunConfig, inputs: dict, metrics: dict[str, float], hf_not
 
 def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
     mc = cfg.model_config()
-    if mc.arch == "encoder_decoder":
+    if family(mc).seq2seq:
         return (
             f"Conduit encoder-decoder (preset {cfg.model['preset']}, d_model {mc.d_model}, "
             f"{mc.resolved_n_encoder_layers}+{mc.n_layers} layers), trained {cfg.train.steps} steps to restore "
@@ -82,7 +84,7 @@ def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.3f}")
     return (
-        f"Conduit {'Mamba' if mc.arch == 'mamba' else 'MoE' if mc.num_experts else 'dense'} LM (preset {cfg.model['preset']}, d_model "
+        f"Conduit {family(mc).describe(mc)} LM (preset {cfg.model['preset']}, d_model "
         f"{mc.d_model}, {mc.n_layers} layers), trained {cfg.train.steps} steps on "
         f"{', '.join(cfg.data.train_paths)}; " + "; ".join(parts) + "."
     )

@@ -53,7 +53,7 @@ from pipeline.data.fs import InputFile
 from pipeline.data.readers import read_and_clean
 from pipeline.data.stream import SKIP_REASONS
 from pipeline.data.sources import resolve_inputs as _resolve
-from pipeline.stage_io import SPLITS, SplitSizes, shard_file_name, shard_files
+from pipeline.store.contracts import SPLITS, SplitSizes, shard_file_name, shard_files
 from pipeline.stages.stage import Resources, Stage
 
 

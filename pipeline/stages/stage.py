@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, prepare_dir, write_manifest
+from pipeline.store.artifacts import Artifact, prepare_dir, write_manifest
 from pipeline.config import RunConfig
 
 

@@ -35,15 +35,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from pipeline.artifacts import Artifact
+from pipeline.store.artifacts import Artifact
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import ray_running
 from pipeline.data.encode import SentencePieceEncoder, token_dtype
 from pipeline.data.packing import PackedShard, SplitWriter, pack
-from pipeline.stage_io import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
+from pipeline.store.contracts import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
 from pipeline.stages.stage import Resources, Stage
-from pipeline.storage import cluster_readable, on_this_node
-from pipeline.text import load_sentencepiece
+from pipeline.store.backends import cluster_readable, on_this_node
+from pipeline.tokenization.spm import load_sentencepiece
 
 
 PROGRESS_EVERY_S = 5.0  # how often the stage logs documents_tokenized to its MLflow run

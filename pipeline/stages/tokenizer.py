@@ -5,7 +5,7 @@ a training document is in the sample when bytes 8-16 of its id (sha256), read as
 2^64, fall below ``max_training_bytes / train_bytes`` (bits the train/validation split does not
 use), and the lines of the sampled documents are taken in shard order until
 ``tokenizer.max_training_bytes``. The sample depends on the documents alone and spreads over the
-whole corpus instead of its first files. Special ids are fixed (see ``pipeline.text``).
+whole corpus instead of its first files. Special ids are fixed (see ``pipeline.tokenization.spm``).
 
 Sentencepiece skips a training sentence longer than its ``max_sentence_length`` without a word, so
 a corpus of long lines would train on almost nothing: lines longer than ``MAX_SENTENCE_BYTES`` are
@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.span_corruption import num_sentinels, sentinel_symbols
-from pipeline.stage_io import TOKENIZER_FILE, SplitSizes, shard_files
+from pipeline.store.contracts import TOKENIZER_FILE, SplitSizes, shard_files
 from pipeline.stages.stage import Stage
-from pipeline.text import MAX_SENTENCE_BYTES, load_sentencepiece, train_sentencepiece, training_lines
+from pipeline.tokenization.spm import MAX_SENTENCE_BYTES, load_sentencepiece, train_sentencepiece, training_lines
 
 READ_BATCH_ROWS = 4096
 

@@ -23,9 +23,9 @@ import pyarrow.fs as pafs
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
-from pipeline.stage_io import read_train_metrics, read_train_starts
+from pipeline.store.contracts import read_train_metrics, read_train_starts
 from pipeline.stages.stage import Resources, Stage
-from pipeline.storage import NodeFolder, join
+from pipeline.store.backends import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
 from pipeline.training.validation import check_split
 
@@ -36,7 +36,7 @@ FAILPOINTS_ENV = "CONDUIT_FAILPOINTS"
 
 def hash_config(cfg: RunConfig) -> dict:
     return {
-        "model": cfg.model_config().to_dict(),
+        "model": hash_view(cfg.model_config()),
         "train": hash_view(cfg.train),
         "parallel": hash_view(cfg.parallel),
         "seed": cfg.run.seed,

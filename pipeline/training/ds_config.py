@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline import limits
-from pipeline.training.parallel import ParallelDims
+from pipeline.config import limits
+from pipeline.training.layout import ParallelDims
 
 
 def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad_clip: float,
@@ -27,7 +27,7 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
         The config dict for ``deepspeed.initialize``.
 
     Raises:
-        ValueError: an unknown precision or ZeRO stage, or offloading that ``pipeline.limits.offload`` refuses.
+        ValueError: an unknown precision or ZeRO stage, or offloading that ``pipeline.config.limits.offload`` refuses.
     """
     if precision not in ("fp32", "bf16", "fp16", "amp_bf16"):
         raise ValueError(f"precision={precision!r}: choose fp32, bf16, fp16 or amp_bf16")

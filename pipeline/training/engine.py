@@ -1,14 +1,14 @@
-"""The DeepSpeed engine of one rank: built from the typed config, stepped, saved and restored.
+"""The DeepSpeed engine of one rank: built from the typed config and stepped.
 
-These functions are the whole training step; ``loop.main`` adds Ray Train, logging and the loader
-around them, and the distributed tests call them directly in plain 2-process gloo worlds.
+These functions are the whole training step; ``loop.main`` adds Ray Train, logging, the loader and the
+checkpoints (``pipeline.training.checkpoint``) around them, and the distributed tests call them
+directly in plain 2-process gloo worlds.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,10 +21,9 @@ from models.schedules import lr_multiplier
 from pipeline.config import TrainSection
 from pipeline.training.ds_config import build_ds_config
 from pipeline.training.expert_parallel import canonical_state_dict, check_groups, expert_shards, moe_param_groups
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 from pipeline.training.parallelize import parallelize
 
-CHECKPOINT_TAG = "conduit"
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -116,6 +115,24 @@ def _keep_clip_norm(engine) -> None:
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def skip_inference_shm_op() -> None:
+    """Keep DeepSpeed from compiling and loading its shared-memory all-reduce op in this process.
+
+    DeepSpeed's CPU backend builds that op (``ShareMemCommBuilder``: 40-70 s of compiling on a
+    machine's first run, then a compiler probe of every op and a load in each process) when its
+    communication backend starts, for ``inference_all_reduce`` alone, which training never calls.
+    The backend builds it only when DeepSpeed's table of compatible ops lists it; setting that table
+    before its first use (which is what would probe every op) leaves it out. Where the accelerator
+    has no such op (CUDA), the table is not consulted for it.
+    """
+    import deepspeed.ops
+
+    if "__compatible_ops__" in vars(deepspeed.ops):  # already probed (something asked for an op)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
 def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims, *, precision: str,
                  device: torch.device, seed: int):
     """Build the model (the same initial weights on every rank), parallelize it, then the optimizer,
@@ -125,10 +142,12 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
         (engine, scheduler).
 
     Raises:
-        ValueError: the layout breaks a limit of ``pipeline.limits`` (see ``parallelize``).
+        ValueError: the layout breaks a limit of ``pipeline.config.limits`` (see ``parallelize``).
     """
     import deepspeed
 
+    if device.type == "cpu":
+        skip_inference_shm_op()
     seed_everything(seed)
     model = build_model(model_cfg, device=device)
     parallelize(model, train, dims, dist.get_rank())  # expert parallelism, checkpointing, compile
@@ -183,56 +202,6 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         if moe_stats is not None:
             moe_stats.add(out.moe_stats)
     return torch.stack(losses).mean()
-
-
-def rng_state() -> dict:
-    """This process's torch, numpy and Python RNG states as tensors and numbers (``weights_only`` loads them)."""
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    return {"torch": torch.get_rng_state(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-            "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
-                       "gauss_next": gauss_next}}
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(int(v) for v in p["internal"].tolist()), p["gauss_next"]))
-
-
-def save_state(engine, ckpt_dir: str | Path, *, step: int, loader_state: dict) -> None:
-    """DeepSpeed's checkpoint plus what exact resume needs: step, loader position, every rank's RNG."""
-    engine.save_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG, client_state={"step": step, "loader": loader_state})
-    torch.save(rng_state(), Path(ckpt_dir) / f"rng_rank{dist.get_rank():05d}.pt")
-
-
-def load_rng(ckpt_dir: str | Path, rank: int) -> dict:
-    """This rank's saved RNG states, read as tensors only (``weights_only``: no pickled object runs).
-
-    Raises:
-        pickle.UnpicklingError: the file holds anything but tensors, numbers, strings, lists and dicts.
-    """
-    return torch.load(Path(ckpt_dir) / f"rng_rank{rank:05d}.pt", weights_only=True)
-
-
-def load_state(engine, ckpt_dir: str | Path) -> tuple[int, dict]:
-    """Restore what ``save_state`` wrote. Returns (step, loader_state).
-
-    DeepSpeed's ``load_checkpoint`` unpickles its own files; the caller runs
-    ``pipeline.training.checksums.verify_checkpoint`` on a checkpoint before this.
-    """
-    rng = load_rng(ckpt_dir, dist.get_rank())  # first: it cannot run anything, DeepSpeed's files could
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=CHECKPOINT_TAG)
-    if path is None:
-        raise FileNotFoundError(f"{ckpt_dir}: no DeepSpeed checkpoint with tag {CHECKPOINT_TAG!r}")
-    set_rng_state(rng)
-    return client_state["step"], client_state["loader"]
 
 
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:

@@ -24,7 +24,7 @@ changes is where its experts live and how tokens reach them:
   (``allreduce=False``, ``group_name``) and receives its process group from the engine. It is
   never called; the layer's forward uses it through the dispatcher.
 
-Shared experts are not supported with ep_size > 1 (``pipeline.limits.ep_shared_experts``): DeepSpeed's
+Shared experts are not supported with ep_size > 1 (``pipeline.config.limits.ep_shared_experts``): DeepSpeed's
 checkpoint code treats every parameter whose name contains "expert" as a routed expert.
 """
 
@@ -36,10 +36,7 @@ from torch import nn
 
 from models.grouped_experts import run_experts
 from models.moe import MoEFeedForward, RoutingDecision, SlotOrder
-from pipeline import limits
-
-
-# Where an ExpertShard keeps its local experts: DeepSpeed's path, which its engine recognises.
+from pipeline.config import limits
 SHARD_EXPERTS = "ep_shard.deepspeed_moe.experts.deepspeed_experts"
 
 
@@ -237,7 +234,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
     Call after the model is built (the same weights on every rank) and before deepspeed.initialize.
 
     Raises:
-        ValueError: the model breaks a limit of expert parallelism (``pipeline.limits``: a dense
+        ValueError: the model breaks a limit of expert parallelism (``pipeline.config.limits``: a dense
             model, experts that ep_size does not divide, shared experts).
     """
     cfg = model.cfg

@@ -11,7 +11,7 @@ rank), then ``parallelize`` applies, in this order,
    becomes one compiled unit. Compiling last puts the checkpointed forward inside the compiled
    region, as torchtitan does, rather than a checkpoint around a compiled block.
 
-The limits these rely on are checked at config validation (``pipeline.limits``) and required here
+The limits these rely on are checked at config validation (``pipeline.config.limits``) and required here
 again for callers without a config.
 """
 
@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline import limits
-from pipeline.config import TrainSection
+from pipeline.config import limits, TrainSection
 from pipeline.training.expert_parallel import apply_expert_parallel
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -65,7 +64,7 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
         rank: this process's global rank (its expert-parallel rank is ``rank % ep_size``).
 
     Raises:
-        ValueError: the combination breaks a limit of ``pipeline.limits`` (expert parallelism with
+        ValueError: the combination breaks a limit of ``pipeline.config.limits`` (expert parallelism with
             ZeRO-3, compile with ZeRO-3, or a model expert parallelism cannot split).
     """
     limits.require(limits.ep_zero_stage(dims.ep_size, train.zero_stage))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.data.token_blocks import TokenBlocks
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 
 
 def subset_size(eval_batches: int, dims: ParallelDims) -> int:

@@ -20,13 +20,13 @@ from models import build_model
 from models.export import save_safetensors
 from models.loss import lm_loss
 from pipeline import tracking
-from pipeline.artifacts import Artifact
+from pipeline.store.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.data.packing import SplitWriter, pack, segment
 from pipeline.data.token_blocks import TokenBlocks
-from pipeline.stage_io import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex
+from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE, SplitTokens, TokenIndex
 from pipeline.stages import STAGES
-from pipeline.text import load_sentencepiece, train_sentencepiece, training_lines
+from pipeline.tokenization.spm import load_sentencepiece, train_sentencepiece, training_lines
 
 
 MODEL_NAME = "conduit-test"

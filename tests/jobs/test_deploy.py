@@ -13,9 +13,9 @@ import openai
 import pytest
 import requests
 
-from jobs import deploy as deploy_cli
-from jobs import promote
-from pipeline import deploy, tracking
+from jobs import deploy as deploy_cli, promote
+from pipeline import tracking
+from pipeline.serving import deploy
 from tests.jobs.test_promote_serve import _register_with
 from tests.servers import free_port
 
@@ -186,17 +186,17 @@ def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, t
 def test_app_builder_resolves_the_alias_for_declarative_configs(served, tiny_run):
     from ray.serve import Application
 
-    from pipeline import serve_app
+    from pipeline.serving import app
 
-    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}@champion", "tracking_uri": tiny_run.uri,
+    assert isinstance(app.app_builder({"model": f"{MODEL_NAME}@champion", "tracking_uri": tiny_run.uri,
                                              "revision": 3}), Application)
-    assert isinstance(serve_app.app_builder({"model": f"{MODEL_NAME}/1", "tracking_uri": tiny_run.uri}), Application)
+    assert isinstance(app.app_builder({"model": f"{MODEL_NAME}/1", "tracking_uri": tiny_run.uri}), Application)
     for args, error, needle in [({"model": f"{MODEL_NAME}@nope", "tracking_uri": tiny_run.uri}, LookupError, "no alias"),
                                 ({"model": f"{MODEL_NAME}/99", "tracking_uri": tiny_run.uri}, LookupError, "no version 99"),
                                 ({"model": MODEL_NAME, "tracking_uri": tiny_run.uri}, ValueError, "NAME@ALIAS or"),
                                 ({"model": "m", "replicas": 2}, ValueError, "take only")]:
         with pytest.raises(error, match=needle):
-            serve_app.app_builder(args)
+            app.app_builder(args)
 
 
 def test_down_removes_the_application_and_tags_the_version(served, tiny_run, capsys):

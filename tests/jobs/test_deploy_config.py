@@ -6,7 +6,8 @@ from __future__ import annotations
 import yaml
 import pytest
 
-from pipeline import cluster, deploy
+from pipeline import cluster
+from pipeline.serving import deploy
 from pipeline.config import ConfigError, DeploySection, load_config
 from tests.servers import ROOT
 
@@ -51,7 +52,7 @@ def test_rayservice_manifest_serves_the_champion_with_the_clusters_token():
     (svc,) = list(yaml.safe_load_all((ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()))
     assert svc["kind"] == "RayService" and svc["apiVersion"] == "ray.io/v1"
     (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
-    assert app["import_path"] == "pipeline.serve_app:app_builder" and app["route_prefix"] == "/"
+    assert app["import_path"] == "pipeline.serving.app:app_builder" and app["route_prefix"] == "/"
     assert app["args"]["model"].endswith("@champion")
     (dep,) = app["deployments"]
     assert dep["name"] == "ConduitServer" and dep["num_replicas"] >= 1

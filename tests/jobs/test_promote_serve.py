@@ -17,10 +17,11 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from jobs import promote
-from pipeline import promotion, serving, tracking
+from pipeline import tracking
+from pipeline.serving import promotion, pyfunc
 from pipeline.config import ConfigError, PromoteSection, load_config
 from pipeline.evaluation.references import GPT2_117M
-from pipeline.generation import TextGenerator
+from pipeline.inference.generator import TextGenerator
 from tests.jobs.conftest import MODEL_NAME, _artifact
 from tests.servers import ROOT, free_port, start_process, stop_tree, wait_http
 
@@ -80,7 +81,7 @@ def test_promote_section_loads_from_yaml_and_rejects_unknown_keys(tmp_path):
 def test_served_model_turns_prompt_errors_into_invalid_parameter_value():
     from models import build_model
 
-    lm = serving.ConduitLM()
+    lm = pyfunc.ConduitLM()
     model = build_model("debug_dense", max_seq_len=16)
 
     class Chars:  # a stand-in tokenizer: one token per character; it records what it was asked to encode
@@ -185,12 +186,12 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     loaded = subprocess.run([sys.executable, "-c", "import sys, mlflow, pandas as pd\n"
                              f"m = mlflow.pyfunc.load_model({str(local)!r})\n"
-                             "print(sys.modules['pipeline.serving'].__file__)\n"
+                             "print(sys.modules['pipeline.serving.pyfunc'].__file__)\n"
                              "print(m.predict(pd.DataFrame({'prompt': ['KING:']}), params={'max_new_tokens': 3})"
                              "['text'][0] != '')"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "serving.py"), "True"], loaded.stdout
+    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "pyfunc.py"), "True"], loaded.stdout
     assert json.loads((local / "artifacts" / "metrics.json").read_text())["metrics"] == m
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import ModelConfig, build_model
-from models.config import ENCDEC_FIELDS
+from models.families import FAMILIES
 from models.encdec import EncoderDecoderLM, generate_encdec
 
 
@@ -278,10 +278,18 @@ def test_n_encoder_layers_belongs_to_the_encoder_decoder():
     assert encdec_cfg(n_encoder_layers=None, n_layers=3).resolved_n_encoder_layers == 3
 
 
-def test_encdec_fields_stay_out_of_decoder_dicts():
-    """to_dict feeds the train stage's hash: a decoder's dict (and so its hash) must not see the new fields."""
+def test_encdec_fields_stay_out_of_decoder_hashes():
+    """The train stage hashes the model through ``hash_view``, which leaves out fields at their default: a
+    decoder's hash never sees the encoder-decoder family's fields (nor any field added later)."""
+    from pipeline.config import hash_view
+
     dense = ModelConfig()
-    assert not set(ENCDEC_FIELDS) & set(dense.to_dict())
+    encdec_fields = FAMILIES["encoder_decoder"].fields
+    assert set(encdec_fields) == {"n_encoder_layers", "embedding_norm", "denoise_noise_density",
+                                  "denoise_mean_span_length"}
+    assert not set(encdec_fields) & set(hash_view(dense))
+    assert set(encdec_fields) <= set(hash_view(encdec_cfg(embedding_norm=True, denoise_noise_density=0.3,
+                                                          denoise_mean_span_length=2.0)))
     assert ModelConfig.from_dict(dense.to_dict()) == dense
     enc = encdec_cfg()
     assert enc.to_dict()["n_encoder_layers"] == 3
@@ -309,7 +317,7 @@ def test_param_counts_equal_the_built_model(kw):
 
 def test_embedding_norm_normalises_each_stacks_input():
     model = random_encdec(pos_encoding="learned", embedding_norm=True)
-    src, tgt = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 4))
+    src = torch.randint(0, 64, (1, 6))
     state = model.encode(src)
     x = model.tok_embeddings(src) + model.encoder_pos_embeddings(torch.arange(6))
     mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)

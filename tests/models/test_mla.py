@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM
 
-from models import ModelConfig, Transformer
+from models import Transformer
 from models.export import load_hf, save_hf
 from models.generate import generate
 from models.positions import apply_rope, rope_cos_sin

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import tracking
-from pipeline.artifacts import is_complete
+from pipeline.store.artifacts import is_complete
 from pipeline.config import RunConfig, load_config
 from pipeline.runner import StageFailed, run_pipeline
 from pipeline.stages import Stage, in_order

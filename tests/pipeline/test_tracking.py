@@ -41,7 +41,7 @@ def test_train_stage_records_its_tokens_as_an_mlflow_dataset(tmp_path):
     import json
     from pathlib import Path
 
-    from pipeline.artifacts import Artifact
+    from pipeline.store.artifacts import Artifact
     from pipeline.config import config_from_dict
     from pipeline.stages.train import training_dataset
 

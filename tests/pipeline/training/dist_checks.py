@@ -25,14 +25,13 @@ from models import ModelConfig, build_model
 from models.loss import lm_loss
 from pipeline.config import TrainSection
 from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
-from pipeline.training.canonical import load_canonical, save_canonical
-from pipeline.training.data import BlockLoader
-from pipeline.training.engine import (
-    build_engine, full_state_dict, load_state, make_optimizer, save_state, seed_everything, train_step,
-)
+from pipeline.training.checkpoint.canonical import load_canonical, save_canonical
+from pipeline.training.loader import BlockLoader
+from pipeline.training.checkpoint.native import load_state, save_state
+from pipeline.training.engine import build_engine, full_state_dict, make_optimizer, seed_everything, train_step
 from pipeline.training.expert_parallel import moe_layers
 from pipeline.training.metrics import MoEStats
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 
 SEQ, GLOBAL, MICRO, SEED = 8, 8, 2, 7
 CPU = torch.device("cpu")
@@ -51,7 +50,7 @@ MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_ran
                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
                               moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
-# EP: no shared experts (pipeline.limits); layer 0 dense, layer 1 experts split over the ranks.
+# EP: no shared experts (pipeline.config.limits); layer 0 dense, layer 1 experts split over the ranks.
 MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
 MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
@@ -378,6 +377,9 @@ def main(out_dir: str) -> None:
     except ValueError as e:
         results["ep_zero3_refused"] = str(e)
     results["expert_counts"] = expert_counts_check(tokens, world, rank)
+    import deepspeed.comm.comm as ds_comm  # the backend every engine above started, or found started
+
+    results["deepspeed_backend"] = {"kind": type(ds_comm.cdb).__name__, "shm_op": repr(ds_comm.cdb.shm_comm_op)}
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

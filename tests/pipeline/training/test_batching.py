@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipeline.config import TrainSection
-from pipeline.training.data import BlockLoader
+from pipeline.training.loader import BlockLoader
 from pipeline.training.ds_config import build_ds_config
 from pipeline.training.engine import engine_zero_stage
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 
 
 def test_parallel_dims_arithmetic():
@@ -133,7 +133,7 @@ def test_ranks_are_disjoint_within_a_step(blocks_file):
 
 
 def test_a_checkpoint_without_canonical_copy_is_refused_clearly(tmp_path):
-    from pipeline.training.canonical import load_canonical
+    from pipeline.training.checkpoint.canonical import load_canonical
 
     class Engine:  # load_canonical looks for the file before touching the engine
         pass

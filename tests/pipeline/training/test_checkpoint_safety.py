@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.training.canonical import CANONICAL_FILE, load_canonical
-from pipeline.training.checksums import CheckpointRefused, verify_checkpoint, write_checksums
-from pipeline.training.engine import CHECKPOINT_TAG, load_rng, rng_state, set_rng_state
+from pipeline.training.checkpoint.canonical import CANONICAL_FILE, load_canonical
+from pipeline.training.checkpoint.checksums import CheckpointRefused, verify_checkpoint, write_checksums
+from pipeline.training.checkpoint.native import CHECKPOINT_TAG, load_rng, rng_state, set_rng_state
 
 
 class Payload:

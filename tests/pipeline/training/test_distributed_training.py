@@ -90,6 +90,13 @@ def test_resume_is_bit_exact(results, case):
     assert r["weights_identical"] is True
 
 
+def test_deepspeed_never_builds_its_inference_all_reduce_op(results):
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce op for inference (40-70 s on a
+    machine's first run) and loads it in every process; training never calls it, and build_engine
+    keeps it from being built (``skip_inference_shm_op``)."""
+    assert results["deepspeed_backend"] == {"kind": "TorchBackend", "shm_op": "None"}
+
+
 def test_expert_load_is_summed_over_ranks(results):
     r = results["expert_counts"]
     assert r["distributed"] == r["reference"]  # exact integer counts, every layer and expert

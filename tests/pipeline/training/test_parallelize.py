@@ -7,7 +7,7 @@ import torch
 
 from models import build_model
 from pipeline.config import TrainSection
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 from pipeline.training.parallelize import parallelize
 
 DIMS = ParallelDims(world_size=1, ep_size=1, global_batch_size=4, micro_batch_size_per_rank=4, seq_len=16)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.training.checksums import CheckpointRefused, verify_checkpoint, write_checksums
-from pipeline.training.resume import NoUsableCheckpoint, usable_checkpoint
+from pipeline.training.checkpoint.checksums import CheckpointRefused, verify_checkpoint, write_checksums
+from pipeline.training.checkpoint.choice import NoUsableCheckpoint, usable_checkpoint
 
 
 def kept(run_dir: Path, stamp: str, step: int) -> Path:

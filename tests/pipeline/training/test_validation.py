@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from models import ModelConfig, build_model
 from pipeline.config import ConfigError, load_config
 from pipeline.training.engine import train_step
-from pipeline.training.parallel import ParallelDims
+from pipeline.training.layout import ParallelDims
 from pipeline.training.validation import check_split, stop_early, validation_loss
 
 TINY = ModelConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, dropout=0.1)

@@ -1,0 +1,64 @@
+"""Model families as entries in one table: `FAMILIES`, keyed by ``ModelConfig.arch``.
+
+Each family is one module here that declares its config fields and their checks, the nn.Module it
+builds, its Hugging Face export and import, and its accounting (parameters, FLOPs, KV-cache bytes)
+as a `Family` record (`models.families.spec`). The attention kinds of its Transformer layers are a
+table of their own (`models.families.attention`). Everything else asks the table (`family(cfg)`,
+`family_of_model_type(...)`) and never compares family names: adding a family is one new module
+and one line below.
+
+Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or mla attention),
+``mamba`` (Mamba) and ``encoder_decoder`` (the encoder-decoder Transformer).
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.families import decoder, encdec, mamba
+from models.families.attention import ATTENTION_KINDS, attention_kind
+from models.families.spec import AttentionKind, Family, HFFormat
+
+FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, encdec.FAMILY)}
+
+
+def family(cfg: ModelConfig) -> Family:
+    """The family of `cfg` (by ``cfg.arch``, which the config has already checked)."""
+    return FAMILIES[cfg.arch]
+
+
+def hf_format_of_model_type(model_type: str | None) -> tuple[Family, HFFormat]:
+    """The family and HF format that read a config.json of `model_type`.
+
+    Raises:
+        ValueError: naming the model types that load.
+    """
+    for fam in FAMILIES.values():
+        for fmt in fam.hf_formats:
+            if model_type in fmt.model_types:
+                return fam, fmt
+    known = [t for fam in FAMILIES.values() for fmt in fam.hf_formats for t in fmt.model_types]
+    raise ValueError(f"load_hf supports model_type {', '.join(repr(t) for t in known)}, got {model_type!r}")
+
+
+def check_family(cfg: ModelConfig, defaults: dict) -> None:
+    """The rules that depend on `cfg`'s family and attention kind: the fields of every other family and
+    kind left at their defaults (naming the field and whose it is), then the family's own checks and the
+    attention kind's.
+
+    Raises:
+        ValueError: naming the field.
+    """
+    for owner, table, current in (("arch", FAMILIES, cfg.arch), ("attention", ATTENTION_KINDS, cfg.attention)):
+        for name, entry in table.items():
+            if name == current:
+                continue
+            for f in entry.fields:
+                if getattr(cfg, f) != defaults[f]:
+                    raise ValueError(f"{f} is an option of {owner} {name!r}; with {owner} {current!r} leave it at "
+                                     f"{defaults[f]!r}, got {getattr(cfg, f)!r}")
+    family(cfg).check(cfg)
+    attention_kind(cfg).check(cfg)
+
+
+__all__ = ["ATTENTION_KINDS", "AttentionKind", "FAMILIES", "Family", "HFFormat", "attention_kind", "check_family",
+           "family", "hf_format_of_model_type"]

@@ -1,0 +1,72 @@
+"""The decoder-only Transformer (``arch: decoder``): dense or MoE, with either attention kind.
+
+Built as `models.transformer.Transformer`; exported as Llama / Mixtral (mha) or DeepseekV2 (mla), by
+the attention kind's entry (`models.families.attention`). Accounting (PaLM, Chowdhery et al. 2022,
+appendix B; `models.accounting` has the formulas):
+- embedding: the token table, a learned position table if any, and the output head unless tied;
+- active: total minus, in every MoE layer, the (E - k) routed experts a token does not visit;
+- FLOPs per token: 6 N + 6 L H (Q + V) T training, 2 N + 2 L H (Q + V) T forward, with N the active
+  non-embedding parameters plus V D, and Q + V the attention kind's score-and-value width (2 K for mha).
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.families.attention import ATTENTION_KINDS, attention_kind
+from models.families.parts import ffn_params, norm_params
+from models.families.spec import Family
+from models.transformer import Transformer
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    D, V = cfg.d_model, cfg.vocab_size
+    embedding = V * D
+    if cfg.pos_encoding == "learned":
+        embedding += cfg.max_seq_len * D
+    if not cfg.tie_embeddings:
+        embedding += V * D
+    expert = ffn_params(cfg, cfg.resolved_moe_d_ff)
+    attention = attention_kind(cfg).params(cfg)
+    non_embedding = 0
+    inactive = 0
+    for i in range(cfg.n_layers):
+        non_embedding += 2 * norm_params(cfg) + attention
+        if cfg.is_moe_layer(i):
+            non_embedding += D * cfg.num_experts + (cfg.num_experts + cfg.moe_shared_experts) * expert
+            inactive += (cfg.num_experts - cfg.moe_top_k) * expert
+        else:
+            non_embedding += ffn_params(cfg, cfg.resolved_d_ff)
+    if cfg.norm_position == "pre":
+        non_embedding += norm_params(cfg)
+    total = embedding + non_embedding
+    return {"total": total, "active": total - inactive, "embedding": embedding, "non_embedding": non_embedding,
+            "active_non_embedding": non_embedding - inactive}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
+    n = param_counts(cfg)["active_non_embedding"] + cfg.vocab_size * cfg.d_model
+    attn = cfg.n_layers * cfg.n_heads * attention_kind(cfg).score_and_value_width(cfg) * seq_len
+    return {"total": 6 * n + 6 * attn, "forward": 2 * n + 2 * attn}
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int) -> int:
+    return cfg.n_layers * attention_kind(cfg).cache_width(cfg) * bytes_per_element
+
+
+def _check(cfg: ModelConfig) -> None:
+    """Nothing beyond the attention kind's own checks (which every Transformer family runs)."""
+
+
+FAMILY = Family(
+    arch="decoder",
+    title="decoder-only Transformer",
+    fields=(),
+    check=_check,
+    model_class=Transformer,
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+    hf_format=lambda cfg: attention_kind(cfg).hf,
+    hf_formats=tuple(kind.hf for kind in ATTENTION_KINDS.values()),
+    describe=lambda cfg: "MoE" if cfg.num_experts else "dense",
+)

@@ -1,0 +1,111 @@
+"""The records of the family table: what a model family, an attention kind and an HF format declare.
+
+Nothing here knows a family by name; `models.families` holds the table, and every question about a
+config's family (how it is checked, built, exported, counted) is asked through these records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """How a Conduit model maps onto one Hugging Face ``transformers`` class (export and import).
+
+    Attributes:
+        name: the class, as ``architectures`` in config.json names it (the first, when it has several).
+        model_types: config.json ``model_type`` values this format reads.
+        unsupported_options: the options of a config the class cannot express, as "field=value (reason)".
+        hf_config: config.json for a config and the weights' dtype.
+        config_from_hf: the ModelConfig a config.json describes (raises ValueError naming a key).
+        to_hf: our state dict -> the checkpoint's tensors.
+        from_hf: the checkpoint's tensors -> our state dict (raises ValueError on an unexpected tensor).
+        architecture: what config.json determines of a config, with derived sizes resolved (two
+            configs with equal architectures build the same HF model).
+        config_defaults: config.json keys set when the caller names none (token ids).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    unsupported_options: Callable[["ModelConfig"], list[str]]
+    hf_config: Callable[["ModelConfig", "torch.dtype"], dict]
+    config_from_hf: Callable[[dict], "ModelConfig"]
+    to_hf: Callable[[dict, "ModelConfig"], dict]
+    from_hf: Callable[[dict, "ModelConfig"], dict]
+    architecture: Callable[["ModelConfig"], tuple]
+    config_defaults: Callable[[dict], dict] = lambda hf_cfg: {}
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """One value of ``ModelConfig.attention``: its module, its own fields and checks, its sizes.
+
+    Attributes:
+        name: the value of ``attention``.
+        fields: ModelConfig fields only this kind reads; under another kind they must stay at their default.
+        check: raises ValueError, naming the field, on a config this kind cannot run.
+        build: the attention module of one layer.
+        params: one layer's attention parameters.
+        score_and_value_width: per head, the width of Q K^T plus that of A V (the attention FLOPs term).
+        cache_width: per layer and token, the elements the KV cache holds.
+        cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
+        rope_head_dim: how many features of each query/key head RoPE rotates.
+        hf: the Hugging Face class a decoder with this attention exports as.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    check: Callable[["ModelConfig"], None]
+    build: Callable[["ModelConfig"], "nn.Module"]
+    params: Callable[["ModelConfig"], int]
+    score_and_value_width: Callable[["ModelConfig"], int]
+    cache_width: Callable[["ModelConfig"], int]
+    cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
+    rope_head_dim: Callable[["ModelConfig"], int]
+    hf: HFFormat
+
+
+@dataclass(frozen=True)
+class Family:
+    """One value of ``ModelConfig.arch``: a model family and everything the rest of Conduit asks of it.
+
+    Attributes:
+        arch: the value of ``arch``.
+        title: how people name it ("dense Transformer", "Mamba", ...), for descriptions.
+        fields: ModelConfig fields only this family reads; under another family they must stay at
+            their default (refused otherwise, naming the field and the family it belongs to).
+        check: raises ValueError, naming the field, on options this family cannot honour.
+        model_class: the nn.Module built as ``model_class(cfg)``.
+        param_counts: total, active, embedding, non_embedding and active_non_embedding parameters.
+        flops_per_token: training (total) and forward FLOPs per token at a sequence length.
+        kv_cache_bytes_per_token: bytes the generation cache holds per token at a bytes-per-element.
+        hf_format: the Hugging Face class a config of this family exports as.
+        hf_formats: every Hugging Face format this family reads (``load_hf`` finds the family by them).
+        seq2seq: inputs are an encoder's source and a decoder's target (span-corruption data,
+            denoising evaluation, encoder-decoder generation), not one causal stream.
+        draws_attention: evaluate can draw its causal attention maps and expert routing.
+        describe: a short label of a config, e.g. "MoE" or "Mamba", for model descriptions.
+    """
+
+    arch: str
+    title: str
+    fields: tuple[str, ...]
+    check: Callable[["ModelConfig"], None]
+    model_class: type
+    param_counts: Callable[["ModelConfig"], dict[str, int]]
+    flops_per_token: Callable[["ModelConfig", int], dict[str, int]]
+    kv_cache_bytes_per_token: Callable[["ModelConfig", int], int]
+    hf_format: Callable[["ModelConfig"], HFFormat]
+    hf_formats: tuple[HFFormat, ...]
+    seq2seq: bool = False
+    draws_attention: bool = True
+    describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,58 @@
+"""The ground floor: what every layer may import. It imports nothing of Conduit.
+
+- ``REPO_ROOT`` and ``DEFAULT_DATA_ROOT``: where the checkout is, and the shipped corpora beside it.
+- ``ConfigError``: bad input (a config file, field or value; a data source), with a message that names
+  which and what is allowed. The config, the data readers and the stages all raise it, so it lives
+  below all of them.
+- ``is_uri``: whether a location is a ``scheme://`` URI (an object store, a URI-addressed filesystem)
+  rather than a local path.
+- ``redact``: every URI password and secret query value in a text replaced by ``***``; a
+  ``ConfigError``'s message passes through it (``pipeline.credentials`` finds and refuses
+  credentials, with the same patterns).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+
+# Query parameters that carry a secret: pyarrow's S3 options, signed URLs, generic names.
+SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passwd", "secret", "token",
+                 "api_key", "apikey", "sig", "signature", "x-amz-signature", "x-amz-credential",
+                 "x-amz-security-token"}
+URI_PATTERN = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://(?P<authority>[^/?#\s]*)(?P<path>[^?#\s]*)(?:\?(?P<query>[^#\s]*))?")
+
+
+def is_uri(location: str | Path) -> bool:
+    """True for a ``scheme://`` location (an object store or a URI-addressed filesystem)."""
+    return "://" in str(location)
+
+
+def redact(value: str) -> str:
+    """``value`` with every URI password and secret query value replaced by ``***``."""
+    def one(m: re.Match) -> str:
+        authority = m.group("authority")
+        userinfo, at, host = authority.rpartition("@")
+        if ":" in userinfo:
+            authority = f"{userinfo.split(':', 1)[0]}:***{at}{host}"
+        query = m.group("query")
+        if query is not None:
+            query = "&".join(f"{k}=***" if k.lower() in SECRET_PARAMS else part
+                             for part in query.split("&") for k in [part.split("=", 1)[0]])
+        scheme = m.group(0).split("://", 1)[0]
+        return f"{scheme}://{authority}{m.group('path')}" + ("" if query is None else f"?{query}")
+    return URI_PATTERN.sub(one, value)
+
+
+class ConfigError(ValueError):
+    """A config file, field or value is wrong; the message names which and what is allowed.
+
+    A message that quotes a value never quotes a URI's password or secret (``redact``).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))

@@ -1,0 +1,652 @@
+"""The one typed config tree of a Conduit run.
+
+Precedence: dataclass defaults < model preset < YAML file < ``a.b=c`` command-line overrides.
+Unknown keys are errors that name the key and suggest the nearest valid one; bad values are errors
+that name the field and what is allowed. The resolved tree is saved with every artifact and logged to
+MLflow as flattened params.
+
+Fields whose metadata says ``hash=False`` change how a stage reports, not what it produces; they stay
+out of the artifact hashes (see ``pipeline.store.artifacts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from models import PRESETS, ModelConfig
+from models.families import family
+from models.families.encdec import denoising_lengths, span_counts
+from pipeline import credentials
+from pipeline.base import DEFAULT_DATA_ROOT, ConfigError, is_uri
+from pipeline.config import limits
+from pipeline.config.dialect import DuplicateKeyError, load_yaml
+from pipeline.config.ranges import out_of_range
+from pipeline.tokenization.spm import NUM_SPECIAL
+
+
+def _unhashed(default: Any, **kw: Any) -> Any:
+    """A field that never changes an artifact's content (logging cadence, progress bars, a location
+    whose files are fingerprinted anyway)."""
+    return field(default=default, metadata={"hash": False}, **kw)
+
+
+@dataclass
+class RunSection:
+    name: str = "conduit"
+    workdir: str = "outputs"  # relative paths resolve against the current directory
+    # None: <workdir>/artifacts. Or any pyarrow.fs URI (s3://, gs://, hdfs://, file://) with pyarrow's
+    # options in the query (s3://b/conduit?endpoint_override=host:9000&scheme=http); credentials come
+    # from each node's environment, never the URI. Stages then write to node-local scratch
+    # ($CONDUIT_SCRATCH_DIR) and pipeline.store.backends uploads and fetches.
+    artifact_root: str | None = None
+    seed: int = 1234
+    # Another driver holding a stage's lock (the same config, running now): wait this long for it, then
+    # stop naming it. 0 stops at once. Waiting ends early when it finishes: its artifact is then used.
+    lock_wait_s: float = 0.0
+
+
+@dataclass
+class DataSection:
+    # None: $CONDUIT_DATA_ROOT, else ../shared/data beside the repo. Unhashed: the shard stage
+    # fingerprints the files it resolves to.
+    data_root: str | None = _unhashed(None)
+    # Files, folders, globs (``*``, ``?``, ``**``) relative to the data root, absolute paths, or
+    # pyarrow filesystem URIs (file://, s3://, gs://, hdfs://), which may end in pyarrow's options
+    # (``s3://b/x/*.txt?endpoint_override=host:9000&scheme=http``); credentials come from the
+    # environment (AWS_ACCESS_KEY_ID, ...), never the URI. Formats by suffix: .txt .jsonl .json .csv
+    # .parquet; a folder saved by ``datasets.save_to_disk`` is one input.
+    train_paths: list[str] = field(default_factory=lambda: ["tinyshakespeare/input.txt"])
+    text_field: str = "text"  # .jsonl/.json field, .csv/.parquet/datasets column holding the text
+    separator: str | None = "\n\n"  # split .txt files into documents on this; None: one file, one doc
+    # Who reads .txt/.jsonl/.parquet: Conduit's readers, or datasets.load_dataset with the text, json
+    # or parquet builder. .csv and .json are always read through datasets (csv, json builders).
+    reader: Literal["native", "datasets"] = "native"
+    normalize: Literal["none", "nfc", "nfkc"] = "none"  # Unicode normalisation of every document
+    strip_control_chars: bool = False  # drop C0/C1 control characters except tab, newline, CR
+    min_doc_chars: int = 1  # shorter documents (after stripping whitespace) are removed and counted
+    max_doc_chars: int | None = None  # longer documents are removed and counted; None: no limit
+    validation_fraction: float = 0.05
+    test_fraction: float = 0.0  # > 0 adds a test split (test-00000.parquet)
+    num_shards: int = 2  # train shards, when target_shard_bytes is None
+    target_shard_bytes: int | None = None  # set: every split gets ceil(bytes / target) shards
+    max_documents: int | None = None  # cap after the split-independent ordering; None: all
+    encoding_errors: Literal["error", "replace"] = "error"
+    # A malformed .jsonl line (bad JSON, no text field, a non-string text) or an undecodable text file
+    # (invalid UTF-8 under encoding_errors=error, NUL bytes): error stops the run naming the file and
+    # place; skip leaves it out and counts it by reason (the shard manifest's counts.skipped).
+    on_bad_document: Literal["error", "skip"] = "error"
+
+
+@dataclass
+class TokenizerSection:
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = 512
+    character_coverage: float = 1.0
+    byte_fallback: bool = True
+    normalization: Literal["identity", "nfkc", "nmt_nfkc"] = "identity"
+    max_training_bytes: int = 20_000_000  # the deterministic sample the tokenizer trains on
+    user_defined_symbols: list[str] = field(default_factory=list)  # ids 5, 6, ... in this order
+    num_threads: int = _unhashed(2)
+
+
+@dataclass
+class TokenizeSection:
+    seq_len: int = 128
+    add_bos: bool = False
+    # Where documents are encoded and packed. ray: a Ray task per document shard, num_actors at a
+    # time (1 logical CPU and threads_per_actor threads each), which spreads over the cluster's nodes
+    # but costs a second or so of start-up; local: the stage's own process with num_actors x
+    # threads_per_actor threads; auto: ray from ray_data_min_bytes of text on, local below. ray_data
+    # is ray's older name. Without Ray (unit tests) it is always local. The output is identical.
+    engine: Literal["auto", "ray", "ray_data", "local"] = _unhashed("auto")
+    ray_data_min_bytes: int = _unhashed(256_000_000)
+    num_actors: int = _unhashed(1)  # encode tasks at a time with the ray engine (1 logical CPU each)
+    threads_per_actor: int = _unhashed(1)  # sentencepiece encode threads inside each task
+    batch_size: int = _unhashed(1024)  # documents per sentencepiece encode call
+
+
+@dataclass
+class TrainSection:
+    steps: int = 20
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size_per_rank: int = 4
+    # The base learning rate: the schedule's value multiplies it. None: 1.0 for schedule noam (whose
+    # value is the learning rate of Vaswani et al. 2017 itself, so train.lr is a plain multiplier of
+    # the paper's formula), 3e-3 for every other schedule. See ``resolved_lr``.
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    # constant, cosine (warmup then cosine to min_lr_ratio), wsd (warmup-stable-decay), noam
+    # (d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), times train.lr), inverse_sqrt (the same
+    # curve, kept for older configs; times train.lr, which defaults to 3e-3 for it).
+    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt", "noam"] = "cosine"
+    # Label smoothing eps of the training loss (Szegedy et al. 2016): the target is (1 - eps) one-hot
+    # + eps uniform over the vocabulary. The logged training loss is then the smoothed one (logged as
+    # ``loss`` with the tag train.loss_smoothing); evaluation always reports the plain cross-entropy.
+    label_smoothing: float = 0.0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    offload_optimizer: bool = False  # ZeRO 1-3: optimizer states and the step on the CPU
+    offload_params: bool = False  # ZeRO-3: parameters live on the CPU between uses
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # auto: fp32 on CPU, bf16 on GPU. bf16/fp16: DeepSpeed's mixed precision (16-bit weights, fp32
+    # master copy). amp_bf16: fp32 weights and optimizer, matmuls in bf16 under torch.autocast.
+    precision: Literal["auto", "fp32", "bf16", "fp16", "amp_bf16"] = "auto"
+    compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
+    log_every: int = _unhashed(1)
+    progress_bar: bool = _unhashed(True)
+    # Validation during training (pipeline.training.validation): every eval_every steps (a multiple of
+    # log_every; 0: never) the loss on the first eval_batches global batches of the validation split,
+    # logged as val_loss; early_stop_patience > 0 stops after that many validations without a new best.
+    eval_every: int = 0
+    eval_batches: int = 4
+    early_stop_patience: int = 0
+    # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
+    checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
+    # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
+    # so a fault costs minutes of training whatever the step time; 0: by steps only.
+    checkpoint_every_s: float = _unhashed(900.0)
+    keep_checkpoints: int = _unhashed(2)
+    # Worker-group restarts from the latest checkpoint: a lost node or an OOM-killed worker costs a
+    # restart, while a bug that fails every time still stops the run after a few quick tries.
+    max_failures: int = _unhashed(3)
+    # Ray Train storage (a path or a pyarrow.fs URI), shared by every config: checkpoints go to its run
+    # "train-<artifact hash>". None: <artifact_root>/checkpoints, in the object store with the artifacts.
+    checkpoint_storage: str | None = _unhashed(None)
+    # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
+    # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
+    resume_from: str | None = None
+
+    @property
+    def resolved_lr(self) -> float:
+        """The base learning rate: ``lr`` when set, else 1.0 for schedule noam and 3e-3 otherwise."""
+        if self.lr is not None:
+            return self.lr
+        return 1.0 if self.schedule == "noam" else 3e-3
+
+
+@dataclass
+class ParallelSection:
+    num_workers: int = 2
+    ep_size: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
+    threads_per_worker: int | None = None  # None: the node's cores split over its workers
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # workers over nodes
+
+
+@dataclass
+class EvalSection:
+    max_batches: int = 50
+    batch_size: int = 8
+    prompts: list[str] = field(default_factory=lambda: ["Once upon a time", "The king said"])
+    max_new_tokens: int = 40
+    temperature: float = 0.0
+    # Benchmarks under the data root; null skips one. Budgets keep a smoke run to a few seconds.
+    heldout_paths: list[str] = field(default_factory=lambda: ["gutenberg/heldout/*.txt"])
+    wikitext_path: str | None = "wikitext-2/wiki.test.raw"
+    lambada_path: str | None = "lambada/lambada_openai_test.jsonl"
+    max_text_tokens: int = 8192  # per benchmark text set (split evenly over its files)
+    lambada_max_examples: int = 300
+    attention_sentence: str = "The old man looked at the sea and said nothing."
+    # Where the scoring runs. auto: a GPU when the Ray cluster has one (the task then holds one GPU),
+    # else CPU with eval.cpus logical CPUs and eval.threads torch threads (null: eval.cpus).
+    device: Literal["auto", "cpu", "cuda"] = _unhashed("auto")
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, fp32 on CPU
+    cpus: int = _unhashed(1)
+    threads: int | None = _unhashed(None)
+    # On a GPU, batches grow from eval.batch_size by doubling while they fit in memory; false keeps it.
+    fit_gpu_batch: bool = _unhashed(True)
+
+
+@dataclass
+class RegisterSection:
+    model_name: str = "conduit-lm"
+    alias: str = "challenger"
+    # also log a Hugging Face (Llama / Mixtral / DeepseekV2) export where the architecture allows
+    hf_export: bool = True
+
+
+@dataclass
+class PromoteSection:
+    """Gates ``jobs.promote`` applies before moving the target alias (``champion``) to a version."""
+
+    metric: str = "heldout_bits_per_byte"  # lower is better
+    min_improvement: float = 0.0  # the candidate's metric must be at least this much below the champion's
+    not_lower: list[str] = field(default_factory=lambda: ["lambada_accuracy"])  # must not drop
+
+
+@dataclass
+class TrackingSection:
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db
+    experiment: str = "conduit"
+
+
+@dataclass
+class ClusterSection:
+    address: str | None = None  # None: $RAY_ADDRESS, else start a local Ray in-process
+    num_cpus: int | None = None  # logical CPUs of the embedded local Ray; None: this machine's
+    dashboard_host: str = "127.0.0.1"
+    include_dashboard: bool = False
+    # A Ray cluster of several nodes needs an artifact_root every node sees. A URI (s3://...) is
+    # shared by nature; a path is shared only if it is a shared-filesystem mount, which you assert here.
+    shared_storage: bool = False
+    # Custom Ray resources (``ray start --resources '{"stages": 100}'``) that every stage task asks
+    # for a sliver of, so that stage tasks run only on the nodes that have them (the CPU nodes of a
+    # GPU cluster, say); Ray Train workers are placed by parallel.placement_strategy. []: anywhere.
+    stage_resources: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DeploySection:
+    """The Ray Serve deployment of ``jobs.deploy`` (``pipeline.serving.deploy``); no field changes an artifact."""
+
+    num_replicas: int = _unhashed(1)
+    num_cpus_per_replica: float = _unhashed(1.0)
+    num_gpus_per_replica: float = _unhashed(0.0)
+    host: str = _unhashed("127.0.0.1")  # where Serve's HTTP proxy listens (set once per Ray cluster)
+    port: int = _unhashed(8000)
+    route_prefix: str = _unhashed("/")  # the OpenAI API is under <route_prefix>v1/
+    max_batch_size: int = _unhashed(16)  # concurrent requests generated as one batch
+    batch_wait_timeout_s: float = _unhashed(0.01)  # how long a batch waits to fill
+    max_ongoing_requests: int = _unhashed(64)  # per replica; more wait in Serve's queue
+
+    def __post_init__(self):
+        for name in ("num_replicas", "max_batch_size", "max_ongoing_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"deploy.{name}={getattr(self, name)} must be >= 1")
+        for name in ("num_cpus_per_replica", "num_gpus_per_replica", "batch_wait_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"deploy.{name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"deploy.port={self.port} must be in 1..65535")
+        if not self.route_prefix.startswith("/"):
+            raise ConfigError(f"deploy.route_prefix={self.route_prefix!r} must start with '/'")
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    tokenize: TokenizeSection = field(default_factory=TokenizeSection)
+    model: dict = field(default_factory=lambda: {"preset": "debug_dense"})
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    register: RegisterSection = field(default_factory=RegisterSection)
+    promote: PromoteSection = field(default_factory=PromoteSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    deploy: DeploySection = field(default_factory=DeploySection)
+
+    # ---- derived values -------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        """The model the train stage builds: preset, then YAML fields; vocab from the tokenizer."""
+        return _resolve_model(self.model, self.tokenizer.vocab_size)
+
+    def workdir(self) -> Path:
+        return Path(self.run.workdir).expanduser().resolve()
+
+    def artifact_root(self) -> str:
+        if self.run.artifact_root:
+            root = self.run.artifact_root
+            return root if is_uri(root) else str(Path(root).expanduser().resolve())
+        return str(self.workdir() / "artifacts")
+
+    def data_root(self) -> Path:
+        root = self.data.data_root or os.environ.get("CONDUIT_DATA_ROOT") or str(DEFAULT_DATA_ROOT)
+        return Path(root).expanduser().resolve()
+
+    def tracking_uri(self) -> str:
+        """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (refused when it carries a credential: the
+        resolved URI is logged with the config), else the sqlite store under ``run.workdir``.
+
+        Raises:
+            ConfigError: ``$MLFLOW_TRACKING_URI`` holds a password or secret.
+        """
+        if self.tracking.uri:
+            return self.tracking.uri
+        from_env = os.environ.get("MLFLOW_TRACKING_URI")
+        try:
+            credentials.check_uri("$MLFLOW_TRACKING_URI", from_env)
+        except credentials.CredentialsInUri as e:
+            raise ConfigError(str(e)) from e
+        return from_env or f"sqlite:///{self.workdir() / 'mlflow.db'}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config, apply ``a.b=c`` overrides, validate everything.
+
+    Args:
+        path: YAML file; None starts from the defaults.
+        overrides: strings ``section.field=value``; the value is parsed as YAML (``2``, ``3e-4``, ``true``,
+            ``[a, b]``) in the dialect of ``pipeline.config.dialect``, like the file.
+
+    Returns:
+        The validated RunConfig.
+
+    Raises:
+        ConfigError: naming the file, key or field and what is allowed; a key given twice in one
+            mapping, naming both lines; an empty (or comments-only) file.
+    """
+    raw: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        try:
+            raw = load_yaml(text)
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if raw is None:  # an empty file, or only comments: running the defaults would be a surprise
+            raise ConfigError(f"{path}: the config is empty (nothing but blank lines or comments); write the sections "
+                              f"to run, e.g. from configs/smoke.yaml, or run without a file for the defaults")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return config_from_dict(raw, source=source)
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+    """Build and validate a RunConfig from a nested dict (the inverse of ``RunConfig.to_dict``).
+
+    Every string of it is checked for credentials first: the config is logged whole (MLflow params,
+    manifests, Ray tasks), so no field may carry a secret, whatever its type or other checks.
+    """
+    leak = credentials.config_problem(raw)
+    if leak is not None:
+        raise ConfigError(f"{source}: {leak}")
+    cfg = _build(RunConfig, raw, prefix="", source=source)
+    validate(cfg, source)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r}: the key must be section.field (for example train.steps=10)")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {p} is not a section")
+    try:
+        node[parts[-1]] = load_yaml(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML: {e}") from e
+
+
+def _unknown(key: str, valid: list[str], where: str, source: str) -> ConfigError:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return ConfigError(f"{source}: unknown key {where}{key!r}{hint} (valid: {', '.join(sorted(valid))})")
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise _unknown(str(key), names, prefix, source)
+        hint = hints[key]
+        if key == "model" and cls is RunConfig:
+            kwargs[key] = _model_section(value, source)
+        elif dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _coerce(value, hint, f"{prefix}{key}", source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str, source: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name, source)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {name}={value!r} is not allowed; choose one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {name} must be a list, got {value!r}")
+        return [_coerce(v, args[0], f"{name}[{i}]", source) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # ``steps: 1e4``: a whole number written in scientific notation
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {name} must be a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {name} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{source}: {name} has an unsupported type {hint}")  # a bug in this file
+
+
+def _model_section(value: Any, source: str) -> dict:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: model must be a mapping with a preset and ModelConfig fields")
+    value = dict(value)
+    value.setdefault("preset", "debug_dense")
+    valid = ["preset"] + [f.name for f in dataclasses.fields(ModelConfig)]
+    for key in value:
+        if key not in valid:
+            raise _unknown(str(key), valid, "model.", source)
+    if value["preset"] not in PRESETS:
+        raise ConfigError(
+            f"{source}: model.preset={value['preset']!r} is not a preset; choose one of {sorted(PRESETS)}"
+        )
+    return value
+
+
+def _resolve_model(section: dict, vocab_size: int) -> ModelConfig:
+    fields = {k: v for k, v in section.items() if k != "preset"}
+    if "vocab_size" in fields and fields["vocab_size"] != vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={fields['vocab_size']} differs from tokenizer.vocab_size={vocab_size}; "
+            "leave model.vocab_size out, it follows the tokenizer"
+        )
+    fields["vocab_size"] = vocab_size
+    try:
+        return PRESETS[section["preset"]].replace(**fields)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from e
+
+
+def validate(cfg: RunConfig, source: str = "<config>") -> None:
+    """Cross-field checks that no single field can make. Raises ConfigError."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: {msg}")
+
+    def within(problem: str | None) -> None:
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
+
+    d, t, tr, p = cfg.data, cfg.tokenizer, cfg.train, cfg.parallel
+    within(out_of_range(cfg))
+    need(bool(d.train_paths), "data.train_paths must name at least one file, directory or glob")
+    need(0.0 < d.validation_fraction < 1.0, f"data.validation_fraction={d.validation_fraction} must be in (0, 1)")
+    need(d.num_shards >= 1, f"data.num_shards={d.num_shards} must be >= 1")
+    need(d.min_doc_chars >= 0, f"data.min_doc_chars={d.min_doc_chars} must be >= 0")
+    need(d.separator is None or d.separator != "", "data.separator must be null or a non-empty string")
+    need(0.0 <= d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in [0, 1)")
+    need(
+        d.validation_fraction + d.test_fraction < 1.0,
+        f"data.validation_fraction={d.validation_fraction} + data.test_fraction={d.test_fraction} must be < 1",
+    )
+    need(
+        d.max_doc_chars is None or d.max_doc_chars >= max(d.min_doc_chars, 1),
+        f"data.max_doc_chars={d.max_doc_chars} must be >= data.min_doc_chars={d.min_doc_chars} (and >= 1)",
+    )
+    need(
+        d.target_shard_bytes is None or d.target_shard_bytes >= 1,
+        f"data.target_shard_bytes={d.target_shard_bytes} must be null or >= 1",
+    )
+    need(d.max_documents is None or d.max_documents >= 1, f"data.max_documents={d.max_documents} must be >= 1")
+    need(bool(d.text_field), "data.text_field must be a non-empty string")
+    need(
+        d.reader != "datasets" or d.separator in (None, "\n", "\n\n"),
+        f"data.separator={d.separator!r} with data.reader=datasets: the text builder splits .txt files into "
+        "lines ('\\n'), paragraphs ('\\n\\n') or not at all (null)",
+    )
+    uds = t.user_defined_symbols
+    need(
+        all(uds) and len(set(uds)) == len(uds) and "\n" not in uds,
+        f"tokenizer.user_defined_symbols={uds!r} must be distinct non-empty strings other than \"\\n\" "
+        "(the newline is always id 4)",
+    )
+    need(t.vocab_size >= 64, f"tokenizer.vocab_size={t.vocab_size} must be >= 64")
+    need(0.0 < t.character_coverage <= 1.0, f"tokenizer.character_coverage={t.character_coverage} must be in (0, 1]")
+    need(cfg.tokenize.seq_len >= 8, f"tokenize.seq_len={cfg.tokenize.seq_len} must be >= 8")
+    for name in ("num_actors", "threads_per_actor", "batch_size"):
+        value = getattr(cfg.tokenize, name)
+        need(value >= 1, f"tokenize.{name}={value} must be >= 1")
+    need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
+    need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
+    need(tr.lr is None or tr.lr > 0, f"train.lr={tr.lr} must be > 0 (or null for the schedule's default)")
+    need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")
+    need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(tr.schedule != "noam" or tr.warmup_steps >= 1,
+         f"train.schedule=noam divides by train.warmup_steps, so train.warmup_steps={tr.warmup_steps} must be >= 1")
+    need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
+         f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
+         f"below train.steps={tr.steps}")
+    need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
+    need(tr.eval_every % tr.log_every == 0,
+         f"train.eval_every={tr.eval_every} must be a multiple of train.log_every={tr.log_every} (val_loss is "
+         "logged with that step's metrics)")
+    need(tr.early_stop_patience == 0 or tr.eval_every > 0,
+         f"train.early_stop_patience={tr.early_stop_patience} needs validation: set train.eval_every")
+    need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
+    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
+    need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
+    need(tr.checkpoint_every_s >= 0, f"train.checkpoint_every_s={tr.checkpoint_every_s} must be >= 0")
+    need(cfg.register.alias != "champion",
+         "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
+         "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")
+    mc = cfg.model_config()
+    if family(mc).seq2seq:
+        _validate_encdec(cfg, mc, need)
+    need(
+        cfg.tokenize.seq_len <= mc.max_seq_len,
+        f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
+    )
+    # The layout limits, each written once in pipeline.config.limits (the training code relies on them);
+    # checked in this order, so that each one may assume the ones before it.
+    within(limits.layout_sizes(p.num_workers, p.ep_size, tr.micro_batch_size_per_rank))
+    within(limits.global_batch(tr.global_batch_size, p.num_workers, tr.micro_batch_size_per_rank))
+    within(limits.ep_divides_workers(p.ep_size, p.num_workers))
+    within(limits.ep_needs_moe(p.ep_size, mc.num_experts))
+    within(limits.ep_divides_experts(p.ep_size, mc.num_experts))
+    within(limits.ep_zero_stage(p.ep_size, tr.zero_stage))
+    within(limits.ep_shared_experts(p.ep_size, mc.moe_shared_experts))
+    within(limits.offload(tr.zero_stage, tr.offload_optimizer, tr.offload_params))
+    within(limits.compile_zero_stage(tr.compile, tr.zero_stage))
+
+
+def _validate_encdec(cfg: RunConfig, mc: ModelConfig, need) -> None:
+    """An encoder-decoder run: span-corrupted blocks must fit both stacks and the sentinels the vocabulary;
+    the next-token benchmarks of evaluate do not apply to it."""
+    block = cfg.tokenize.seq_len + 1
+    enc_len, dec_len = denoising_lengths(mc, block)
+    need(max(enc_len, dec_len) <= mc.max_seq_len,
+         f"model.max_seq_len={mc.max_seq_len} must hold the span-corrupted encoder ({enc_len}) and decoder "
+         f"({dec_len}) sequences of a tokenize.seq_len={cfg.tokenize.seq_len} block")
+    sentinels = span_counts(block, mc.denoise_noise_density, mc.denoise_mean_span_length)[1]
+    last = NUM_SPECIAL + len(cfg.tokenizer.user_defined_symbols) + sentinels  # pipeline.data.span_corruption's ids
+    need(last < cfg.tokenizer.vocab_size,
+         f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} must exceed the {sentinels} sentinels' ids "
+         f"(up to {last - 1})")
+    e = cfg.eval
+    need(not (e.heldout_paths or e.wikitext_path or e.lambada_path),
+         "eval.heldout_paths, eval.wikitext_path and eval.lambada_path score next-token prediction; with "
+         "model.arch=encoder_decoder set them to [] / null (evaluate reports the denoising loss instead)")
+
+
+def hash_view(obj: Any) -> Any:
+    """The part of a config (a section, a ``ModelConfig``) that changes outputs, for artifact hashes.
+
+    Drops fields marked ``hash=False`` and fields left at their default: a field added to Conduit with a
+    default leaves every existing hash, and so every cached artifact, as it was. (So a default is never
+    changed in place: a new default is a change of the stage's output and bumps the stage's version.)
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        view = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.metadata.get("hash", True) and not _at_default(f, value):
+                view[f.name] = hash_view(value)
+        return view
+    return obj
+
+
+def _at_default(f: dataclasses.Field, value: Any) -> bool:
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        return False
+    return type(value) is type(default) and value == default
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for MLflow params)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

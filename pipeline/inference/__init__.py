@@ -1,0 +1,5 @@
+"""Text in, text out with a trained model: what evaluate and both servers generate with.
+
+- ``generator``: ``TextGenerator``, a model and its tokenizer: prompts checked, tokens sampled, text out.
+- ``batched``: many requests at once, one left-padded batch through the KV-cached model.
+"""

@@ -1,0 +1,198 @@
+"""The OpenAI completions API as Conduit speaks it: request checking, response and error bodies.
+
+No Ray and no model here: ``pipeline.serving.app`` parses a request with ``parse_completion_request``,
+generates, and answers with ``completion_body`` / ``stream_events``; a bad request becomes an
+``ApiError`` whose ``body()`` is the JSON error an OpenAI client expects
+(``{"error": {"message", "type", "param", "code"}}``) and whose ``status`` is its 4xx.
+
+Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string or a list of up to
+``request_limits.MAX_PROMPTS`` strings), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop`` (a
+string or up to 4), ``seed``, ``stream``, and ``user`` (accepted, unused). Any other field (``top_k``,
+``logprobs``, ...) is a 400 that names it, rather than being ignored. Sampling values follow
+``pipeline.serving.request_limits``: NaN, infinities and temperatures just above 0 are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from pipeline.serving import request_limits
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_SEED = 2**62  # each choice seeds a generator with seed + its index
+FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user"}
+
+
+class ApiError(Exception):
+    """A request the API refuses: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked POST /v1/completions body (OpenAI's defaults for what the client left out)."""
+
+    model: str | None
+    prompts: list[str]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+
+
+def _count(body: dict, name: str, default: int, hi: int) -> int:
+    """A whole number in [1, hi] (``max_tokens``, ``n``); OpenAI's default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    problem = request_limits.token_count_problem(name, value, hi)
+    if problem is not None:
+        raise ApiError(400, problem, name)
+    return value
+
+
+def _sampling(body: dict, name: str, default: float, problem_of) -> float:
+    """A sampling value checked by ``problem_of`` (one of ``request_limits``'s); the default when absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    problem = problem_of(name, value)
+    if problem is not None:
+        raise ApiError(400, problem, name)
+    return float(value)
+
+
+def _strings(value: Any, name: str, max_items: int | None = None) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError(400, f"{name} must be a string or a list of strings; got {value!r}", name)
+    if max_items is not None and len(items) > max_items:
+        raise ApiError(400, f"{name} takes at most {max_items} strings; got {len(items)}", name)
+    return items
+
+
+def parse_completion_request(raw: bytes) -> CompletionRequest:
+    """Check a POST /v1/completions body.
+
+    Args:
+        raw: the request body (JSON).
+
+    Returns:
+        The request, with OpenAI's defaults filled in.
+
+    Raises:
+        ApiError: 400 naming the field that is missing, unknown, of the wrong type or out of range.
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise ApiError(400, f"unsupported field(s) {unknown}; this server accepts {sorted(FIELDS)}", unknown[0])
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required (a string or a list of strings)", "prompt")
+    prompts = _strings(body["prompt"], "prompt")
+    if not prompts:
+        raise ApiError(400, "prompt must not be an empty list", "prompt")
+    too_many = request_limits.prompt_count_problem("prompt", len(prompts))
+    if too_many is not None:
+        raise ApiError(400, too_many, "prompt")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string; got {model!r}", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false; got {stream!r}", "stream")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
+    if seed is not None and not -MAX_SEED <= seed <= MAX_SEED:  # torch's generators take 64 bits
+        raise ApiError(400, f"seed={seed} must be in [-{MAX_SEED}, {MAX_SEED}]", "seed")
+    stop = body.get("stop")
+    return CompletionRequest(
+        model=model, prompts=prompts,
+        max_tokens=_count(body, "max_tokens", 16, 1 << 20),
+        temperature=_sampling(body, "temperature", 1.0, request_limits.temperature_problem),
+        top_p=_sampling(body, "top_p", 1.0, request_limits.top_p_problem),
+        n=_count(body, "n", 1, MAX_N),
+        stop=() if stop is None else tuple(s for s in _strings(stop, "stop", MAX_STOP) if s),
+        seed=seed, stream=stream,
+    )
+
+
+def apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """Cut ``text`` before the first stop sequence; returns ``(text, cut)``."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One generated completion: its text, why it ended (``stop`` or ``length``), its token count."""
+
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def completion_body(cid: str, model: str, version: int, choices: list[Choice], prompt_tokens: int) -> dict:
+    """The JSON of a (non-streamed) completion; ``conduit_version`` says which version answered."""
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    return {
+        "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+                    for i, c in enumerate(choices)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "conduit_version": version,
+    }
+
+
+def stream_events(cid: str, model: str, version: int, index: int, pieces: list[str],
+                  finish_reason: str) -> Iterator[str]:
+    """Server-sent events of one choice: a chunk per text piece, then one carrying its finish reason.
+
+    The caller sends ``DONE_EVENT`` after the last choice.
+    """
+    created = int(time.time())
+
+    def chunk(text: str, reason: str | None) -> str:
+        data = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": reason}],
+                "conduit_version": version}
+        return f"data: {json.dumps(data)}\n\n"
+
+    for piece in pieces:
+        yield chunk(piece, None)
+    yield chunk("", finish_reason)
+
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def models_body(model: str, version: int, created: int) -> dict:
+    """GET /v1/models: the one model this deployment serves."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "conduit", "conduit_version": version}]}

@@ -1,0 +1,113 @@
+"""``CheckpointManager``: what the training loop asks of checkpoints (torchtitan's ``CheckpointManager``
+is the model).
+
+A checkpoint is one folder per report to Ray Train, merged from every rank's part:
+
+    conduit/ and rng_rank<r>.pt   DeepSpeed's own files and each rank's RNG (``native``)
+    canonical.pt                  the layout-independent form (``canonical``, rank 0)
+    layout.json                   the layout the native part loads onto (rank 0)
+    run_log.json                  rank 0's metric history and the steps training started at
+    checksums_rank<r>.json        every file's size and sha256, written last (``checksums``)
+
+Restoring: the checkpoint Ray Train hands a restarted group (the newest kept one that verifies,
+``choice``), else ``train.resume_from``; the native part when the layout is the same, else the
+canonical one. The history and the start steps travel in the checkpoint, so after a restart the
+metric history is whole and the starts say where each start began.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from pipeline.training.checkpoint.canonical import load_canonical, save_canonical
+from pipeline.training.checkpoint.checksums import verify_checkpoint, write_checksums
+from pipeline.training.checkpoint.choice import usable_checkpoint
+from pipeline.training.checkpoint.native import load_state, save_state
+
+LAYOUT_FILE = "layout.json"
+RUN_LOG_FILE = "run_log.json"  # rank 0's metric history and the steps training started at
+
+
+@dataclass
+class Restored:
+    """Where training (re)starts: the step, the loader position, the history and starts so far."""
+
+    step: int = 0
+    loader_state: dict | None = None
+    history: list[dict] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+
+class CheckpointManager:
+    """Saves and restores one rank's training state through Ray Train's checkpoints.
+
+    Args:
+        engine: the rank's DeepSpeed engine.
+        scheduler: its LR scheduler (its state goes into the canonical form).
+        layout: {"world_size", "ep_size", "zero_stage"} of this run: a checkpoint of the same layout
+            loads natively, any other through ``canonical.pt``.
+        resume_from: a checkpoint of another run to continue (``train.resume_from``), or None.
+        warn: where a warning about a skipped checkpoint goes (rank 0 prints; the others stay quiet).
+    """
+
+    def __init__(self, engine, scheduler, layout: dict, resume_from: str | None,
+                 warn: Callable[[str], None] = print) -> None:
+        self.engine, self.scheduler, self.layout = engine, scheduler, layout
+        self.resume_from, self.warn = resume_from, warn
+
+    def restore(self) -> Restored:
+        """The state to start from: a fresh start at step 0, or what the chosen checkpoint holds.
+
+        Raises:
+            NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
+            CheckpointRefused: ``train.resume_from`` names a checkpoint that does not verify.
+        """
+        import ray.train
+
+        resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
+        if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
+            resume = usable_checkpoint(resume, verify_checkpoint, warn=self.warn)
+        if resume is None and self.resume_from:  # continue another run, on this run's layout
+            resume = ray.train.Checkpoint(self.resume_from)
+        if resume is None:
+            return Restored(starts=[0])
+        with resume.as_directory() as ckpt_dir:
+            restored = self._load(Path(ckpt_dir))
+        restored.starts.append(restored.step)
+        return restored
+
+    def _load(self, ckpt_dir: Path) -> Restored:
+        verify_checkpoint(ckpt_dir)  # before anything of it is read: DeepSpeed's loader unpickles
+        saved = json.loads((ckpt_dir / LAYOUT_FILE).read_text())
+        if saved == self.layout:  # DeepSpeed's own checkpoint: bit-exact
+            step, loader_state = load_state(self.engine, ckpt_dir)
+        else:  # another world size, ZeRO stage or ep_size: the layout-independent one
+            step, loader_state = load_canonical(self.engine, ckpt_dir, scheduler=self.scheduler)
+        restored = Restored(step=step, loader_state=loader_state)
+        run_log = ckpt_dir / RUN_LOG_FILE
+        if run_log.is_file():  # absent in checkpoints written before it existed
+            saved_log = json.loads(run_log.read_text())
+            restored.history = [h for h in saved_log["history"] if h["step"] <= step]
+            restored.starts = saved_log["starts"]
+        return restored
+
+    def save(self, step: int, loader_state: dict, history: list[dict], starts: list[int]) -> None:
+        """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint and
+        registers it (``ray.train.report``). Every rank must call it at the same step."""
+        import ray.train
+
+        rank = dist.get_rank()
+        with tempfile.TemporaryDirectory() as tmp:
+            save_state(self.engine, tmp, step=step, loader_state=loader_state)
+            save_canonical(self.engine, tmp, step=step, scheduler=self.scheduler, loader_state=loader_state)
+            if rank == 0:
+                (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(self.layout))
+                (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps({"history": history, "starts": starts}))
+            write_checksums(tmp, rank)  # last: what verify_checkpoint checks before a resume loads it
+            ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

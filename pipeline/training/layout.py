@@ -1,0 +1,62 @@
+"""ParallelDims: the one owner of world size, parallel degrees and batch arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import limits
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """World layout and batch sizes of one training run.
+
+    Every rank is a data-parallel rank for the dense parameters. With expert parallelism the
+    ``ep_size`` ranks of one expert-parallel group split the experts between them, and each
+    expert's replicas form an expert-data-parallel group of ``world_size // ep_size`` ranks.
+
+    Args:
+        world_size: number of training processes.
+        ep_size: expert-parallel degree (1: every rank holds every expert).
+        global_batch_size: sequences per optimizer step over all ranks.
+        micro_batch_size_per_rank: sequences in one forward/backward on one rank.
+        seq_len: tokens per sequence.
+
+    Raises:
+        ValueError: the sizes break a limit of ``pipeline.config.limits`` (its message names every factor).
+    """
+
+    world_size: int
+    ep_size: int
+    global_batch_size: int
+    micro_batch_size_per_rank: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        # The limits config validation checks (pipeline.config.limits); here for callers without a config.
+        limits.require(limits.layout_sizes(self.world_size, self.ep_size, self.micro_batch_size_per_rank))
+        limits.require(limits.ep_divides_workers(self.ep_size, self.world_size))
+        limits.require(limits.global_batch(self.global_batch_size, self.world_size, self.micro_batch_size_per_rank))
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.world_size // self.ep_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.world_size * self.micro_batch_size_per_rank)
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def describe(self) -> str:
+        return (
+            f"world {self.world_size} (ep {self.ep_size}, expert-dp {self.expert_dp_size}); "
+            f"global batch {self.global_batch_size} seq x {self.seq_len} tok = {self.global_batch_tokens} tok "
+            f"= {self.micro_batch_size_per_rank}/rank x {self.world_size} ranks x {self.grad_accum_steps} accum"
+        )

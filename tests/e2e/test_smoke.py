@@ -1,0 +1,387 @@
+"""The whole pipeline on configs/smoke.yaml: real Ray, real DeepSpeed workers, a real MLflow store.
+
+The pipeline runs once per session, as a person runs it: ``python -m jobs.run`` on a terminal (a
+pseudo-terminal), on the session's Ray cluster (the ``smoke`` fixture of tests/smoke_run.py, whose
+data stages other tests reuse). Its terminal output is checked for what a person reads, and the
+artifacts, MLflow runs and registered model it left for everything else. Then configs/smoke_moe.yaml
+(an MoE with expert parallelism) runs beside it, in-process, reusing its data stages; its training
+metrics are checked where users read them, in MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from models.accounting import flops_per_token
+from pipeline import tracking
+from pipeline.config import load_config
+from pipeline.ray_logging import STATE_API_NOISE
+from pipeline.runner import ORDER, PipelineResult, run_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+MAX_TERMINAL_LINES = 40
+WARNING_MARKS = ("Warning:", "warnings.warn", "Traceback")
+WORKER_LINE = re.compile(r"\(\S+ pid=\d+\)")  # Ray's prefix of a forwarded worker line
+
+
+def assert_readable(lines: list[str]) -> Path:
+    """A run's terminal output a person can read; returns the log file it names first and last."""
+    assert len(lines) <= MAX_TERMINAL_LINES, "\n".join(lines)
+    assert not [ln for ln in lines if any(m in ln for m in WARNING_MARKS)], "\n".join(lines)
+    assert not [ln for ln in lines if WORKER_LINE.search(ln)], "\n".join(lines)
+    first = re.search(r"the full log is in (\S+)$", lines[0])
+    assert first and lines[-1] == f"The full log: {first.group(1)}", "\n".join(lines)
+    log = Path(first.group(1))
+    logged = log.read_text(encoding="utf-8").splitlines()
+    stage_lines = [ln for ln in lines if re.match(r"\w+: (running|done|cached)", ln)]
+    assert stage_lines and all(ln in logged for ln in stage_lines)
+    assert any(WORKER_LINE.search(ln) for ln in logged), "the log lacks the workers' lines"
+    return log
+
+
+def test_all_six_stages_ran_in_order(smoke):
+    _, result, lines, _ = smoke
+    assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ORDER
+    assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ORDER
+    for name in ORDER:
+        art = result.artifacts[name]
+        assert (art.path / "manifest.json").is_file()
+        assert art.path.parent.name == name and art.path.name == art.hash
+
+
+def test_the_terminal_shows_stages_live_progress_and_a_summary_and_the_log_the_rest(smoke):
+    cfg, result, lines, raw = smoke
+    log = assert_readable(lines)
+    assert log.parent == cfg.workdir() / "logs"
+    logged = log.read_text(encoding="utf-8")
+    assert "(RayTrainWorker pid=" in logged and "Started a local Ray instance" not in logged  # the session's Ray
+    assert STATE_API_NOISE not in logged  # a line per second of training without pipeline.ray_logging's filter
+    # The live status, redrawn in place: training's step and loss from rank 0's MLflow metrics.
+    statuses = [s for s in raw.split("\r\x1b[K") if s.startswith("train: ")]
+    assert any(re.search(rf"step \d+/{cfg.train.steps}, loss \d", s) for s in statuses), statuses[-5:]
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.split() and ln.split()[0] in ORDER and ":" not in ln}
+    assert sorted(rows) == sorted(ORDER) and all(r[0] == "ran" for r in rows.values()), rows
+    assert rows["register"][-2:] == ["version", "1"]
+    assert f"final loss {result.artifacts['train'].manifest['counts']['final_loss']:.3f}" in " ".join(rows["train"])
+    assert "Registered model: models:/conduit-smoke@challenger (version 1)" in lines
+    assert any(ln.startswith("Open the MLflow UI:  mlflow ui --backend-store-uri sqlite:") for ln in lines)
+
+
+def test_training_loss_went_down(smoke):
+    _, result, _, _ = smoke
+    counts = result.artifacts["train"].manifest["counts"]
+    assert counts["final_loss"] < counts["first_loss"] - 0.5, counts
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    # Clearly better than the unigram floor on held-out text, not just "trained a bit".
+    assert metrics["val_bits_per_byte"] < 0.85 * metrics["unigram_bits_per_byte"], metrics
+
+
+def test_validation_during_training_is_logged_and_equals_one_process_on_the_final_weights(smoke):
+    """smoke.yaml validates every train.eval_every steps on 2 workers; at the last step the weights are
+    the registered ones, so one process here must get the loss the two ranks reduced."""
+    import torch
+
+    from models.export import load_safetensors
+    from pipeline.data.token_blocks import TokenBlocks
+    from pipeline.store.contracts import WEIGHTS_FILE
+    from pipeline.training.layout import ParallelDims
+    from pipeline.training.validation import validation_loss
+
+    cfg, result, _, _ = smoke
+    t = cfg.train
+    assert t.eval_every and cfg.parallel.num_workers == 2
+    c = tracking.client(result.tracking_uri)
+    train_run = result.artifacts["train"]
+    (run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id],
+                           f"tags.`conduit.stage` = 'train' and tags.mlflow.parentRunId = '{result.run_id}'")
+    logged = {int(m.step): m.value for m in c.get_metric_history(run.info.run_id, "val_loss")}
+    assert sorted(logged) == list(range(t.eval_every, t.steps + 1, t.eval_every))
+    assert {int(k): v for k, v in train_run.manifest["counts"]["val_losses"].items()} == logged
+    model = load_safetensors(str(train_run.path / WEIGHTS_FILE))
+    blocks = TokenBlocks.of(result.artifacts["tokenize"].path, "validation")
+    dims = ParallelDims(1, 1, t.global_batch_size, t.micro_batch_size_per_rank, cfg.tokenize.seq_len)
+    one = validation_loss(model, blocks, dims, 0, t.eval_batches, torch.device("cpu"), all_reduce=None)
+    assert one == pytest.approx(logged[t.steps], rel=1e-5)
+
+
+def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
+    cfg, result, _, _ = smoke
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["train.steps"] == str(cfg.train.steps)
+    children = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}'")
+    by_stage = {r.data.tags["conduit.stage"]: r for r in children}
+    assert sorted(by_stage) == sorted(ORDER)
+    for name, run in by_stage.items():
+        assert run.data.tags["conduit.hash"] == result.artifacts[name].hash
+        assert parent.data.tags[f"conduit.artifact.{name}"] == result.artifacts[name].hash
+    assert by_stage["train"].data.tags["conduit.input.tokenize"] == result.artifacts["tokenize"].hash
+    losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
+    assert "val_perplexity" in by_stage["evaluate"].data.metrics
+    # The progress metrics the driver's status line reads: evaluate's sets, tokenize's documents.
+    scored = [m.value for m in c.get_metric_history(by_stage["evaluate"].info.run_id, "sets_scored")]
+    assert len(scored) >= 2 and sorted(scored) == list(range(1, len(scored) + 1)), scored
+    splits = result.artifacts["tokenize"].manifest["counts"]["splits"]
+    assert by_stage["tokenize"].data.metrics["documents_tokenized"] == sum(s["documents"] for s in splits.values())
+    # The train run's Datasets: the token artifact it read, with its counts (mlflow.log_input).
+    (dataset,) = c.get_run(by_stage["train"].info.run_id).inputs.dataset_inputs
+    tokens = result.artifacts["tokenize"]
+    assert dataset.dataset.digest == tokens.hash and dataset.tags[0].value == "training"
+    profile = json.loads(dataset.dataset.profile)
+    assert profile["source_paths"] == cfg.data.train_paths
+    assert profile["documents"]["train"] == tokens.manifest["counts"]["splits"]["train"]["documents"] > 0
+
+
+def test_registered_model_generates_text(smoke):
+    cfg, result, _, _ = smoke
+    c = tracking.client(result.tracking_uri)
+    mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
+    assert mv.tags["conduit.train_hash"] == result.artifacts["train"].hash
+    model = tracking.load_registered_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger")
+    out = model.predict(pd.DataFrame({"prompt": ["Once upon a time", "KING:"]}), params={"max_new_tokens": 12, "temperature": 0.0})
+    texts = out["text"].tolist()
+    assert len(texts) == 2 and all(isinstance(t, str) and t.strip() for t in texts), texts
+
+
+def test_lm_eval_scores_the_registered_hf_export_as_the_evaluate_stage(smoke, tmp_path):
+    """lm-evaluation-harness on the registered version's hf/ folder, over the evaluate stage's own
+    held-out text (multi-line Gutenberg prefixes, with blank lines) and window: the same bits per byte.
+
+    lm-eval's rolling windows equal the stage's (``prefix_token_id`` = EOS, documents start after one;
+    disjoint windows of ``max_length`` = ``tokenize.seq_len``), except that lm-eval gives each document's
+    last, partial window the full context before it: hence 1%, not exact. A tokenizer that differs from
+    training's (the Llama conversion put a ``▁`` after every blank line) is 10% off on such text.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from pipeline.evaluation.lm_eval_task import write_rolling_task
+    from pipeline.evaluation.text_metrics import encode_prefix, resolve_files
+    from pipeline.store.contracts import HF_DIR, TOKENIZER_FILE
+    from pipeline.tokenization.spm import EOS_ID, load_sentencepiece
+
+    cfg, result, _, _ = smoke
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    sp = load_sentencepiece(str(result.artifacts["tokenizer"].path / TOKENIZER_FILE))
+    files = resolve_files(cfg.data_root(), cfg.eval.heldout_paths, "eval.heldout_paths")
+    per_file = cfg.eval.max_text_tokens // len(files)
+    texts = [encode_prefix(sp, f.read_text(encoding="utf-8"), per_file)[1] for f in files]
+    assert sum(len(t.encode("utf-8")) for t in texts) == metrics["heldout_bytes"]  # the stage's text, exactly
+    assert all("\n\n" in t for t in texts)
+    local = tracking.download_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger", tmp_path)
+    write_rolling_task(tmp_path / "tasks", "conduit_heldout", texts)
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(local / "artifacts" / HF_DIR), "dtype": "float32",
+                                "max_length": cfg.tokenize.seq_len, "prefix_token_id": EOS_ID},
+        tasks=["conduit_heldout"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        batch_size=cfg.eval.batch_size, device="cpu")
+    bits_per_byte = out["results"]["conduit_heldout"]["bits_per_byte,none"]
+    assert bits_per_byte == pytest.approx(metrics["heldout_bits_per_byte"], rel=0.01)
+
+
+def test_rerun_skips_every_stage_and_force_reruns_downstream(smoke, ray_cluster):
+    ray = ray_cluster
+    cfg, first, _, _ = smoke
+    lines: list[str] = []
+    again = run_pipeline(cfg, echo=lines.append)
+    assert lines == [f"{n}: cached ({first.artifacts[n].hash})" for n in ORDER]
+    assert {n: a.hash for n, a in again.artifacts.items()} == {n: a.hash for n, a in first.artifacts.items()}
+
+    # From the command line, its output a pipe (as in `ray job submit`'s log): evaluate and register rerun.
+    forced = subprocess.run([sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={cfg.run.workdir}",
+                             "--force", "evaluate"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    assert forced.returncode == 0 and forced.stderr == "", forced.stderr
+    lines = forced.stdout.splitlines()
+    assert "\r" not in forced.stdout  # no status redrawn in place: plain lines
+    log = assert_readable(lines)
+    assert "(conduit.register pid=" in log.read_text(encoding="utf-8")
+    assert [ln.split(":")[0] for ln in lines if ": cached" in ln] == ["shard", "tokenizer", "tokenize", "train"]
+    assert [ln.split(":")[0] for ln in lines if ": running" in ln] == ["evaluate", "register"]
+    assert "Registered model: models:/conduit-smoke@challenger (version 2)" in lines
+
+
+def test_cli_dry_run_and_only(smoke):
+    cfg, first, _, _ = smoke
+    cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={cfg.run.workdir}"]
+    out = subprocess.run(cmd + ["--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ORDER:
+        assert f"{name:<10} {first.artifacts[name].hash:<17} cached" in out.stdout
+    forced = subprocess.run(cmd + ["--dry-run", "--only", "evaluate", "--force", "evaluate"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    rows = {ln.split()[0]: ln.split()[2] for ln in forced.stdout.splitlines()[1:]}
+    assert rows == {"shard": "cached", "tokenizer": "cached", "tokenize": "cached", "train": "cached",
+                    "evaluate": "run", "register": "cached"}
+
+
+def test_dense_mfu_is_the_accounting_formula_over_the_logged_tokens_per_s_and_peak(smoke):
+    """MFU as MLflow holds it, every logged step: tokens_per_s x models.accounting's FLOPs per token
+    over the cluster's peak (the run's tags), and a fraction of that peak."""
+    cfg, result, _, _ = smoke
+    check_mfu(cfg, result)
+
+
+def check_mfu(cfg, result) -> None:
+    c = tracking.client(result.tracking_uri)
+    run = c.get_run(train_run_id(result))
+    flops = flops_per_token(cfg.model_config(), cfg.tokenize.seq_len)["total"]
+    assert run.data.tags["mfu.flops_per_token"] == str(flops)
+    peak = float(run.data.tags["mfu.peak_flops"])
+    steps = list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
+    mfu, tps = (metric_by_step(c, run.info.run_id, name) for name in ("mfu", "tokens_per_s"))
+    assert sorted(mfu) == sorted(tps) == steps
+    for step in steps:
+        assert 0 < mfu[step] < 1, (step, mfu[step])
+        assert mfu[step] == tps[step] * flops / peak, (step, mfu[step], tps[step], flops, peak)
+
+
+def train_run_id(result: PipelineResult) -> str:
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    (train,) = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}' "
+                                                          "and tags.conduit.stage = 'train'")
+    return train.info.run_id
+
+
+def metric_by_step(c, run_id: str, name: str) -> dict[int, float]:
+    history = c.get_metric_history(run_id, name)
+    by_step = {m.step: m.value for m in history}
+    assert len(by_step) == len(history), f"{name} logged twice at one step"
+    return by_step
+
+
+@pytest.fixture(scope="module")
+def smoke_moe(smoke):
+    """configs/smoke_moe.yaml on the session's Ray, in the smoke run's workdir: its data stages are the
+    same as smoke.yaml's and are reused from that run; train (2 workers, ep_size 2), evaluate and
+    register run for the MoE model."""
+    dense_cfg, dense, _, _ = smoke
+    cfg = load_config(ROOT / "configs" / "smoke_moe.yaml", [f"run.workdir={dense_cfg.run.workdir}"])
+    lines: list[str] = []
+    result = run_pipeline(cfg, echo=lines.append)
+    return cfg, result, lines, dense
+
+
+def test_moe_pipeline_walks_all_six_stages(smoke_moe):
+    cfg, result, lines, dense = smoke_moe
+    data_stages = ["shard", "tokenizer", "tokenize"]
+    assert [ln for ln in lines if ": cached" in ln] == [f"{n}: cached ({dense.artifacts[n].hash})" for n in data_stages]
+    assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ["train", "evaluate", "register"]
+    assert sorted(result.artifacts) == sorted(ORDER)
+    train = result.artifacts["train"]
+    assert train.manifest["run_config"]["parallel"]["ep_size"] == 2 and cfg.model_config().num_experts == 4
+    assert train.manifest["counts"]["final_loss"] < train.manifest["counts"]["first_loss"]
+
+
+def test_moe_registered_model_loads_and_generates(smoke_moe):
+    cfg, result, _, _ = smoke_moe
+    c = tracking.client(result.tracking_uri)
+    mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
+    assert mv.tags["conduit.train_hash"] == result.artifacts["train"].hash
+    model = tracking.load_registered_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger")
+    out = model.predict(pd.DataFrame({"prompt": ["Once upon a time"]}),
+                        params={"max_new_tokens": 6, "temperature": 0.0})
+    (text,) = out["text"].tolist()
+    assert isinstance(text, str) and text.strip(), text
+
+
+def test_moe_evaluation_has_the_expert_load_plot_and_routing_metrics(smoke_moe):
+    cfg, result, _, _ = smoke_moe
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    (run,) = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}' "
+                                                        "and tags.conduit.stage = 'evaluate'")
+    assert "plots/expert_load.png" in [a.path for a in c.list_artifacts(run.info.run_id, "plots")]
+    layers = cfg.model_config().n_layers
+    routing = ["router_entropy", "router_entropy_normalized", *(f"router_entropy_layer{i}" for i in range(layers)),
+               *(f"expert_load_max_over_uniform_layer{i}" for i in range(layers))]
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    for name in routing:
+        assert run.data.metrics[name] == metrics[name], name
+    assert 0 < metrics["router_entropy_normalized"] <= 1
+    assert all(1 <= metrics[f"expert_load_max_over_uniform_layer{i}"] <= 4 for i in range(layers))
+
+
+def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
+    """The train run holds, at every step: mfu (the accounting formula), tokens/s, the load-balancing
+    (aux) and z losses, and per layer each expert's token count summed over both ranks.
+
+    The counts are checked against the router itself: at step 1 every rank still has the initial
+    weights (the seed's), so the same model, built here, routes the step's micro-batches of both
+    ranks (the run's loader, the workers' micro-batch shapes and thread count) and must count
+    exactly what MLflow holds: a rank's counts left out of the sum, a micro-batch missed or counted
+    twice, or a window that is not one step would all show here. At every step each layer's
+    counts add up to the global batch's tokens x top_k (dropless: every slot is kept), and the
+    logged shares are those counts over that total.
+    """
+    cfg, result, _, _ = smoke_moe
+    check_mfu(cfg, result)
+    c = tracking.client(result.tracking_uri)
+    run_id = train_run_id(result)
+    steps = list(range(1, cfg.train.steps + 1))
+    model_cfg = cfg.model_config()
+    E, layers = model_cfg.num_experts, model_cfg.n_layers
+    logged = {}
+    for name in ("tokens_per_s", "moe_load_balance_loss", "moe_z_loss"):
+        logged[name] = metric_by_step(c, run_id, name)
+        assert sorted(logged[name]) == steps and all(v > 0 for v in logged[name].values()), (name, logged[name])
+    counts = {(i, j): metric_by_step(c, run_id, f"expert_tokens/l{i}/e{j}") for i in range(layers) for j in range(E)}
+    shares = {(i, j): metric_by_step(c, run_id, f"expert_load/l{i}/e{j}") for i in range(layers) for j in range(E)}
+    slots = cfg.train.global_batch_size * cfg.tokenize.seq_len * model_cfg.moe_top_k
+    for step in steps:
+        for i in range(layers):
+            layer = [counts[i, j][step] for j in range(E)]
+            assert sum(layer) == slots and all(v == int(v) for v in layer), (step, i, layer)
+            assert [shares[i, j][step] for j in range(E)] == [v / slots for v in layer], (step, i)
+    routed, losses = router_at_first_step(cfg, result.artifacts["tokenize"].path)
+    assert [[counts[i, j][1] for j in range(E)] for i in range(layers)] == routed
+    # The losses are float64 means of the same float32 values, summed in another order.
+    for name, value in losses.items():
+        assert logged[name][1] == pytest.approx(value, rel=1e-12, abs=0), name
+
+
+def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[str, float]]:
+    """Per layer, the tokens the initial model's router sends to each expert over step 1's
+    micro-batches of every rank, as the training workers were given them; and the load-balancing
+    and z losses of those forwards, each the mean over micro-batches and layers."""
+    import torch
+
+    from models import build_model
+    from pipeline.data.token_blocks import TokenBlocks
+    from pipeline.training.loader import BlockLoader
+    from pipeline.training.engine import local_threads, seed_everything
+    from pipeline.training.layout import ParallelDims
+
+    t, p = cfg.train, cfg.parallel
+    dims = ParallelDims(p.num_workers, p.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
+                        cfg.tokenize.seq_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(local_threads(p.num_workers, p.threads_per_worker))  # as each worker computed
+    try:
+        seed_everything(cfg.run.seed)  # what build_engine does before it builds the model
+        model = build_model(cfg.model_config())
+        total, stats = None, []
+        with torch.no_grad():
+            for rank in range(p.num_workers):
+                loader = BlockLoader(TokenBlocks.of(tokens_dir, "train"), dims, rank, seed=cfg.run.seed)
+                for x_BT, _ in loader.next_step():
+                    layers = model(x_BT).moe_stats
+                    stats += layers
+                    layer_counts = torch.stack([s["tokens_per_expert"] for s in layers])
+                    total = layer_counts if total is None else total + layer_counts
+    finally:
+        torch.set_num_threads(threads)
+    losses = {f"moe_{key}": sum(float(s[key]) for s in stats) / len(stats) for key in ("load_balance_loss", "z_loss")}
+    return total.tolist(), losses
