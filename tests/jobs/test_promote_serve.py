@@ -181,7 +181,7 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
     assert '"name": "prompt"' in mlmodel and '"name": "max_new_tokens"' in mlmodel and "top_p" in mlmodel
     assert "torch==" in (local / "requirements.txt").read_text()
     # models from code: the version is Conduit's code, loaded by name from its own copy; nothing pickled
-    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel and (local / "served_model.py").is_file()
+    assert "loader_module: mlflow.pyfunc.loaders.code_model" in mlmodel and (local / "model_code.py").is_file()
     assert not [p.name for p in local.rglob("*.pkl")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     loaded = subprocess.run([sys.executable, "-c", "import sys, mlflow, pandas as pd\n"
@@ -191,7 +191,7 @@ def test_register_tags_description_signature_and_hf_export(tiny_run, tmp_path):
                              "['text'][0] != '')"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "pyfunc.py"), "True"], loaded.stdout
+    assert loaded.stdout.split() == [str(local / "code" / "pipeline" / "serving" / "pyfunc.py"), "True"], loaded.stdout
     assert json.loads((local / "artifacts" / "metrics.json").read_text())["metrics"] == m
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
