@@ -144,7 +144,7 @@ class FullPath:
         self.runs += 1
         cfg = resolve(load_config(None, [
             f"run.workdir={self.work}", f"tokenize.seq_len={self.seq_len}", f"train.steps={steps}",
-            f"train.log_every={log_every}", "train.warmup_steps=1", "train.progress_bar=false",
+            f"train.log_every={log_every}", "optimizer.warmup_steps=1", "train.progress_bar=false",
             f"tokenizer.vocab_size={self.vocab_size}", f"model.max_seq_len={self.seq_len}", *overrides,
         ]))
         run_id = tracking.start_run(self.uri, self.experiment, f"bench-{self.runs}")

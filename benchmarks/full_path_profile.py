@@ -10,7 +10,7 @@ the engine ``pipeline.training.engine.build_engine`` makes) and times them one s
 
 - ``bare``: the bare loop of ``train_throughput.py``;
 - ``bare_groups_sched``: plus ``make_optimizer``'s decay groups and LambdaLR schedule;
-- ``bare_groups_sched_clip``: plus ``clip_grad_norm_`` at ``train.grad_clip``;
+- ``bare_groups_sched_clip``: plus ``clip_grad_norm_`` at ``optimizer.grad_clip``;
 - ``engine_zero{0,1}``: ``build_engine`` + ``train_step`` (the loop's step), ZeRO 0 and 1, clipping on
   (ZeRO 1 on one rank runs as stage 0: ``engine.engine_zero_stage``);
 - ``engine_zero1_kept``: ZeRO 1 kept on one rank, as before issue 18 (flat fp32 copies, bucketed "reduction");
@@ -48,14 +48,14 @@ PHASES = ("forward", "backward", "step")
 class Bare:
     """The bare loop, optionally with the full path's optimizer groups, schedule and clipping."""
 
-    def __init__(self, cfg, train, groups_sched: bool, clip: bool):
+    def __init__(self, cfg, train, optim, groups_sched: bool, clip: bool):
         from pipeline.training.engine import fused_adamw, make_optimizer, seed_everything
 
         seed_everything(0)
         self.model = build_model(cfg)
-        self.clip = train.grad_clip if clip else 0.0
+        self.clip = optim.grad_clip if clip else 0.0
         if groups_sched:
-            self.opt, self.sched = make_optimizer(self.model, train, cfg.d_model)
+            self.opt, self.sched = make_optimizer(self.model, optim, train.steps, cfg.d_model)
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused_adamw(self.model))
             self.sched = None
@@ -80,7 +80,7 @@ class Bare:
 class Engine:
     """``build_engine``'s DeepSpeed engine, stepped the way ``engine.train_step`` steps it."""
 
-    def __init__(self, cfg, train, dims, keep_stage: bool = False):
+    def __init__(self, cfg, train, optim, dims, keep_stage: bool = False):
         """``keep_stage``: run the configured ZeRO stage even on one rank (as before issue 18; see
         ``pipeline.training.engine.engine_zero_stage``)."""
         from pipeline.training import engine as engine_module
@@ -89,7 +89,7 @@ class Engine:
         if keep_stage:
             engine_module.engine_zero_stage = lambda t, d, p: t.zero_stage
         try:
-            self.engine, _ = engine_module.build_engine(cfg, train, dims, precision="fp32",
+            self.engine, _ = engine_module.build_engine(cfg, train, optim, dims, precision="fp32",
                                                         device=torch.device("cpu"), seed=0)
         finally:
             engine_module.engine_zero_stage = chosen
@@ -130,16 +130,18 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(args.threads)
     cfg = get_preset(args.preset).replace(vocab_size=args.vocab, max_seq_len=args.seq_len)
-    train = load_config(None, []).train
+    defaults = load_config(None, [])
+    train, optim = defaults.train, defaults.optimizer
     dims = ParallelDims(1, 1, args.batch, args.batch, args.seq_len)
     variants = {
-        "bare": lambda: Bare(cfg, train, groups_sched=False, clip=False),
-        "bare_groups_sched": lambda: Bare(cfg, train, groups_sched=True, clip=False),
-        "bare_groups_sched_clip": lambda: Bare(cfg, train, groups_sched=True, clip=True),
-        "engine_zero0": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=0), dims),
-        "engine_zero1": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), dims),
-        "engine_zero1_kept": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), dims, keep_stage=True),
-        "engine_zero1_noclip": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1, grad_clip=0.0), dims),
+        "bare": lambda: Bare(cfg, train, optim, groups_sched=False, clip=False),
+        "bare_groups_sched": lambda: Bare(cfg, train, optim, groups_sched=True, clip=False),
+        "bare_groups_sched_clip": lambda: Bare(cfg, train, optim, groups_sched=True, clip=True),
+        "engine_zero0": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=0), optim, dims),
+        "engine_zero1": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), optim, dims),
+        "engine_zero1_kept": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1), optim, dims, keep_stage=True),
+        "engine_zero1_noclip": lambda: Engine(cfg, dataclasses.replace(train, zero_stage=1),
+                                              dataclasses.replace(optim, grad_clip=0.0), dims),
     }
     runners = {name: make() for name, make in variants.items()}
     g = torch.Generator().manual_seed(1)
@@ -178,8 +180,8 @@ def main() -> None:
         print(f"{name:<24} " + " ".join(f"{row[k]['median'] * 1e3:>{w}.1f}" for k, w in
                                       (("forward", 8), ("backward", 9), ("step", 7), ("total", 7)))
               + f" {row['vs_bare']['median']:>7.2f}")
-    result = {"config": {**vars(args), "zero_stage_default": train.zero_stage, "grad_clip": train.grad_clip,
-                         "weight_decay": train.weight_decay}, "rows": rows}
+    result = {"config": {**vars(args), "zero_stage_default": train.zero_stage, "grad_clip": optim.grad_clip,
+                         "weight_decay": optim.weight_decay}, "rows": rows}
     print(f"wrote {write_result('full_path_profile', result)}")
     dist.destroy_process_group()
 

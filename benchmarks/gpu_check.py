@@ -39,16 +39,17 @@ def init_world(device: str) -> None:
 def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
     from models import PRESETS
     from models.accounting import flops_per_token, param_counts
-    from pipeline.config import TrainSection
+    from pipeline.config import OptimizerSection, TrainSection
     from pipeline.training.engine import build_engine, train_step
     from pipeline.training.layout import ParallelDims
 
     cfg = PRESETS[preset].replace(max_seq_len=max(args.seq_len, PRESETS[preset].max_seq_len))
     train = TrainSection(steps=args.steps + 2, global_batch_size=args.micro_batch,
-                         micro_batch_size_per_rank=args.micro_batch, lr=1e-4, warmup_steps=1,
-                         zero_stage=1, activation_checkpointing=args.activation_checkpointing)
+                         micro_batch_size_per_rank=args.micro_batch, zero_stage=1,
+                         activation_checkpointing=args.activation_checkpointing)
+    optim = OptimizerSection(lr=1e-4, warmup_steps=1)
     dims = ParallelDims(1, 1, args.micro_batch, args.micro_batch, args.seq_len)
-    engine, _ = build_engine(cfg, train, dims, precision=args.precision, device=device, seed=0)
+    engine, _ = build_engine(cfg, train, optim, dims, precision=args.precision, device=device, seed=0)
     g = torch.Generator().manual_seed(0)
 
     def batch():

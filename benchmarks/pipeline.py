@@ -33,7 +33,7 @@ and their ratio to the body. Writes ``benchmarks/results/pipeline_storage.json``
         [--overrides train.steps=20 ...] [--skip-pipeline]
     # small, to check that it runs (about 2 minutes):
     .venv/bin/python benchmarks/pipeline.py --repeats 1 --pipeline-repeats 1 --no-cold-op-build \
-        --overrides train.steps=20 train.warmup_steps=2 eval.max_batches=2
+        --overrides train.steps=20 optimizer.warmup_steps=2 eval.max_batches=2
 """
 
 from __future__ import annotations

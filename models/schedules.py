@@ -8,7 +8,7 @@ step 1). With `torch.optim.lr_scheduler.LambdaLR`, whose counter starts at 0, pa
 [0, 1]. `noam` returns the learning rate of "Attention Is All You Need" (Vaswani et al. 2017, section
 5.3) itself, lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5): the optimizer's base lr multiplies
 it, so with a base lr of 1.0 it is the paper's schedule exactly. `inverse_sqrt` is the same curve kept
-under its older name; the training config scales it by train.lr whatever that is (3e-3 by default), so
+under its older name; the training config scales it by optimizer.lr whatever that is (3e-3 by default), so
 it is the paper's schedule only at lr 1.0.
 """
 
@@ -66,8 +66,8 @@ def noam(step: int, d_model: int, warmup: int) -> float:
 def inverse_sqrt(step: int, d_model: int, warmup: int) -> float:
     """The `noam` curve under its older name: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
 
-    Kept for configs that use it; the training engine multiplies it by train.lr like every schedule,
-    and train.lr's default for it is 3e-3, so use `noam` for the paper's schedule.
+    Kept for configs that use it; the training engine multiplies it by optimizer.lr like every schedule,
+    and optimizer.lr's default for it is 3e-3, so use `noam` for the paper's schedule.
 
     Args:
         step: 1-based update index.

@@ -127,13 +127,13 @@ def check_disk(cfg: RunConfig, item, stage, inputs: Mapping) -> None:
             where = "; ".join(f"{_gib(n)} at {p} for {what}" for p, n, what in places)
             raise DiskError(f"stage {item.stage} needs about {_gib(need)} of free disk ({where}) but that "
                             f"filesystem has {_gib(free)} free; free some space or point run.artifact_root / "
-                            "train.checkpoint_storage elsewhere")
+                            "checkpoint.storage elsewhere")
 
 
 def unwritable(stage: str, place: object, error: OSError) -> DiskError:
     """The error for stage ``stage``, which cannot write to ``place`` (a folder or URI) because of ``error``."""
     return DiskError(f"stage {stage} cannot write to {place}: {error.strerror or error}. Point "
-                     "run.artifact_root (or train.checkpoint_storage) at a writable folder")
+                     "run.artifact_root (or checkpoint.storage) at a writable folder")
 
 
 def _gib(n: int) -> str:

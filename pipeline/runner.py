@@ -204,7 +204,7 @@ def check_shared_storage(cfg: RunConfig, num_nodes: int) -> None:
     if num_nodes <= 1 or cfg.cluster.shared_storage:
         return
     local = [f"{name}={path}" for name, path in (
-        ("run.artifact_root", cfg.artifact_root()), ("train.checkpoint_storage", cfg.train.checkpoint_storage),
+        ("run.artifact_root", cfg.artifact_root()), ("checkpoint.storage", cfg.checkpoint.storage),
     ) if path and not is_uri(path)]
     if local:
         raise ConfigError(

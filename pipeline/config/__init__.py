@@ -4,7 +4,8 @@ What it offers (import these from ``pipeline.config``):
 
 - ``load_config(path, overrides)`` and ``config_from_dict(raw)``: a checked ``RunConfig``, or a
   ``ConfigError`` that names the file, field or value and what is allowed.
-- ``RunConfig`` and its sections (``TrainSection``, ``DeploySection``, ``PromoteSection``, ...).
+- ``RunConfig`` and its sections (``TrainSection``, ``OptimizerSection``, ``ValidationSection``,
+  ``CheckpointSection``, ``DeploySection``, ...).
 - ``hash_view(section)``: the part of a section that changes a stage's output; ``flatten(dict)``: the
   dotted keys MLflow params use.
 
@@ -16,10 +17,12 @@ each with its one message; the training code checks the same ones).
 
 from pipeline.base import DEFAULT_DATA_ROOT, REPO_ROOT, ConfigError
 from pipeline.config.schema import (
+    CheckpointSection,
     ClusterSection,
     DataSection,
     DeploySection,
     EvalSection,
+    OptimizerSection,
     ParallelSection,
     PromoteSection,
     RegisterSection,
@@ -29,6 +32,7 @@ from pipeline.config.schema import (
     TokenizeSection,
     TrackingSection,
     TrainSection,
+    ValidationSection,
     config_from_dict,
     flatten,
     hash_view,
@@ -37,8 +41,8 @@ from pipeline.config.schema import (
 )
 
 __all__ = [
-    "DEFAULT_DATA_ROOT", "REPO_ROOT", "ConfigError", "ClusterSection", "DataSection", "DeploySection",
-    "EvalSection", "ParallelSection", "PromoteSection", "RegisterSection", "RunConfig", "RunSection",
-    "TokenizerSection", "TokenizeSection", "TrackingSection", "TrainSection", "config_from_dict", "flatten",
+    "DEFAULT_DATA_ROOT", "REPO_ROOT", "ConfigError", "CheckpointSection", "ClusterSection", "DataSection", "DeploySection",
+    "EvalSection", "OptimizerSection", "ParallelSection", "PromoteSection", "RegisterSection", "RunConfig", "RunSection",
+    "TokenizerSection", "TokenizeSection", "TrackingSection", "TrainSection", "ValidationSection", "config_from_dict", "flatten",
     "hash_view", "load_config", "validate",
 ]

@@ -29,15 +29,15 @@ RANGES: dict[str, Range] = {
     "tokenizer.max_training_bytes": AT_LEAST_1,
     "tokenizer.num_threads": AT_LEAST_1,
     "train.global_batch_size": AT_LEAST_1,
-    "train.min_lr_ratio": UNIT_CLOSED,
-    "train.weight_decay": AT_LEAST_0,
-    "train.beta1": UNIT_HALF_OPEN,
-    "train.beta2": UNIT_HALF_OPEN,
-    "train.adam_eps": POSITIVE,
-    "train.grad_clip": AT_LEAST_0,  # 0 turns clipping off
-    "train.eval_every": AT_LEAST_0,  # 0: no validation during training
-    "train.eval_batches": AT_LEAST_1,
-    "train.early_stop_patience": AT_LEAST_0,
+    "optimizer.min_lr_ratio": UNIT_CLOSED,
+    "optimizer.weight_decay": AT_LEAST_0,
+    "optimizer.beta1": UNIT_HALF_OPEN,
+    "optimizer.beta2": UNIT_HALF_OPEN,
+    "optimizer.adam_eps": POSITIVE,
+    "optimizer.grad_clip": AT_LEAST_0,  # 0 turns clipping off
+    "validation.every": AT_LEAST_0,  # 0: no validation during training
+    "validation.batches": AT_LEAST_1,
+    "validation.early_stop_patience": AT_LEAST_0,
     "parallel.threads_per_worker": AT_LEAST_1,
     "eval.max_batches": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,

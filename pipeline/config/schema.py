@@ -120,25 +120,10 @@ class TrainSection:
     steps: int = 20
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size_per_rank: int = 4
-    # The base learning rate: the schedule's value multiplies it. None: 1.0 for schedule noam (whose
-    # value is the learning rate of Vaswani et al. 2017 itself, so train.lr is a plain multiplier of
-    # the paper's formula), 3e-3 for every other schedule. See ``resolved_lr``.
-    lr: float | None = None
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 5
-    # constant, cosine (warmup then cosine to min_lr_ratio), wsd (warmup-stable-decay), noam
-    # (d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), times train.lr), inverse_sqrt (the same
-    # curve, kept for older configs; times train.lr, which defaults to 3e-3 for it).
-    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt", "noam"] = "cosine"
     # Label smoothing eps of the training loss (Szegedy et al. 2016): the target is (1 - eps) one-hot
     # + eps uniform over the vocabulary. The logged training loss is then the smoothed one (logged as
     # ``loss`` with the tag train.loss_smoothing); evaluation always reports the plain cross-entropy.
     label_smoothing: float = 0.0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
     zero_stage: Literal[0, 1, 2, 3] = 1
     offload_optimizer: bool = False  # ZeRO 1-3: optimizer states and the step on the CPU
     offload_params: bool = False  # ZeRO-3: parameters live on the CPU between uses
@@ -149,27 +134,27 @@ class TrainSection:
     compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
-    # Validation during training (pipeline.training.validation): every eval_every steps (a multiple of
-    # log_every; 0: never) the loss on the first eval_batches global batches of the validation split,
-    # logged as val_loss; early_stop_patience > 0 stops after that many validations without a new best.
-    eval_every: int = 0
-    eval_batches: int = 4
-    early_stop_patience: int = 0
-    # Checkpoints change nothing a finished run produces (resume is exact), so they are unhashed.
-    checkpoint_every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
-    # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
-    # so a fault costs minutes of training whatever the step time; 0: by steps only.
-    checkpoint_every_s: float = _unhashed(900.0)
-    keep_checkpoints: int = _unhashed(2)
-    # Worker-group restarts from the latest checkpoint: a lost node or an OOM-killed worker costs a
-    # restart, while a bug that fails every time still stops the run after a few quick tries.
-    max_failures: int = _unhashed(3)
-    # Ray Train storage (a path or a pyarrow.fs URI), shared by every config: checkpoints go to its run
-    # "train-<artifact hash>". None: <artifact_root>/checkpoints, in the object store with the artifacts.
-    checkpoint_storage: str | None = _unhashed(None)
-    # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
-    # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
-    resume_from: str | None = None
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW and its learning-rate schedule."""
+
+    # The base learning rate: the schedule's value multiplies it. None: 1.0 for schedule noam (whose
+    # value is the learning rate of Vaswani et al. 2017 itself, so optimizer.lr is a plain multiplier
+    # of the paper's formula), 3e-3 for every other schedule. See ``resolved_lr``.
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    # constant, cosine (warmup then cosine to min_lr_ratio), wsd (warmup-stable-decay), noam
+    # (d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), times optimizer.lr), inverse_sqrt (the same
+    # curve, kept for older configs; times optimizer.lr, which defaults to 3e-3 for it).
+    schedule: Literal["constant", "cosine", "wsd", "inverse_sqrt", "noam"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
 
     @property
     def resolved_lr(self) -> float:
@@ -177,6 +162,51 @@ class TrainSection:
         if self.lr is not None:
             return self.lr
         return 1.0 if self.schedule == "noam" else 3e-3
+
+
+@dataclass
+class ValidationSection:
+    """Validation during training (pipeline.training.validation): every ``every`` steps (a multiple of
+    train.log_every; 0: never) the loss on the first ``batches`` global batches of the validation
+    split, logged as val_loss; ``early_stop_patience`` > 0 stops after that many validations without a
+    new best."""
+
+    every: int = 0
+    batches: int = 4
+    early_stop_patience: int = 0
+
+
+@dataclass
+class CheckpointSection:
+    """Checkpoints and recovery. They change nothing a finished run produces (resume is exact), so
+    all but ``resume_from`` stay out of the hash."""
+
+    every: int = _unhashed(0)  # steps between checkpoints; 0: by time only (and at the end)
+    # Also checkpoint when this many seconds have passed since the last one (checked at log steps),
+    # so a fault costs minutes of training whatever the step time; 0: by steps only.
+    every_s: float = _unhashed(900.0)
+    keep: int = _unhashed(2)
+    # Worker-group restarts from the latest checkpoint: a lost node or an OOM-killed worker costs a
+    # restart, while a bug that fails every time still stops the run after a few quick tries.
+    max_failures: int = _unhashed(3)
+    # Ray Train storage (a path or a pyarrow.fs URI), shared by every config: checkpoints go to its run
+    # "train-<artifact hash>". None: <artifact_root>/checkpoints, in the object store with the artifacts.
+    storage: str | None = _unhashed(None)
+    # A checkpoint folder of an earlier run to continue from, with any number of workers, ZeRO stage
+    # or ep_size (through its layout-independent canonical.pt). Hashed: it changes the result.
+    resume_from: str | None = None
+
+
+# Keys that left the train section, and where they live now (an old config is told the new name).
+MOVED_FROM_TRAIN = {
+    **{k: f"optimizer.{k}" for k in ("lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay", "beta1",
+                                     "beta2", "adam_eps", "grad_clip")},
+    "eval_every": "validation.every", "eval_batches": "validation.batches",
+    "early_stop_patience": "validation.early_stop_patience",
+    "checkpoint_every": "checkpoint.every", "checkpoint_every_s": "checkpoint.every_s", "keep_checkpoints": "checkpoint.keep",
+    "max_failures": "checkpoint.max_failures", "checkpoint_storage": "checkpoint.storage",
+    "resume_from": "checkpoint.resume_from",
+}
 
 
 @dataclass
@@ -285,6 +315,9 @@ class RunConfig:
     tokenize: TokenizeSection = field(default_factory=TokenizeSection)
     model: dict = field(default_factory=lambda: {"preset": "debug_dense"})
     train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     eval: EvalSection = field(default_factory=EvalSection)
     register: RegisterSection = field(default_factory=RegisterSection)
@@ -418,6 +451,8 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if cls is TrainSection and key in MOVED_FROM_TRAIN:
+            raise ConfigError(f"{source}: train.{key} has moved: it is {MOVED_FROM_TRAIN[key]} now")
         if key not in names:
             raise _unknown(str(key), names, prefix, source)
         hint = hints[key]
@@ -553,24 +588,27 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
-    need(tr.lr is None or tr.lr > 0, f"train.lr={tr.lr} must be > 0 (or null for the schedule's default)")
+    op, va, ck = cfg.optimizer, cfg.validation, cfg.checkpoint
+    need(op.lr is None or op.lr > 0, f"optimizer.lr={op.lr} must be > 0 (or null for the schedule's default)")
     need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")
-    need(0 <= tr.warmup_steps <= tr.steps, f"train.warmup_steps={tr.warmup_steps} must be in [0, train.steps={tr.steps}]")
-    need(tr.schedule != "noam" or tr.warmup_steps >= 1,
-         f"train.schedule=noam divides by train.warmup_steps, so train.warmup_steps={tr.warmup_steps} must be >= 1")
-    need(tr.schedule not in ("cosine", "wsd") or tr.warmup_steps < tr.steps,
-         f"train.schedule={tr.schedule} decays after warmup, so train.warmup_steps={tr.warmup_steps} must be "
+    need(0 <= op.warmup_steps <= tr.steps,
+         f"optimizer.warmup_steps={op.warmup_steps} must be in [0, train.steps={tr.steps}]")
+    need(op.schedule != "noam" or op.warmup_steps >= 1,
+         f"optimizer.schedule=noam divides by optimizer.warmup_steps, so optimizer.warmup_steps={op.warmup_steps} "
+         "must be >= 1")
+    need(op.schedule not in ("cosine", "wsd") or op.warmup_steps < tr.steps,
+         f"optimizer.schedule={op.schedule} decays after warmup, so optimizer.warmup_steps={op.warmup_steps} must be "
          f"below train.steps={tr.steps}")
     need(tr.log_every >= 1, f"train.log_every={tr.log_every} must be >= 1")
-    need(tr.eval_every % tr.log_every == 0,
-         f"train.eval_every={tr.eval_every} must be a multiple of train.log_every={tr.log_every} (val_loss is "
+    need(va.every % tr.log_every == 0,
+         f"validation.every={va.every} must be a multiple of train.log_every={tr.log_every} (val_loss is "
          "logged with that step's metrics)")
-    need(tr.early_stop_patience == 0 or tr.eval_every > 0,
-         f"train.early_stop_patience={tr.early_stop_patience} needs validation: set train.eval_every")
-    need(tr.checkpoint_every >= 0, f"train.checkpoint_every={tr.checkpoint_every} must be >= 0")
-    need(tr.keep_checkpoints >= 1, f"train.keep_checkpoints={tr.keep_checkpoints} must be >= 1")
-    need(tr.max_failures >= 0, f"train.max_failures={tr.max_failures} must be >= 0")
-    need(tr.checkpoint_every_s >= 0, f"train.checkpoint_every_s={tr.checkpoint_every_s} must be >= 0")
+    need(va.early_stop_patience == 0 or va.every > 0,
+         f"validation.early_stop_patience={va.early_stop_patience} needs validation: set validation.every")
+    need(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
+    need(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    need(ck.max_failures >= 0, f"checkpoint.max_failures={ck.max_failures} must be >= 0")
+    need(ck.every_s >= 0, f"checkpoint.every_s={ck.every_s} must be >= 0")
     need(cfg.register.alias != "champion",
          "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
          "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")

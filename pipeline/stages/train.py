@@ -4,12 +4,12 @@ Ray Train's ``TorchTrainer`` starts ``parallel.num_workers`` workers and their p
 (gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``.
 
 Checkpoints live outside the artifact folder, in the Ray Train run ``train-<artifact hash>`` under
-``train.checkpoint_storage`` (default ``<artifact_root>/checkpoints``). So:
+``checkpoint.storage`` (default ``<artifact_root>/checkpoints``). So:
 - a failed worker group restarts from the latest one (``FailureConfig``);
 - a rerun after the driver died (the runner clears the unsealed artifact folder) finds them, since
   Ray Train restores a run it finds at ``storage/name``, and continues instead of starting at step 0;
 - two configs (or a config and its ``--force``d rerun) sharing one storage never see each other's;
-- once the artifact is sealed only the final checkpoint is kept (``train.resume_from`` can continue
+- once the artifact is sealed only the final checkpoint is kept (``checkpoint.resume_from`` can continue
   from it), and ``--force train`` removes them all first.
 """
 
@@ -38,6 +38,9 @@ def hash_config(cfg: RunConfig) -> dict:
     return {
         "model": hash_view(cfg.model_config()),
         "train": hash_view(cfg.train),
+        "optimizer": hash_view(cfg.optimizer),
+        "validation": hash_view(cfg.validation),
+        "checkpoint": hash_view(cfg.checkpoint),  # resume_from only: the rest changes no result
         "parallel": hash_view(cfg.parallel),
         "seed": cfg.run.seed,
     }
@@ -69,7 +72,7 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the 
 
 def checkpoint_location(cfg: RunConfig, hash_: str) -> tuple[str, str]:
     """Ray Train's ``(storage_path, name)`` for the train artifact ``hash_`` of ``cfg``."""
-    storage = cfg.train.checkpoint_storage or join(cfg.artifact_root(), CHECKPOINTS_DIR)
+    storage = cfg.checkpoint.storage or join(cfg.artifact_root(), CHECKPOINTS_DIR)
     return storage, f"train-{hash_}"
 
 
@@ -111,7 +114,7 @@ def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None
 
     params = param_counts(cfg.model_config())["total"]
     storage, name = checkpoint_location(cfg, hash_)
-    kept = cfg.train.keep_checkpoints + 1
+    kept = cfg.checkpoint.keep + 1
     return [(None, 4 * params, f"fp32 weights of {params:,} parameters"),
             (f"{storage.rstrip('/')}/{name}", (CHECKPOINT_BYTES_PER_PARAM * params + CHECKPOINT_FIXED_BYTES) * kept,
              f"{kept} checkpoints x {CHECKPOINT_BYTES_PER_PARAM} B x {params:,} parameters")]
@@ -127,8 +130,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
     precision = resolve_precision(cfg.train.precision, device)
-    if cfg.train.eval_every:  # before any worker starts: the validation subset must exist
-        check_split(cfg.train.eval_batches, cfg.train.global_batch_size,
+    if cfg.validation.every:  # before any worker starts: the validation subset must exist
+        check_split(cfg.validation.batches, cfg.train.global_batch_size,
                     inputs["tokenize"].manifest["counts"]["splits"]["validation"]["blocks"])
     storage, name = checkpoint_location(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
     tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
@@ -152,8 +155,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
         ),
     )
     result = trainer.fit()
@@ -164,7 +167,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     return {
         "starts": starts,  # [0] for a run that never restarted; a rerun after a crash begins past 0
         "steps": cfg.train.steps,
-        "steps_trained": history[-1]["step"],  # below steps when train.early_stop_patience stopped it
+        "steps_trained": history[-1]["step"],  # below steps when validation.early_stop_patience stopped it
         "tokens": history[-1]["step"] * cfg.train.global_batch_size * cfg.tokenize.seq_len,
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],

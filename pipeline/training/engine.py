@@ -18,7 +18,7 @@ from models import ModelConfig, build_model
 from models.loss import lm_loss
 from models.mamba import MambaMixer
 from models.schedules import lr_multiplier
-from pipeline.config import TrainSection
+from pipeline.config import OptimizerSection, TrainSection
 from pipeline.training.ds_config import build_ds_config
 from pipeline.training.expert_parallel import canonical_state_dict, check_groups, expert_shards, moe_param_groups
 from pipeline.training.layout import ParallelDims
@@ -44,12 +44,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"name": "no_decay", "params": other, "weight_decay": 0.0}]
 
 
-def schedule_kwargs(train: TrainSection, d_model: int) -> dict:
-    if train.schedule in ("inverse_sqrt", "noam"):
-        return {"d_model": d_model, "warmup": max(1, train.warmup_steps)}
-    if train.schedule == "constant":
+def schedule_kwargs(optim: OptimizerSection, steps: int, d_model: int) -> dict:
+    if optim.schedule in ("inverse_sqrt", "noam"):
+        return {"d_model": d_model, "warmup": max(1, optim.warmup_steps)}
+    if optim.schedule == "constant":
         return {}
-    return {"warmup": train.warmup_steps, "total": train.steps, "min_ratio": train.min_lr_ratio}
+    return {"warmup": optim.warmup_steps, "total": steps, "min_ratio": optim.min_lr_ratio}
 
 
 def fused_adamw(model: torch.nn.Module) -> bool | None:
@@ -63,20 +63,21 @@ def fused_adamw(model: torch.nn.Module) -> bool | None:
     return True if all(p.device.type == "cpu" for p in model.parameters()) else None
 
 
-def make_optimizer(model: torch.nn.Module, train: TrainSection, d_model: int, expert_parallel: bool = False):
+def make_optimizer(model: torch.nn.Module, optim: OptimizerSection, steps: int, d_model: int,
+                   expert_parallel: bool = False):
     """Torch AdamW (no JIT-compiled op needed) and the LR schedule as a LambdaLR.
 
     Schedules in ``models.schedules`` count steps from 1; LambdaLR counts from 0. With expert
     parallelism the expert parameters get groups of their own (see ``expert_parallel``). On the CPU
     AdamW is torch's fused kernel (``fused_adamw``); elsewhere torch's default (multi-tensor on GPUs).
     """
-    groups = param_groups(model, train.weight_decay)
+    groups = param_groups(model, optim.weight_decay)
     if expert_parallel:
         groups = moe_param_groups(groups)
-    optimizer = torch.optim.AdamW(groups, lr=train.resolved_lr, betas=(train.beta1, train.beta2),
-                                  eps=train.adam_eps, fused=fused_adamw(model))
-    kw = schedule_kwargs(train, d_model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(train.schedule, s + 1, **kw))
+    optimizer = torch.optim.AdamW(groups, lr=optim.resolved_lr, betas=(optim.beta1, optim.beta2),
+                                  eps=optim.adam_eps, fused=fused_adamw(model))
+    kw = schedule_kwargs(optim, steps, d_model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(optim.schedule, s + 1, **kw))
     return optimizer, scheduler
 
 
@@ -133,8 +134,8 @@ def skip_inference_shm_op() -> None:
         deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
-def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims, *, precision: str,
-                 device: torch.device, seed: int):
+def build_engine(model_cfg: ModelConfig, train: TrainSection, optim: OptimizerSection, dims: ParallelDims, *,
+                 precision: str, device: torch.device, seed: int):
     """Build the model (the same initial weights on every rank), parallelize it, then the optimizer,
     schedule and engine (at ``engine_zero_stage``: stage 0 where ZeRO would partition over one rank).
 
@@ -152,9 +153,9 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, dims: ParallelDims
     model = build_model(model_cfg, device=device)
     parallelize(model, train, dims, dist.get_rank())  # expert parallelism, checkpointing, compile
     ep = dims.ep_size > 1
-    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model, expert_parallel=ep)
+    optimizer, scheduler = make_optimizer(model, optim, train.steps, model_cfg.d_model, expert_parallel=ep)
     stage = engine_zero_stage(train, dims, precision)
-    config = build_ds_config(dims=dims, zero_stage=stage, precision=precision, grad_clip=train.grad_clip,
+    config = build_ds_config(dims=dims, zero_stage=stage, precision=precision, grad_clip=optim.grad_clip,
                              offload_optimizer=train.offload_optimizer, offload_params=train.offload_params)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if stage == 0 and precision in ("fp32", "amp_bf16"):

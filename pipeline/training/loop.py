@@ -13,7 +13,7 @@
     failpoints     tests only: {"pause_after_final_checkpoint_s": s} holds every rank still for s seconds
                    right after the final checkpoint of a first start, for a test to SIGKILL one there
 
-Checkpoints (every ``train.checkpoint_every`` steps, when ``train.checkpoint_every_s`` has passed at a
+Checkpoints (every ``checkpoint.every`` steps, when ``checkpoint.every_s`` has passed at a
 log step, and at the end) are reported to Ray Train through ``pipeline.training.checkpoint``, so
 ``FailureConfig(max_failures)`` restarts the workers from the latest one, exactly. A checkpoint also
 carries rank 0's metric history and the steps the group (re)started at, so that after a restart
@@ -23,9 +23,9 @@ carries rank 0's metric history and the steps the group (re)started at, so that 
 tag the run with what MFU is computed from (``_start_tracking``), train (``_train``: each step's
 update, validation, logging and checkpoint), and write the weights (``_export``).
 
-With ``train.eval_every``, every rank scores its share of a fixed validation subset at those steps
+With ``validation.every``, every rank scores its share of a fixed validation subset at those steps
 (``pipeline.training.validation``); ``val_loss`` joins that step's metrics, and
-``train.early_stop_patience`` may end training early.
+``validation.early_stop_patience`` may end training early.
 
 Rank 0 hands its live metrics to an ``Outbox``: training never waits for MLflow and never dies from
 it; what a server that is down could not take is delivered when it answers again.
@@ -130,12 +130,12 @@ def _setup(config: dict) -> _Rank:
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len)
-    engine, scheduler = build_engine(model_cfg, t, dims, precision=config["precision"], device=device,
+    engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=config["precision"], device=device,
                                      seed=cfg.run.seed)
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
     layout = {"world_size": world, "ep_size": dims.ep_size,
               "zero_stage": engine_zero_stage(t, dims, config["precision"])}
-    checkpoints = CheckpointManager(engine, scheduler, layout, t.resume_from,
+    checkpoints = CheckpointManager(engine, scheduler, layout, cfg.checkpoint.resume_from,
                                     warn=lambda m: rank == 0 and print(m, flush=True))
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
     loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
@@ -146,11 +146,11 @@ def _setup(config: dict) -> _Rank:
 
 def _prepare_validation(run: _Rank) -> None:
     """The validation blocks, and the losses and early stop of the restored history (every rank has it)."""
-    t = run.cfg.train
-    if t.eval_every:
+    va = run.cfg.validation
+    if va.every:
         run.val_blocks = TokenBlocks.of_artifact(run.config["tokens"], "validation")
     run.val_losses = [h["val_loss"] for h in run.history if "val_loss" in h]
-    run.stopped = stop_early(run.val_losses, t.early_stop_patience)  # a run resumed after it had stopped
+    run.stopped = stop_early(run.val_losses, va.early_stop_patience)  # a run resumed after it had stopped
 
 
 def _start_tracking(run: _Rank) -> None:
@@ -174,7 +174,7 @@ def _train(run: _Rank) -> None:
     """The steps from where training (re)starts: update, validate, log, checkpoint, each when due."""
     from tqdm import tqdm
 
-    t = run.cfg.train
+    t, every = run.cfg.train, run.cfg.checkpoint.every
     bar = tqdm(total=t.steps, initial=run.start_step, desc="train", unit="step",
                disable=run.rank != 0 or not t.progress_bar, mininterval=1.0)
     run.window_t0, run.window_tokens, run.last_checkpoint = time.perf_counter(), 0, time.monotonic()
@@ -192,9 +192,10 @@ def _train(run: _Rank) -> None:
         if done % t.log_every == 0 or done == t.steps:
             due_by_time = _log(run, done, loss, val_loss, bar)
         if run.stopped and run.rank == 0:
-            print(f"early stop at step {done}: no better validation loss in the last {t.early_stop_patience} "
+            print(f"early stop at step {done}: no better validation loss in the last "
+                  f"{run.cfg.validation.early_stop_patience} "
                   f"validations (best {min(run.val_losses):.4f})", flush=True)
-        if done == t.steps or run.stopped or due_by_time or (t.checkpoint_every and done % t.checkpoint_every == 0):
+        if done == t.steps or run.stopped or due_by_time or (every and done % every == 0):
             run.last_checkpoint = time.monotonic()
             run.checkpoints.save(done, run.loader.state_dict(), run.history, run.starts)
             if done == t.steps:
@@ -204,25 +205,25 @@ def _train(run: _Rank) -> None:
 
 
 def _validate(run: _Rank, done: int) -> float | None:
-    """At ``train.eval_every`` steps (log steps too, the config makes sure): the validation loss, and
+    """At ``validation.every`` steps (log steps too, the config makes sure): the validation loss, and
     whether training stops early."""
-    t = run.cfg.train
-    if not (t.eval_every and done % t.eval_every == 0):
+    va = run.cfg.validation
+    if not (va.every and done % va.every == 0):
         return None
-    val_loss = validation_loss(run.engine, run.val_blocks, run.dims, run.rank, t.eval_batches, run.device,
+    val_loss = validation_loss(run.engine, run.val_blocks, run.dims, run.rank, va.batches, run.device,
                                dist.all_reduce, run.corruption)
     run.val_losses.append(val_loss)
-    run.stopped = stop_early(run.val_losses, t.early_stop_patience)
+    run.stopped = stop_early(run.val_losses, va.early_stop_patience)
     return val_loss
 
 
 def _log(run: _Rank, done: int, loss: torch.Tensor, val_loss: float | None, bar) -> bool:
     """A log step: the global batch's loss, throughput and MFU to rank 0's history and MLflow. Returns
-    whether ``train.checkpoint_every_s`` has passed (rank 0's clock decides, so every rank agrees)."""
+    whether ``checkpoint.every_s`` has passed (rank 0's clock decides, so every rank agrees)."""
     t = run.cfg.train
     # One all-reduce: the global batch's loss (the mean over ranks) and rank 0's word on the checkpoint clock.
-    late = (run.rank == 0 and t.checkpoint_every_s > 0
-            and time.monotonic() - run.last_checkpoint >= t.checkpoint_every_s)
+    every_s = run.cfg.checkpoint.every_s
+    late = run.rank == 0 and every_s > 0 and time.monotonic() - run.last_checkpoint >= every_s
     reduced = torch.stack([loss.detach().float(), torch.tensor(float(late), device=loss.device)])
     dist.all_reduce(reduced)
     elapsed = time.perf_counter() - run.window_t0

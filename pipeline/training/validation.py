@@ -1,4 +1,4 @@
-"""Validation during training (``train.eval_every``, ``train.eval_batches``, ``train.early_stop_patience``).
+"""Validation during training (``validation.every``, ``validation.batches``, ``validation.early_stop_patience``).
 
 The subset is fixed: the first ``eval_batches x global_batch_size`` blocks of the validation split,
 whatever the number of ranks. Rank ``r`` of ``W`` scores the contiguous ``1/W`` of it at ``r``, in
@@ -38,8 +38,8 @@ def check_split(eval_batches: int, global_batch_size: int, n_blocks: int) -> Non
     need = eval_batches * global_batch_size
     if n_blocks < need:
         raise ValueError(
-            f"train.eval_batches={eval_batches} asks for {need} validation blocks (x train.global_batch_size="
-            f"{global_batch_size}) but the validation split has {n_blocks}: lower train.eval_batches or raise "
+            f"validation.batches={eval_batches} asks for {need} validation blocks (x train.global_batch_size="
+            f"{global_batch_size}) but the validation split has {n_blocks}: lower validation.batches or raise "
             "data.validation_fraction"
         )
 

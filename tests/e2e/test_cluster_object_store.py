@@ -43,7 +43,7 @@ BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 # The smoke config, shortened: what is tested is where bytes go, not what the model learns.
-SHORT = ["train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=2", "train.log_every=2",
+SHORT = ["train.steps=4", "optimizer.warmup_steps=1", "checkpoint.every=2", "train.log_every=2",
          "train.progress_bar=false", "eval.max_batches=2", "eval.max_text_tokens=256",
          "eval.lambada_max_examples=8", "eval.max_new_tokens=4", "eval.prompts=[Hi]", "register.hf_export=false"]
 

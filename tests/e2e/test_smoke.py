@@ -86,7 +86,7 @@ def test_training_loss_went_down(smoke):
 
 
 def test_validation_during_training_is_logged_and_equals_one_process_on_the_final_weights(smoke):
-    """smoke.yaml validates every train.eval_every steps on 2 workers; at the last step the weights are
+    """smoke.yaml validates every validation.every steps on 2 workers; at the last step the weights are
     the registered ones, so one process here must get the loss the two ranks reduced."""
     import torch
 
@@ -97,19 +97,19 @@ def test_validation_during_training_is_logged_and_equals_one_process_on_the_fina
     from pipeline.training.validation import validation_loss
 
     cfg, result, _, _ = smoke
-    t = cfg.train
-    assert t.eval_every and cfg.parallel.num_workers == 2
+    t, va = cfg.train, cfg.validation
+    assert va.every and cfg.parallel.num_workers == 2
     c = tracking.client(result.tracking_uri)
     train_run = result.artifacts["train"]
     (run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id],
                            f"tags.`conduit.stage` = 'train' and tags.mlflow.parentRunId = '{result.run_id}'")
     logged = {int(m.step): m.value for m in c.get_metric_history(run.info.run_id, "val_loss")}
-    assert sorted(logged) == list(range(t.eval_every, t.steps + 1, t.eval_every))
+    assert sorted(logged) == list(range(va.every, t.steps + 1, va.every))
     assert {int(k): v for k, v in train_run.manifest["counts"]["val_losses"].items()} == logged
     model = load_safetensors(str(train_run.path / WEIGHTS_FILE))
     blocks = TokenBlocks.of(result.artifacts["tokenize"].path, "validation")
     dims = ParallelDims(1, 1, t.global_batch_size, t.micro_batch_size_per_rank, cfg.tokenize.seq_len)
-    one = validation_loss(model, blocks, dims, 0, t.eval_batches, torch.device("cpu"), all_reduce=None)
+    one = validation_loss(model, blocks, dims, 0, va.batches, torch.device("cpu"), all_reduce=None)
     assert one == pytest.approx(logged[t.steps], rel=1e-5)
 
 

@@ -51,7 +51,7 @@ def train_tiny(cfg: RunConfig, train_blocks: np.ndarray) -> torch.nn.Module:
     """A debug_dense model trained on ``train_blocks`` with AdamW (seconds on one core)."""
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.resolved_lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.resolved_lr)
     rng = np.random.default_rng(cfg.run.seed)
     for _ in range(cfg.train.steps):
         batch = torch.from_numpy(train_blocks[rng.integers(0, len(train_blocks), 16)].astype(np.int64))

@@ -43,7 +43,7 @@ def string_fields(cls=RunConfig, prefix: str = "") -> dict[str, bool]:
 
 def test_the_schema_walk_finds_the_uri_fields():
     fields = string_fields()
-    assert {"tracking.uri", "train.resume_from", "train.checkpoint_storage", "run.artifact_root", "run.workdir",
+    assert {"tracking.uri", "checkpoint.resume_from", "checkpoint.storage", "run.artifact_root", "run.workdir",
             "data.data_root", "data.train_paths", "eval.heldout_paths", "cluster.address"} <= set(fields)
     assert fields["data.train_paths"] and not fields["tracking.uri"]
 
@@ -64,7 +64,7 @@ def test_user_names_and_plain_uris_are_not_secrets():
     for ok in ["hdfs://alice@namenode/corpus", "s3://bucket/x?endpoint_override=minio:9000&scheme=http",
                "http://127.0.0.1:5000", "sqlite:////tmp/mlflow.db", "Once upon a time: user:pass"]:
         assert found_in(ok) is None, ok
-    config_from_dict({"tracking": {"uri": "http://127.0.0.1:5000"}, "train": {"resume_from": "s3://b/ckpt"}})
+    config_from_dict({"tracking": {"uri": "http://127.0.0.1:5000"}, "checkpoint": {"resume_from": "s3://b/ckpt"}})
     assert redact(f"at postgresql://mlflow:{SECRET}@db/x and s3://b/k?scheme=http&secret_key={SECRET}") == \
         "at postgresql://mlflow:***@db/x and s3://b/k?scheme=http&secret_key=***"
 

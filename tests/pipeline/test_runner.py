@@ -42,9 +42,9 @@ SERVER = "tracking.uri=http://mlflow:5000"
     (1, [], True),
     (2, [], False),
     (2, ["cluster.shared_storage=true"], True),
-    (3, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=s3://bucket/ckpt", SERVER], True),
+    (3, ["run.artifact_root=s3://bucket/conduit", "checkpoint.storage=s3://bucket/ckpt", SERVER], True),
     (2, ["run.artifact_root=s3://bucket/conduit", SERVER], True),
-    (2, ["run.artifact_root=s3://bucket/conduit", "train.checkpoint_storage=/local/ckpt", SERVER], False),
+    (2, ["run.artifact_root=s3://bucket/conduit", "checkpoint.storage=/local/ckpt", SERVER], False),
 ])
 def test_multi_node_needs_shared_storage(tmp_path, nodes, overrides, ok):
     cfg = load_config(None, [f"run.workdir={tmp_path}", *overrides])

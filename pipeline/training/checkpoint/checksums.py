@@ -12,7 +12,7 @@ What a checkpoint holds and how each part is read back:
 Each rank writes its part of a checkpoint into a folder of its own, then ``write_checksums`` records
 the size and sha256 of every file there in ``checksums_rank<r>.json``; Ray Train merges the ranks'
 folders into one checkpoint. ``verify_checkpoint`` runs before anything of a checkpoint is read (a
-restart, or ``train.resume_from``): a file that no rank recorded (planted), or whose bytes changed, or
+restart, or ``checkpoint.resume_from``): a file that no rank recorded (planted), or whose bytes changed, or
 a recorded file that is missing, refuses the whole checkpoint, naming the file. This keeps files that
 Conduit did not write from being unpickled; it does not stand against someone who can also rewrite the
 checksum files, so the checkpoint storage must be writable only by the runs themselves.

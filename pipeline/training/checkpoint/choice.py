@@ -3,7 +3,7 @@
 Ray Train hands a restarted group its latest reported checkpoint. When that one does not verify (a
 file truncated by a node that died while uploading, a disk error, a file planted there), reloading it
 on every restart would fail the run for good. ``usable_checkpoint`` skips it for the newest earlier
-checkpoint of the same Ray Train run that verifies (``train.keep_checkpoints`` of them are kept), with
+checkpoint of the same Ray Train run that verifies (``checkpoint.keep`` of them are kept), with
 a warning, so the fault costs the steps since that one. Every rank runs the same check over the same
 storage, so all ranks pick the same checkpoint.
 """

@@ -10,7 +10,7 @@ A checkpoint is one folder per report to Ray Train, merged from every rank's par
     checksums_rank<r>.json        every file's size and sha256, written last (``checksums``)
 
 Restoring: the checkpoint Ray Train hands a restarted group (the newest kept one that verifies,
-``choice``), else ``train.resume_from``; the native part when the layout is the same, else the
+``choice``), else ``checkpoint.resume_from``; the native part when the layout is the same, else the
 canonical one. The history and the start steps travel in the checkpoint, so after a restart the
 metric history is whole and the starts say where each start began.
 """
@@ -52,7 +52,7 @@ class CheckpointManager:
         scheduler: its LR scheduler (its state goes into the canonical form).
         layout: {"world_size", "ep_size", "zero_stage"} of this run: a checkpoint of the same layout
             loads natively, any other through ``canonical.pt``.
-        resume_from: a checkpoint of another run to continue (``train.resume_from``), or None.
+        resume_from: a checkpoint of another run to continue (``checkpoint.resume_from``), or None.
         warn: where a warning about a skipped checkpoint goes (rank 0 prints; the others stay quiet).
     """
 
@@ -66,7 +66,7 @@ class CheckpointManager:
 
         Raises:
             NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
-            CheckpointRefused: ``train.resume_from`` names a checkpoint that does not verify.
+            CheckpointRefused: ``checkpoint.resume_from`` names a checkpoint that does not verify.
         """
         import ray.train
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,10 @@ def test_every_config_loads_and_validates(path):
 
 def test_defaults_yaml_and_overrides_precedence(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("train:\n  steps: 7\n  lr: 0.01\nmodel:\n  preset: debug_dense\n  n_layers: 3\n")
+    f.write_text("train:\n  steps: 7\noptimizer:\n  lr: 0.01\nmodel:\n  preset: debug_dense\n  n_layers: 3\n")
     cfg = load_config(f, ["train.steps=9", "data.train_paths=[a.txt, b.txt]", "model.d_model=96"])
     assert cfg.train.steps == 9  # override beats YAML
-    assert cfg.train.lr == 0.01  # YAML beats default
+    assert cfg.optimizer.lr == 0.01  # YAML beats default
     assert cfg.train.zero_stage == 1  # default
     assert cfg.data.train_paths == ["a.txt", "b.txt"]
     mc = cfg.model_config()
@@ -71,19 +72,19 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("train.compile=true train.zero_stage=3", r"train\.compile=true with train\.zero_stage=3 is not supported"),
     ("train.precision=fp8", r"train\.precision='fp8' is not allowed; choose one of \['auto', 'fp32', 'bf16', 'fp16', 'amp_bf16'\]"),
     ("tokenize.engine=spark", r"tokenize\.engine='spark' is not allowed"),
-    ("train.steps=10 train.warmup_steps=10", r"train\.schedule=cosine decays after warmup, so train\.warmup_steps=10 must be below train\.steps=10"),
+    ("train.steps=10 optimizer.warmup_steps=10", r"optimizer\.schedule=cosine decays after warmup, so optimizer\.warmup_steps=10 must be below train\.steps=10"),
     ("data.validation_fraction=1.5", r"data\.validation_fraction=1\.5 must be in \(0, 1\)"),
     # the ranges of pipeline.config.ranges: each fails at load, not stages later
     ("train.global_batch_size=0", r"train\.global_batch_size=0 must be >= 1"),
     ("run.lock_wait_s=-1", r"run\.lock_wait_s=-1\.0 must be >= 0"),
     ("run.name=it's", r"run\.name=\"it's\" must be non-empty, without quotes or backslashes"),
     ("train.global_batch_size=-8", r"train\.global_batch_size=-8 must be >= 1"),
-    ("train.min_lr_ratio=1.5", r"train\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
-    ("train.weight_decay=-0.1", r"train\.weight_decay=-0\.1 must be >= 0"),
-    ("train.beta1=1.0", r"train\.beta1=1\.0 must be in \[0, 1\)"),
-    ("train.beta2=-0.5", r"train\.beta2=-0\.5 must be in \[0, 1\)"),
-    ("train.adam_eps=0", r"train\.adam_eps=0\.0 must be > 0"),
-    ("train.grad_clip=-1", r"train\.grad_clip=-1\.0 must be >= 0"),
+    ("optimizer.min_lr_ratio=1.5", r"optimizer\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
+    ("optimizer.weight_decay=-0.1", r"optimizer\.weight_decay=-0\.1 must be >= 0"),
+    ("optimizer.beta1=1.0", r"optimizer\.beta1=1\.0 must be in \[0, 1\)"),
+    ("optimizer.beta2=-0.5", r"optimizer\.beta2=-0\.5 must be in \[0, 1\)"),
+    ("optimizer.adam_eps=0", r"optimizer\.adam_eps=0\.0 must be > 0"),
+    ("optimizer.grad_clip=-1", r"optimizer\.grad_clip=-1\.0 must be >= 0"),
     ("tokenizer.num_threads=0", r"tokenizer\.num_threads=0 must be >= 1"),
     ("tokenizer.max_training_bytes=0", r"tokenizer\.max_training_bytes=0 must be >= 1"),
     ("parallel.threads_per_worker=0", r"parallel\.threads_per_worker=0 must be >= 1"),
@@ -131,24 +132,24 @@ def test_hash_view_drops_logging_fields():
 
 def test_numbers_load_as_people_write_them(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("train:\n  lr: 3e-4\n  adam_eps: 1E-8\n  steps: 1e2\n  warmup_steps: 10\n"
+    f.write_text("optimizer:\n  lr: 3e-4\n  adam_eps: 1E-8\n  warmup_steps: 10\ntrain:\n  steps: 1e2\n"
                  "model:\n  rope_base: 1e4\n")
     cfg = load_config(f)
-    assert (cfg.train.lr, cfg.train.adam_eps, cfg.train.steps) == (3e-4, 1e-8, 100)
+    assert (cfg.optimizer.lr, cfg.optimizer.adam_eps, cfg.train.steps) == (3e-4, 1e-8, 100)
     assert isinstance(cfg.train.steps, int)
     assert cfg.model_config().rope_base == 1e4
-    cfg = load_config(None, ["train.lr=3e-4", "train.beta2=+9.9e-1", "train.steps=2e1"])
-    assert (cfg.train.lr, cfg.train.beta2, cfg.train.steps) == (3e-4, 0.99, 20)
+    cfg = load_config(None, ["optimizer.lr=3e-4", "optimizer.beta2=+9.9e-1", "train.steps=2e1"])
+    assert (cfg.optimizer.lr, cfg.optimizer.beta2, cfg.train.steps) == (3e-4, 0.99, 20)
     with pytest.raises(ConfigError, match=r"train\.steps must be an integer, got 2\.5"):
         load_config(None, ["train.steps=2.5"])
-    with pytest.raises(ConfigError, match=r"train\.lr must be a finite number, got inf"):
-        load_config(None, ["train.lr=.inf"])
+    with pytest.raises(ConfigError, match=r"optimizer\.lr must be a finite number, got inf"):
+        load_config(None, ["optimizer.lr=.inf"])
     assert load_config(None, ["run.name=1e3x"]).run.name == "1e3x"  # not a number: stays a string
 
 
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
 @pytest.mark.parametrize("field,refusal", [
-    ("train.lr", r"train\.lr must be a finite number"),  # a float field
+    ("optimizer.lr", r"optimizer\.lr must be a finite number"),  # a float field
     ("train.steps", r"train\.steps must be an integer"),  # an integer field
     ("model.rope_base", r"model: rope_base must be a finite number"),  # a ModelConfig field
 ])
@@ -167,7 +168,7 @@ def test_nan_and_infinities_are_refused_naming_the_field(tmp_path, value, field,
 
 def test_a_key_given_twice_names_both_lines(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("train:\n  steps: 7\nparallel:\n  num_workers: 1\ntrain:\n  lr: 0.01\n")
+    f.write_text("train:\n  steps: 7\nparallel:\n  num_workers: 1\ntrain:\n  log_every: 7\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: key 'train' is given twice in one mapping \(lines 1 and 5\)"):
         load_config(f)
     f.write_text("train:\n  steps: 7\n  steps: 8\n")
@@ -201,3 +202,17 @@ def test_an_empty_config_file_is_refused_saying_so(tmp_path, text):
         load_config(f)
     with pytest.raises(ConfigError, match="the config is empty"):
         load_config(f, ["train.steps=3"])  # overrides alone do not make a file a config
+
+
+@pytest.mark.parametrize("old,new", [("lr", "optimizer.lr"), ("warmup_steps", "optimizer.warmup_steps"),
+                                     ("eval_every", "validation.every"), ("checkpoint_every", "checkpoint.every"),
+                                     ("checkpoint_storage", "checkpoint.storage"), ("resume_from", "checkpoint.resume_from")])
+def test_a_key_that_left_the_train_section_names_its_new_place(tmp_path, old, new):
+    """train held 30 fields; the optimizer and its schedule, validation and checkpoints are sections of
+    their own now, and a config written for the old layout is told where each key went."""
+    f = tmp_path / "old.yaml"
+    f.write_text(f"train:\n  steps: 7\n  {old}: 10\n")
+    with pytest.raises(ConfigError, match=rf"old\.yaml: train\.{old} has moved: it is {re.escape(new)} now"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=rf"train\.{old} has moved: it is {re.escape(new)} now"):
+        load_config(None, [f"train.{old}=10"])

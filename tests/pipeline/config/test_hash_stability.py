@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from models import ModelConfig
-from pipeline.config import RunConfig, TrainSection, hash_view, load_config
+from pipeline.config import CheckpointSection, RunConfig, TrainSection, hash_view, load_config
 from pipeline.runner import make_plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,7 +55,8 @@ def test_a_field_added_at_its_default_leaves_every_hash(tmp_path, monkeypatch):
 def test_the_hash_view_leaves_out_defaults_and_logging_fields():
     train = TrainSection()
     assert hash_view(train) == {}
-    changed = dataclasses.replace(train, lr=0.5, log_every=3)  # log_every changes no output: hash=False
-    assert hash_view(changed) == {"lr": 0.5}
+    changed = dataclasses.replace(train, steps=5, log_every=3)  # log_every changes no output: hash=False
+    assert hash_view(changed) == {"steps": 5}
+    assert hash_view(CheckpointSection(every=7, storage="/x", resume_from="/y")) == {"resume_from": "/y"}
     assert hash_view(ModelConfig()) == {}
     assert hash_view(ModelConfig(d_model=64)) == {"d_model": 64}

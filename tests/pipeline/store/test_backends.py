@@ -93,7 +93,7 @@ def test_join_keeps_the_query_last_and_paths_stay_paths():
     assert isinstance(store_for("/data/art"), LocalStore) and isinstance(store_for("s3://b/x"), ObjectStore)
 
 
-@pytest.mark.parametrize("field", ["run.artifact_root", "train.checkpoint_storage", "train.resume_from"])
+@pytest.mark.parametrize("field", ["run.artifact_root", "checkpoint.storage", "checkpoint.resume_from"])
 def test_credentials_in_a_storage_uri_are_refused(tmp_path, field):
     with pytest.raises(ConfigError, match=rf"{field} has credentials in its URI"):
         load_config(None, [f"run.workdir={tmp_path}", f"{field}=s3://AKIA:secret@bucket/x"])

@@ -195,10 +195,10 @@ def test_an_unwritable_place_stops_the_runner_before_the_stage_and_keeps_what_is
     checkpoint storage), cannot be written; each time b is refused before it runs, naming the place
     (exit 2), and a, finished, stays."""
     stateful = in_order([TOY["a"], dataclasses.replace(TOY["b"], disk_need=lambda cfg, inputs, h: [
-        (f"{cfg.train.checkpoint_storage}/toy-{h}", 1 << 20, "toy checkpoints")]), TOY["c"]])
+        (f"{cfg.checkpoint.storage}/toy-{h}", 1 << 20, "toy checkpoints")]), TOY["c"]])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = [f"run.workdir={tmp_path / 'work'}", f"tracking.uri={uri}", "tracking.experiment=toy"]
-    cfg = load_config(None, [*common, f"train.checkpoint_storage={tmp_path / 'checkpoints'}"])
+    cfg = load_config(None, [*common, f"checkpoint.storage={tmp_path / 'checkpoints'}"])
     plan = {p.stage: p for p in make_plan(resolve(cfg), stages=stateful)}
     b_folder = plan["b"].path.parent  # <artifact_root>/b: b's lock and artifact folder go there
     b_folder.parent.mkdir(parents=True)
@@ -210,7 +210,7 @@ def test_an_unwritable_place_stops_the_runner_before_the_stage_and_keeps_what_is
     assert [ln.split(" ")[:2] for ln in lines] == [["a:", "running"], ["a:", "done"]]
 
     b_folder.unlink()
-    cfg = load_config(None, [*common, f"train.checkpoint_storage={READ_ONLY}/conduit-checkpoints"])
+    cfg = load_config(None, [*common, f"checkpoint.storage={READ_ONLY}/conduit-checkpoints"])
     lines = []
     with pytest.raises(DiskError, match=rf"^stage b cannot write to {READ_ONLY}/conduit-checkpoints: ") as e:
         run_pipeline(cfg, stages=stateful, echo=lines.append)

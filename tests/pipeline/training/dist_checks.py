@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from models import ModelConfig, build_model
 from models.loss import lm_loss
-from pipeline.config import TrainSection
+from pipeline.config import OptimizerSection, TrainSection
 from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
 from pipeline.training.checkpoint.canonical import load_canonical, save_canonical
 from pipeline.training.loader import BlockLoader
@@ -61,8 +61,8 @@ ENCDEC = ModelConfig(arch="encoder_decoder", vocab_size=97, d_model=32, n_layers
                      max_seq_len=16, norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="relu",
                      bias=True, tie_embeddings=True, denoise_noise_density=0.3, denoise_mean_span_length=1.5)
 ENCDEC_CORRUPTION = SpanCorruption(0.3, 1.5, first_sentinel_id=5, seed=SEED)
-TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, lr=1e-2,
-                     warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
+TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO)
+OPTIM = OptimizerSection(lr=1e-2, warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
 
 def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
@@ -75,7 +75,7 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
     encoder-decoder's span corruption, applied to each step's blocks as the training loop does."""
     seed_everything(SEED)
     model = build_model(model_cfg)
-    optimizer, scheduler = make_optimizer(model, train, model_cfg.d_model)
+    optimizer, scheduler = make_optimizer(model, OPTIM, train.steps, model_cfg.d_model)
     loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, micro, SEQ), 0, seed=SEED)
     for step in range(steps):
         batches = loader.next_step()
@@ -86,8 +86,8 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
                 out = model(*x)
             lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
             ((lm + out.aux_loss) * micro / GLOBAL).backward()
-        if train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        if OPTIM.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
             if grad_norms is not None:
                 grad_norms.append(norm.item())
         optimizer.step()
@@ -100,7 +100,7 @@ def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=
                         grad_norms: list | None = None, corruption: SpanCorruption | None = None):
     """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping."""
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
-    engine, _ = build_engine(model_cfg, train, dims, precision=precision, device=CPU, seed=SEED)
+    engine, _ = build_engine(model_cfg, train, OPTIM, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = []
     for step in range(steps):
@@ -148,7 +148,7 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
     straight, straight_losses = distributed_weights(model_cfg, train, tokens, 4, world, rank, ep_size=ep_size)
 
-    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
+    engine, _ = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     first = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
     save_state(engine, ckpt, step=2, loader_state=loader.state_dict())
@@ -156,7 +156,7 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     gc.collect()
 
     # A fresh engine from different initial weights: everything must come from the checkpoint.
-    engine, _ = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED + 1)
+    engine, _ = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED + 1)
     step, loader_state = load_state(engine, ckpt)
     loader = BlockLoader(tokens, dims, rank, seed=0)
     loader.load_state_dict(loader_state)
@@ -172,7 +172,7 @@ def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DE
     """2 steps on this world and layout, then a layout-independent checkpoint."""
     train = dataclasses.replace(TRAIN, zero_stage=zero)
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
-    engine, scheduler = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED)
+    engine, scheduler = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     for _ in range(2):
         train_step(engine, loader.next_step(), CPU)
@@ -191,7 +191,7 @@ def canonical_continue(tokens: Path, ckpt: Path, world: int, rank: int, model_cf
     is computed per forward), so their runs use micro-batches of ``MICRO`` too."""
     train = dataclasses.replace(TRAIN, zero_stage=zero)
     dims = ParallelDims(world, ep_size, GLOBAL, micro, SEQ)
-    engine, scheduler = build_engine(model_cfg, train, dims, precision="fp32", device=CPU, seed=SEED + 5)
+    engine, scheduler = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED + 5)
     step, loader_state = load_canonical(engine, ckpt, scheduler=scheduler)
     loader = BlockLoader(tokens, dims, rank, seed=0)
     loader.load_state_dict(loader_state)
@@ -233,7 +233,7 @@ def one_rank_check(tokens: Path, ckpt: Path, world: int, rank: int) -> dict:
     exact resume."""
     assert world == 1
     train = dataclasses.replace(TRAIN, zero_stage=1)
-    engine, _ = build_engine(DENSE, train, ParallelDims(world, 1, GLOBAL, MICRO, SEQ), precision="fp32", device=CPU,
+    engine, _ = build_engine(DENSE, train, OPTIM, ParallelDims(world, 1, GLOBAL, MICRO, SEQ), precision="fp32", device=CPU,
                              seed=SEED)
     out = {"engine_stage": engine.zero_optimization_stage(), "allreduce": engine.enable_backward_allreduce}
     del engine
@@ -371,7 +371,7 @@ def main(out_dir: str) -> None:
     results["resume_mla_ep2"] = resume_check(tokens, out / "ckpt_mla_ep", world, rank, MLA_MOE_AUX, zero=2,
                                              ep_size=world)
     try:
-        build_engine(MOE, dataclasses.replace(TRAIN, zero_stage=3), ParallelDims(world, world, GLOBAL, MICRO, SEQ),
+        build_engine(MOE, dataclasses.replace(TRAIN, zero_stage=3), OPTIM, ParallelDims(world, world, GLOBAL, MICRO, SEQ),
                      precision="fp32", device=CPU, seed=SEED)
         results["ep_zero3_refused"] = None
     except ValueError as e:

@@ -88,8 +88,8 @@ def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_
 
 
 STEPS, EVERY = 60, 20  # three checkpoints: a kill after two, a kill at the last
-TRAIN = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.log_every=10", "train.progress_bar=false",
-         "train.adam_eps=0.0001"]
+TRAIN = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.log_every=10", "train.progress_bar=false",
+         "optimizer.adam_eps=0.0001"]
 
 
 def ray_run_dir(cfg, hash_: str) -> Path:
@@ -110,12 +110,12 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root
     """The smoke config's train stage, called directly, on the data stages the session's smoke run
     sealed under ``data_root`` (tests/smoke_run.py: the same data config, so the same hashes). The
     stage writes into ``<tmp>/<name>/train/<hash>`` and keeps its checkpoints in
-    ``<tmp>/<name>/checkpoints`` (unless ``overrides`` name a ``train.checkpoint_storage``), so runs
+    ``<tmp>/<name>/checkpoints`` (unless ``overrides`` name a ``checkpoint.storage``), so runs
     of one config never see each other's. With ``kill``, workers of the train stage are SIGKILLed
     (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``)."""
     work = tmp / name
     cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [
-        f"run.workdir={work}", f"run.artifact_root={data_root}", f"train.checkpoint_storage={work / 'checkpoints'}",
+        f"run.workdir={work}", f"run.artifact_root={data_root}", f"checkpoint.storage={work / 'checkpoints'}",
         *TRAIN, *overrides]))
     uri = cfg.tracking_uri()
     work.mkdir(parents=True)
@@ -161,7 +161,7 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smok
     straight, straight_history, _, _ = straight
     monkeypatch.setenv("CONDUIT_FAILPOINTS", json.dumps({"pause_after_final_checkpoint_s": 120}))
     damaged: list[int] = []
-    resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["train.max_failures=2"], kill=True,
+    resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["checkpoint.max_failures=2"], kill=True,
                                                        data_root=smoke_artifact_root, damaged=damaged)
     assert len(killed) == 2
     # The group restarted past a checkpoint, then at the final one; the history is whole: every
@@ -177,7 +177,7 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smok
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]
     assert art.manifest["counts"]["first_loss"] == straight_history[0]["loss"]
     assert_same_weights(straight, resumed)
-    # Sealed: only the final checkpoint is left (train.resume_from can continue from it).
+    # Sealed: only the final checkpoint is left (checkpoint.resume_from can continue from it).
     left = sorted(p.name for p in artifact_run_dir(art).glob("checkpoint_*") if p.is_dir())
     assert len(left) == 1 and Path(art.manifest["counts"]["checkpoint"]).name == left[0], left
     # The disk preflight's estimate of a checkpoint holds for the real one.
@@ -196,7 +196,7 @@ def command_of(proc: psutil.Process) -> str:
 def cli_overrides(work: Path, data_root: str) -> list[str]:
     """The driver tests' config: the smoke config with TRAIN, the session smoke run's artifact root
     (its data stages cached) and checkpoints of this test's own."""
-    return [f"run.workdir={work}", f"run.artifact_root={data_root}", f"train.checkpoint_storage={work / 'checkpoints'}",
+    return [f"run.workdir={work}", f"run.artifact_root={data_root}", f"checkpoint.storage={work / 'checkpoints'}",
             *TRAIN]
 
 
@@ -299,18 +299,18 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
 
 def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_path, straight, smoke_artifact_root):
     """Config A (the uninterrupted run, ``straight``: 60 steps, checkpoints at 20, 40 and 60), then config
-    B (another learning rate and length) on A's ``train.checkpoint_storage``: B trains from step 0 on its
+    B (another learning rate and length) on A's ``checkpoint.storage``: B trains from step 0 on its
     own (it used to restore A's final step and fail); ``--force train`` on B removes exactly B's
     checkpoints (the runner calls the stage's ``discard_state``, checked with toy stages in
     test_runner_failures.py), and A's stay for the tests that resume from them."""
     _, a_history, _, a = straight
-    storage = Path(config_from_dict(a.manifest["run_config"]).train.checkpoint_storage)
+    storage = Path(config_from_dict(a.manifest["run_config"]).checkpoint.storage)
     # One worker: what is shared here is the storage, and one worker starts in half the CPU time of two.
-    # B checkpoints whenever train.checkpoint_every_s has passed at a log step (every 10 steps): here
+    # B checkpoints whenever checkpoint.every_s has passed at a log step (every 10 steps): here
     # always, so at 10, 20 and 30.
     _, b_history, _, b = train_once(tmp_path, "b", [
-        f"train.checkpoint_storage={storage}", "train.steps=30", "train.checkpoint_every=0",
-        "parallel.num_workers=1", "train.checkpoint_every_s=0.000001", "train.lr=0.002"],
+        f"checkpoint.storage={storage}", "train.steps=30", "checkpoint.every=0",
+        "parallel.num_workers=1", "checkpoint.every_s=0.000001", "optimizer.lr=0.002"],
         kill=False, data_root=smoke_artifact_root)
     reports = {art.hash: json.loads((storage / f"train-{art.hash}" / "checkpoint_manager_snapshot.json").read_text())
                ["current_report_index"] for art in (a, b)}
@@ -326,9 +326,9 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
 
 def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_artifact_root, moto_s3):
     """2 workers trained to step STEPS - EVERY (40); that checkpoint, copied to S3 (a moto server), is continued by
-    1 worker (``train.resume_from=s3://...``, through the layout-independent canonical.pt since the
+    1 worker (``checkpoint.resume_from=s3://...``, through the layout-independent canonical.pt since the
     world size differs) to step STEPS (60): same weights as the 2-worker run, and its own checkpoint is
-    reported to ``train.checkpoint_storage=s3://...``."""
+    reported to ``checkpoint.storage=s3://...``."""
     import pyarrow.fs as pafs
 
     weights, _, _, train_art = straight
@@ -341,8 +341,8 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_
     pafs.copy_files(str(first_kept), f"conduit-ckpt/from/{first_kept.name}",
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     resumed, history, _, art = train_once(tmp_path, "s3", [
-        "parallel.num_workers=1", f"train.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
-        f"train.checkpoint_storage=s3://conduit-ckpt/runs?{query}"], kill=False, data_root=smoke_artifact_root)
+        "parallel.num_workers=1", f"checkpoint.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
+        f"checkpoint.storage=s3://conduit-ckpt/runs?{query}"], kill=False, data_root=smoke_artifact_root)
     # Continued at 40 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
     # history), so the history runs whole from the first logged step to the last.
     assert read_train_starts(art.path) == [0, STEPS - EVERY]

@@ -1,4 +1,4 @@
-"""train.label_smoothing reaches the engine's loss; train.schedule=noam is the paper's learning rate."""
+"""train.label_smoothing reaches the engine's loss; optimizer.schedule=noam is the paper's learning rate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import ModelConfig, build_model
-from pipeline.config import ConfigError, TrainSection, load_config
+from pipeline.config import ConfigError, OptimizerSection, load_config
 from pipeline.training.engine import loss_definition, make_optimizer, train_step
 
 TINY = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
@@ -73,10 +73,10 @@ def test_label_smoothing_config_field_and_its_range():
     (40, 0.125 / 40 ** 0.5),  # half the peak
 ])
 def test_noam_schedule_in_the_optimizer_is_the_paper_formula(step, expected):
-    train = TrainSection(steps=50, warmup_steps=10, schedule="noam")
-    assert train.lr is None and train.resolved_lr == 1.0  # the multiplier's default for noam
+    optim = OptimizerSection(warmup_steps=10, schedule="noam")
+    assert optim.lr is None and optim.resolved_lr == 1.0  # the multiplier's default for noam
     model = build_model(TINY.replace(d_model=64, n_heads=4))
-    optimizer, scheduler = make_optimizer(model, train, 64)
+    optimizer, scheduler = make_optimizer(model, optim, 50, 64)
     for _ in range(step - 1):
         optimizer.step()
         scheduler.step()
@@ -84,13 +84,13 @@ def test_noam_schedule_in_the_optimizer_is_the_paper_formula(step, expected):
 
 
 def test_noam_lr_is_a_multiplier_and_other_schedules_keep_their_default():
-    train = TrainSection(steps=50, warmup_steps=10, schedule="noam", lr=2.0)
-    optimizer, _ = make_optimizer(build_model(TINY.replace(d_model=64, n_heads=4)), train, 64)
+    optim = OptimizerSection(warmup_steps=10, schedule="noam", lr=2.0)
+    optimizer, _ = make_optimizer(build_model(TINY.replace(d_model=64, n_heads=4)), optim, 50, 64)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * 0.125 * 10 ** -1.5, rel=1e-8)
-    assert TrainSection().resolved_lr == 3e-3
-    assert TrainSection(schedule="inverse_sqrt").resolved_lr == 3e-3
+    assert OptimizerSection().resolved_lr == 3e-3
+    assert OptimizerSection(schedule="inverse_sqrt").resolved_lr == 3e-3
 
 
 def test_noam_needs_warmup():
-    with pytest.raises(ConfigError, match=r"train\.schedule=noam .* train\.warmup_steps=0 must be >= 1"):
-        load_config(None, ["train.schedule=noam", "train.warmup_steps=0"])
+    with pytest.raises(ConfigError, match=r"optimizer\.schedule=noam .* optimizer\.warmup_steps=0 must be >= 1"):
+        load_config(None, ["optimizer.schedule=noam", "optimizer.warmup_steps=0"])

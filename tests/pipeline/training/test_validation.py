@@ -97,13 +97,13 @@ def test_early_stopping_waits_patience_validations_without_a_new_best():
 
 
 def test_config_and_split_checks_name_the_fields():
-    with pytest.raises(ConfigError, match=r"train.eval_every=15 must be a multiple of train.log_every=10"):
-        load_config(None, ["train.eval_every=15", "train.log_every=10"])
-    with pytest.raises(ConfigError, match=r"train.early_stop_patience=2 needs validation: set train.eval_every"):
-        load_config(None, ["train.early_stop_patience=2"])
-    with pytest.raises(ConfigError, match=r"train.eval_batches=0 must be >= 1"):
-        load_config(None, ["train.eval_batches=0"])
-    with pytest.raises(ValueError, match=r"train.eval_batches=4 asks for 64 validation blocks .* the validation "
+    with pytest.raises(ConfigError, match=r"validation.every=15 must be a multiple of train.log_every=10"):
+        load_config(None, ["validation.every=15", "train.log_every=10"])
+    with pytest.raises(ConfigError, match=r"validation.early_stop_patience=2 needs validation: set validation.every"):
+        load_config(None, ["validation.early_stop_patience=2"])
+    with pytest.raises(ConfigError, match=r"validation.batches=0 must be >= 1"):
+        load_config(None, ["validation.batches=0"])
+    with pytest.raises(ValueError, match=r"validation.batches=4 asks for 64 validation blocks .* the validation "
                                          r"split has 50"):
         check_split(4, 16, 50)
     check_split(4, 16, 64)
