@@ -16,6 +16,7 @@ The drivers are subprocesses (``python -m jobs.run``): the pytest process keeps 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -85,38 +86,65 @@ def bucket(moto_s3):
     return name, fs
 
 
+class ArtifactProxyServer:
+    """``mlflow server`` whose artifacts (registered models included) go, proxied, to ``<bucket>/mlflow``,
+    as ``infra/local/up --artifacts-destination`` starts it. Started before the Ray nodes, so that its
+    ~18 s of start-up overlaps theirs; ``wait_healthy`` then waits for ``/health``. Its port is chosen
+    free but taken only when the server binds it, seconds later: if something else (a Ray process of
+    the nodes starting meanwhile) took it first, the server starts again on another one."""
+
+    def __init__(self, tmp_path: Path, bucket: str, moto_s3: str) -> None:
+        self.tmp_path, self.bucket, self.moto_s3 = tmp_path, bucket, moto_s3
+        self.log = tmp_path / "mlflow-server.log"
+        self.start()
+
+    def start(self) -> None:
+        self.port = free_port()
+        env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": f"http://{self.moto_s3}"}
+        cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{self.tmp_path / 'mlflow-server.db'}",
+               "--artifacts-destination", f"s3://{self.bucket}/mlflow", "--host", "127.0.0.1", "--port",
+               str(self.port), "--workers", "1"]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tmp_path,
+                                         start_new_session=True)
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout_s: float = 240, restarts: int = 2) -> str:
+        """The server's URI once ``/health`` answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                text = self.log.read_text()
+                if "address already in use" in text and restarts > 0:
+                    restarts -= 1
+                    self.start()
+                    continue
+                raise AssertionError(f"mlflow server exited:\n{text[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.uri
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise AssertionError(f"mlflow server did not answer in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended on its own
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
 @pytest.fixture
 def mlflow_server(tmp_path, bucket, moto_s3):
-    """``mlflow server`` whose artifacts (registered models included) go, proxied, to ``<bucket>/mlflow``,
-    as ``infra/local/up --artifacts-destination`` starts it; yields its URI once ``/health`` answers.
-    Started before the Ray nodes, so that its ~18 s of start-up overlaps theirs (the test waits for it)."""
-    port = free_port()
-    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": f"http://{moto_s3}"}
-    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow-server.db'}",
-           "--artifacts-destination", f"s3://{bucket[0]}/mlflow", "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    with open(tmp_path / "mlflow-server.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                start_new_session=True)
+    server = ArtifactProxyServer(tmp_path, bucket[0], moto_s3)
     try:
-        yield f"http://127.0.0.1:{port}", proc
+        yield server
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def wait_healthy(uri: str, proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"mlflow server exited:\n{log.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass  # not listening yet
-        time.sleep(0.5)
-    raise AssertionError(f"mlflow server did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
+        server.stop()
 
 
 def free_port() -> int:
@@ -176,8 +204,7 @@ def drive(work: Path, env: dict, scratch: Path, *overrides: str) -> subprocess.C
 def test_a_two_node_cluster_with_only_an_object_store_in_common(tmp_path, bucket, mlflow_server, two_nodes, moto_s3):
     address, env = two_nodes
     bucket, fs = bucket
-    tracking_uri, server = mlflow_server
-    wait_healthy(tracking_uri, server, tmp_path / "mlflow-server.log")
+    tracking_uri = mlflow_server.wait_healthy()
     root = f"s3://{bucket}/art?endpoint_override={moto_s3}&scheme=http"
     work = tmp_path / "work"
     cluster = [f"run.artifact_root={root}", f"cluster.address={address}", "cluster.stage_resources=[conduit_stages]",
