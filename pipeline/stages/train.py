@@ -108,7 +108,7 @@ CHECKPOINT_FIXED_BYTES = 2**20
 
 
 def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
-    """The fp32 weights in the artifact folder; ``keep_checkpoints`` checkpoints plus the one being
+    """The fp32 weights in the artifact folder; ``checkpoint.keep`` checkpoints plus the one being
     written (Ray Train deletes the oldest after the new one is reported) in the checkpoint storage."""
     from models.accounting import param_counts
 
