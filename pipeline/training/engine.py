@@ -7,6 +7,7 @@ directly in plain 2-process gloo worlds.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -106,7 +107,9 @@ def engine_zero_stage(train: TrainSection, dims: ParallelDims, precision: str) -
 
 def _keep_clip_norm(engine) -> None:
     """Stage 0 (fp32): DeepSpeed clips the gradients but drops their norm, so ``get_global_grad_norm()``
-    is None and the logged ``grad_norm`` would read 0. Clip with the same function and keep the norm."""
+    is None and the logged ``grad_norm`` would read 0. Clip with the same function and keep the norm.
+    Without clipping (``optimizer.grad_clip`` 0) DeepSpeed would not compute the norm at all: it is
+    computed at an infinite threshold, which scales every gradient by exactly 1."""
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_fp32_gradients() -> None:
@@ -114,6 +117,8 @@ def _keep_clip_norm(engine) -> None:
                                                    max_norm=engine.gradient_clipping(), mpu=engine.mpu)
 
     engine.clip_fp32_gradients = clip_fp32_gradients
+    if engine.gradient_clipping() == 0:  # read again only by the step, which clips when it is > 0
+        engine.gradient_clipping = lambda: math.inf
 
 
 def skip_inference_shm_op() -> None:

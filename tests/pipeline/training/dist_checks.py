@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import json
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ OPTIM = OptimizerSection(lr=1e-2, warmup_steps=1, schedule="cosine", weight_deca
 
 def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path, steps: int,
                       micro: int = GLOBAL, autocast: bool = False, grad_norms: list | None = None,
-                      corruption: SpanCorruption | None = None) -> dict:
+                      corruption: SpanCorruption | None = None, optim: OptimizerSection = OPTIM) -> dict:
     """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
     one forward; smaller: the same global batch accumulated over micro-batches of that size.
     ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32.
@@ -75,7 +76,7 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
     encoder-decoder's span corruption, applied to each step's blocks as the training loop does."""
     seed_everything(SEED)
     model = build_model(model_cfg)
-    optimizer, scheduler = make_optimizer(model, OPTIM, train.steps, model_cfg.d_model)
+    optimizer, scheduler = make_optimizer(model, optim, train.steps, model_cfg.d_model)
     loader = BlockLoader(tokens, ParallelDims(1, 1, GLOBAL, micro, SEQ), 0, seed=SEED)
     for step in range(steps):
         batches = loader.next_step()
@@ -86,8 +87,8 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
                 out = model(*x)
             lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
             ((lm + out.aux_loss) * micro / GLOBAL).backward()
-        if OPTIM.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        if optim.grad_clip > 0 or grad_norms is not None:  # no clipping: the norm, at an infinite threshold
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip or math.inf)
             if grad_norms is not None:
                 grad_norms.append(norm.item())
         optimizer.step()
@@ -97,10 +98,11 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
 
 
 def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32",
-                        grad_norms: list | None = None, corruption: SpanCorruption | None = None):
+                        grad_norms: list | None = None, corruption: SpanCorruption | None = None,
+                        optim: OptimizerSection = OPTIM):
     """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping."""
     dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
-    engine, _ = build_engine(model_cfg, train, OPTIM, dims, precision=precision, device=CPU, seed=SEED)
+    engine, _ = build_engine(model_cfg, train, optim, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = []
     for step in range(steps):
@@ -241,8 +243,17 @@ def one_rank_check(tokens: Path, ckpt: Path, world: int, rank: int) -> dict:
     ref_norms: list[float] = []
     state, _ = distributed_weights(DENSE, train, tokens, 4, world, rank, grad_norms=norms)
     ref = reference_weights(DENSE, train, tokens, 4, grad_norms=ref_norms)
+    # Without clipping (optimizer.grad_clip 0) DeepSpeed computes no norm at all: the logged grad_norm
+    # read 0. It is the same norm now, and the weights are those of unclipped torch.
+    noclip = dataclasses.replace(OPTIM, grad_clip=0.0)
+    norms_noclip: list[float] = []
+    ref_norms_noclip: list[float] = []
+    state_noclip, _ = distributed_weights(DENSE, train, tokens, 4, world, rank, grad_norms=norms_noclip, optim=noclip)
+    ref_noclip = reference_weights(DENSE, train, tokens, 4, grad_norms=ref_norms_noclip, optim=noclip)
     out.update(max_abs_diff=max_diff(state, ref), grad_norms=norms, reference_grad_norms=ref_norms,
-               resume=resume_check(tokens, ckpt, world, rank))
+               resume=resume_check(tokens, ckpt, world, rank),
+               noclip={"max_abs_diff": max_diff(state_noclip, ref_noclip), "grad_norms": norms_noclip,
+                       "reference_grad_norms": ref_norms_noclip})
     return out
 
 

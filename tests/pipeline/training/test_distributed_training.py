@@ -39,6 +39,12 @@ def test_canonical_checkpoint_resumes_on_another_world_size(world2):
     assert len(one_rank["grad_norms"]) == len(one_rank["reference_grad_norms"]) == 4
     for got, ref in zip(one_rank["grad_norms"], one_rank["reference_grad_norms"]):
         assert abs(got - ref) < 1e-5 * ref, one_rank
+    # optimizer.grad_clip 0: nothing is clipped, and grad_norm is still the gradients' norm (it read 0).
+    noclip = one_rank.pop("noclip")
+    assert noclip["max_abs_diff"] < 1e-5, noclip
+    assert len(noclip["grad_norms"]) == len(noclip["reference_grad_norms"]) == 4
+    for got, ref in zip(noclip["grad_norms"], noclip["reference_grad_norms"]):
+        assert ref > 0 and abs(got - ref) < 1e-5 * ref, noclip
     assert one_rank["resume"] == {"step_restored": 2, "losses_equal": True, "weights_identical": True}, one_rank
     for case, v in r.items():
         assert v["world_size"] == 1 and v["step"] == 2, (case, v)
