@@ -7,7 +7,7 @@ config's family (how it is checked, built, exported, counted) is asked through t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -108,4 +108,3 @@ class Family:
     seq2seq: bool = False
     draws_attention: bool = True
     describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import pytest
 
 from pipeline.runner import ORDER
 from pipeline.store.backends import SCRATCH_ENV
+from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -145,12 +145,6 @@ def mlflow_server(tmp_path, bucket, moto_s3):
         yield server
     finally:
         server.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_processes(temp_dir: Path) -> list[psutil.Process]:
