@@ -60,6 +60,31 @@ def machine() -> dict:
     return info
 
 
+def matmul_rate(m: int, k: int, n: int, dtype=None, seconds: float = 0.5) -> float:
+    """Measured FLOP/s of an (m x k) @ (k x n) matmul (fp32 unless ``dtype``) on this process's threads."""
+    import torch
+
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    for _ in range(5):
+        a @ b
+    count, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        a @ b
+        count += 1
+    return 2 * m * k * n * count / elapsed
+
+
+def peak_at_model_shapes(model, tokens: int, dtype=None) -> tuple[float, tuple[int, int, int]]:
+    """(the fastest measured matmul rate over ``model``'s shapes, that shape): tokens x in x out of every
+    linear layer and the LM head, on this process's threads. The MFU denominator "at the model's shapes"."""
+    import torch
+
+    shapes = sorted({(tokens, m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    rates = {s: matmul_rate(*s, dtype) for s in shapes}
+    best = max(rates, key=rates.get)
+    return rates[best], best
+
+
 def write_result(name: str, data: dict) -> Path:
     """``benchmarks/results/<name>.json`` with the machine's description added."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
     cfg = PRESETS[preset].replace(max_seq_len=max(args.seq_len, PRESETS[preset].max_seq_len))
     train = TrainSection(steps=args.steps + 2, global_batch_size=args.micro_batch,
                          micro_batch_size_per_rank=args.micro_batch, zero_stage=1,
-                         activation_checkpointing=args.activation_checkpointing)
+                         activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                         loss_chunk_tokens=args.loss_chunk_tokens)
     optim = OptimizerSection(lr=1e-4, warmup_steps=1)
     dims = ParallelDims(1, 1, args.micro_batch, args.micro_batch, args.seq_len)
     engine, _ = build_engine(cfg, train, optim, dims, precision=args.precision, device=device, seed=0)
@@ -57,13 +58,13 @@ def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
         return [(x[:, :-1], x[:, 1:])]
 
     for _ in range(2):  # warm-up: kernels, allocator
-        train_step(engine, batch(), device)
+        train_step(engine, batch(), device, loss_chunk_tokens=train.loss_chunk_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        loss = train_step(engine, batch(), device)
+        loss = train_step(engine, batch(), device, loss_chunk_tokens=train.loss_chunk_tokens)
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -82,6 +83,8 @@ def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
 
 
 def main() -> None:
+    from models.loss import DEFAULT_CHUNK_TOKENS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--dense", default="llama_1b")
@@ -91,6 +94,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--precision", default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="train.compile: the blocks and the output end compiled")
+    p.add_argument("--loss-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help="train.loss_chunk_tokens (0: the whole logits)")
     args = p.parse_args()
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     init_world(args.device)

@@ -13,25 +13,18 @@ import argparse
 import json
 import platform
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import matmul_rate  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "peak.json"
 # (M, K, N): a micro-batch of 4 x 256 tokens through d_model 128 / 256 / 512 layers, and 1024^3.
 SHAPES = [(1024, 128, 384), (1024, 256, 704), (1024, 512, 1408), (1024, 512, 512), (1024, 1024, 1024)]
-
-
-def time_matmul(m: int, k: int, n: int, dtype: torch.dtype, seconds: float) -> float:
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    for _ in range(5):
-        a @ b
-    count, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        a @ b
-        count += 1
-    return 2 * m * k * n * count / elapsed
 
 
 def main() -> None:
@@ -46,7 +39,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
             for m, k, n in SHAPES:
-                runs = [time_matmul(m, k, n, dtype, args.seconds) / 1e9 for _ in range(args.repeats)]
+                runs = [matmul_rate(m, k, n, dtype, args.seconds) / 1e9 for _ in range(args.repeats)]
                 med = statistics.median(runs)
                 rows.append({"threads": threads, "dtype": str(dtype).removeprefix("torch."), "shape": [m, k, n],
                              "gflops_median": med, "gflops_min": min(runs), "gflops_max": max(runs)})

@@ -30,7 +30,7 @@ from benchmarks.common import RESULTS_DIR, ROOT, machine
 # What `make bench` runs, in page order (gpu_check needs a GPU: benchmarks/gpu_check.sh).
 EXPECTED = {"peak": "`benchmarks/peak.py`", "train_throughput": "`benchmarks/train_throughput.py`",
             "tokenize": "`benchmarks/tokenize_throughput.py`", "moe": "`benchmarks/moe.py`",
-            "full_path_profile": "`benchmarks/full_path_profile.py`",
+            "full_path_profile": "`benchmarks/full_path_profile.py`", "train_step": "`benchmarks/train_step.py`",
             "pipeline": "`benchmarks/pipeline.py`", "gpu_check": "`benchmarks/gpu_check.sh` on a machine with a GPU"}
 # Causes found for results below target (issue 8 asks for each to be reported, not hidden).
 KNOWN_CAUSES = {

@@ -38,6 +38,7 @@ from models.block import TransformerBlock
 from models.config import ModelConfig
 from models.ffn import FeedForward
 from models.generate import sample_next
+from models.head import LMHead, head_output
 from models.norms import build_norm
 from models.positions import rope_cos_sin, sinusoidal_table
 from models.transformer import ModelOutput, init_base
@@ -160,7 +161,7 @@ class EncoderDecoderLM(nn.Module):
         pre = cfg.norm_position == "pre"
         self.encoder_norm = build_norm(cfg) if pre else None
         self.norm = build_norm(cfg) if pre else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -246,7 +247,19 @@ class EncoderDecoderLM(nn.Module):
         decoder_attention_mask_BT: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Decoder logits, (B, T, V), for new decoder tokens given the encoder's output.
+        """Decoder logits, (B, T, V), for new decoder tokens given the encoder's output (the arguments
+        and errors of ``decode_hidden``)."""
+        return self.lm_head(self.decode_hidden(decoder_input_ids_BT, encoder_state, decoder_attention_mask_BT,
+                                               kv_cache))
+
+    def decode_hidden(
+        self,
+        decoder_input_ids_BT: torch.Tensor,
+        encoder_state: EncoderState,
+        decoder_attention_mask_BT: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """The decoder's final hidden states, (B, T, D), for new decoder tokens given the encoder's output.
 
         Args:
             decoder_input_ids_BT: decoder tokens (the shifted targets in training; the start token, then one
@@ -283,7 +296,7 @@ class EncoderDecoderLM(nn.Module):
             kv_cache.end_step()
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
-        return self.lm_head(x_BTD)
+        return x_BTD
 
     def forward(
         self,
@@ -291,16 +304,25 @@ class EncoderDecoderLM(nn.Module):
         decoder_input_ids_BT: torch.Tensor,
         attention_mask_BS: torch.Tensor | None = None,
         decoder_attention_mask_BT: torch.Tensor | None = None,
+        targets_BT: torch.Tensor | None = None,
+        **loss_options,
     ) -> ModelOutput:
-        """Teacher-forced logits of every decoder position: encode, then decode all of them at once.
+        """Teacher-forced logits of every decoder position (encode, then decode all of them at once), or
+        with ``targets_BT`` their loss (``targets_BT`` and ``loss_options`` as ``Transformer.forward``'s).
 
         Returns:
-            ModelOutput with logits (B, T, V) and a zero aux_loss (no experts), so that training code
-            written for `Transformer` reads it unchanged.
+            ModelOutput with logits (B, T, V) or the loss, and a zero aux_loss (no experts), so that
+            training code written for `Transformer` reads it unchanged.
         """
         state = self.encode(input_ids_BS, attention_mask_BS)
-        logits_BTV = self.decode(decoder_input_ids_BT, state, decoder_attention_mask_BT)
-        return ModelOutput(logits_BTV, torch.zeros((), device=logits_BTV.device))
+        x_BTD = self.decode_hidden(decoder_input_ids_BT, state, decoder_attention_mask_BT)
+        logits_BTV, loss = self.output(x_BTD, targets_BT, loss_options)
+        return ModelOutput(logits_BTV, torch.zeros((), device=x_BTD.device), loss=loss)
+
+    def output(self, x_BTD: torch.Tensor, targets_BT: torch.Tensor | None,
+               loss_options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The head (``decode_hidden`` already applied the final norm), as ``Transformer.output``."""
+        return head_output(self.lm_head, x_BTD, targets_BT, loss_options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty decoder self-attention cache on this model's device and dtype."""

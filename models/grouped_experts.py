@@ -123,8 +123,13 @@ def _add_bias(h_SO: torch.Tensor, linears: list[torch.nn.Linear], expert_S: torc
     return h_SO + torch.stack([lin.bias for lin in linears]).to(h_SO.dtype).index_select(0, expert_S)
 
 
+@torch.compiler.disable
 def grouped_experts(experts: Sequence[FeedForward], x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """The experts' outputs for rows grouped by expert, one grouped matmul per projection (no host sync)."""
+    """The experts' outputs for rows grouped by expert, one grouped matmul per projection (no host sync).
+
+    Always eager, a graph break in a compiled block: torch's fake (tracing) kernel of ``_grouped_mm``
+    takes bf16 alone, where the CPU's eager kernel also runs fp32; the grouped matmuls are library
+    kernels either way, so compiling them would gain nothing."""
     dtype = compute_dtype(x_SD)
     x_SD = x_SD.to(dtype)
     offsets_E = counts_E.cumsum(0).to(torch.int32)

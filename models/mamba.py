@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.head import LMHead, head_output
 from models.norms import RMSNorm
 from models.transformer import ModelOutput, init_base
 
@@ -300,7 +301,7 @@ class MambaLM(nn.Module):
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -326,14 +327,17 @@ class MambaLM(nn.Module):
         attention_mask_BT: torch.Tensor | None = None,
         kv_cache: MambaState | None = None,
         return_attention: bool = False,
+        targets_BT: torch.Tensor | None = None,
+        **loss_options,
     ) -> ModelOutput:
-        """Next-token logits for every input position.
+        """Next-token logits for every input position, or with ``targets_BT`` their loss.
 
         Args:
             input_ids_BT: token ids.
             attention_mask_BT: 1 = real token, 0 = pad (left padding); None = all real.
             kv_cache: a `MambaState` to continue from and update (generation), or None.
             return_attention: must be False (Mamba has no attention weights).
+            targets_BT, loss_options: as ``Transformer.forward``'s.
 
         Returns:
             models.transformer.ModelOutput (zero aux_loss, no MoE stats).
@@ -358,9 +362,14 @@ class MambaLM(nn.Module):
             x_BTD = block(x_BTD, attention_mask_BT, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
-        logits_BTV = self.lm_head(self.norm(x_BTD))
+        logits_BTV, loss = self.output(x_BTD, targets_BT, loss_options)
         aux_loss = torch.zeros((), device=input_ids_BT.device, dtype=torch.float32)
-        return ModelOutput(logits_BTV, aux_loss, [], None, kv_cache)
+        return ModelOutput(logits_BTV, aux_loss, [], None, kv_cache, loss)
+
+    def output(self, x_BTD: torch.Tensor, targets_BT: torch.Tensor | None,
+               loss_options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The final norm and the head, as ``Transformer.output``."""
+        return head_output(self.lm_head, self.norm(x_BTD), targets_BT, loss_options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> MambaState:
         """An empty generation state on this model's device and dtype. Its size does not depend on

@@ -30,6 +30,7 @@ from models.attention import KVCache, build_attention_mask
 from models.block import TransformerBlock
 from models.config import ModelConfig
 from models.ffn import FeedForward
+from models.head import LMHead, head_output
 from models.moe import MoEFeedForward
 from models.norms import LayerNorm, RMSNorm, build_norm
 from models.positions import alibi_slopes, rope_cos_sin, sinusoidal_table
@@ -40,19 +41,22 @@ class ModelOutput:
     """What `Transformer.forward` returns.
 
     Attributes:
-        logits: (B, T, V).
+        logits: (B, T, V); None when the forward was given targets (it returns their loss instead).
         aux_loss: scalar; sum over MoE layers of moe_aux_loss_coef * load balance + moe_z_loss_coef *
             z-loss (differentiable); a zero tensor for dense models. Add it to the LM loss.
         moe_stats: one dict per MoE layer (see `MoEFeedForward.forward`), detached.
         attentions: one (B, H, T, S) weight tensor per layer when return_attention, else None.
         kv_cache: the cache passed in (now extended), or None.
+        loss: the LM loss of the targets given to the forward (``models.head.LMHead``), else None;
+            ``aux_loss`` is not in it.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     aux_loss: torch.Tensor
     moe_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
     attentions: list[torch.Tensor] | None = None
     kv_cache: KVCache | None = None
+    loss: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -72,7 +76,7 @@ class Transformer(nn.Module):
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg) if cfg.norm_position == "pre" else None
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -114,8 +118,10 @@ class Transformer(nn.Module):
         attention_mask_BT: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_attention: bool = False,
+        targets_BT: torch.Tensor | None = None,
+        **loss_options,
     ) -> ModelOutput:
-        """Next-token logits for every input position.
+        """Next-token logits for every input position, or with ``targets_BT`` their loss.
 
         Position ids count real tokens: with a padding mask, token t of a row gets position
         (number of real tokens before it), so left padding does not shift positions. With a cache, the
@@ -127,6 +133,9 @@ class Transformer(nn.Module):
                 None = all real.
             kv_cache: a `KVCache` to read and extend (incremental decoding), or None.
             return_attention: return per-layer attention weights (explicit, slower path).
+            targets_BT: next-token targets (``ignore_index`` where none): the output then holds their
+                loss and no logits (see ``models.head.LMHead``).
+            **loss_options: ``LMHead.forward``'s (label_smoothing, chunk_tokens, reduction, ignore_index).
 
         Returns:
             ModelOutput.
@@ -183,10 +192,17 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.end_step()
 
+        logits_BTV, loss = self.output(x_BTD, targets_BT, loss_options)
+        return ModelOutput(logits_BTV, aux_loss, moe_stats, attentions, kv_cache, loss)
+
+    def output(self, x_BTD: torch.Tensor, targets_BT: torch.Tensor | None,
+               loss_options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model's output end: the final norm, then the head (``models.head.head_output``): (logits,
+        None), or (None, loss) with targets. One region of its own (``pipeline.training.parallelize``
+        compiles it as a unit, as it does each block)."""
         if self.norm is not None:
             x_BTD = self.norm(x_BTD)
-        logits_BTV = self.lm_head(x_BTD)
-        return ModelOutput(logits_BTV, aux_loss, moe_stats, attentions, kv_cache)
+        return head_output(self.lm_head, x_BTD, targets_BT, loss_options)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache on this model's device and dtype (max_len defaults to max_seq_len)."""

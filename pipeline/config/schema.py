@@ -26,6 +26,7 @@ import yaml
 from models import PRESETS, ModelConfig
 from models.families import family
 from models.families.encdec import denoising_lengths, span_counts
+from models.loss import DEFAULT_CHUNK_TOKENS
 from pipeline import credentials
 from pipeline.base import DEFAULT_DATA_ROOT, ConfigError, is_uri
 from pipeline.config import limits
@@ -131,7 +132,12 @@ class TrainSection:
     # auto: fp32 on CPU, bf16 on GPU. bf16/fp16: DeepSpeed's mixed precision (16-bit weights, fp32
     # master copy). amp_bf16: fp32 weights and optimizer, matmuls in bf16 under torch.autocast.
     precision: Literal["auto", "fp32", "bf16", "fp16", "amp_bf16"] = "auto"
-    compile: bool = False  # torch.compile every Transformer block (inductor); not with zero_stage 3
+    # torch.compile (inductor) by regions: every block, and the output end (final norm, LM head and the
+    # loss); not with zero_stage 3.
+    compile: bool = False
+    # The LM head and the cross-entropy a chunk of this many tokens at a time, never holding the whole
+    # logits (models.loss.linear_cross_entropy); 0: the whole logits at once.
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     log_every: int = _unhashed(1)
     progress_bar: bool = _unhashed(True)
 
@@ -591,6 +597,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     op, va, ck = cfg.optimizer, cfg.validation, cfg.checkpoint
     need(op.lr is None or op.lr > 0, f"optimizer.lr={op.lr} must be > 0 (or null for the schedule's default)")
     need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")
+    need(tr.loss_chunk_tokens >= 0,
+         f"train.loss_chunk_tokens={tr.loss_chunk_tokens} must be >= 0 (0: the whole logits at once)")
     need(0 <= op.warmup_steps <= tr.steps,
          f"optimizer.warmup_steps={op.warmup_steps} must be in [0, train.steps={tr.steps}]")
     need(op.schedule != "noam" or op.warmup_steps >= 1,

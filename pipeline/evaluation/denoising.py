@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from models.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.evaluation.device import on_model
 
@@ -54,8 +54,9 @@ def denoising_metrics(model: torch.nn.Module, blocks: np.ndarray, corruption: Sp
     for b in range(0, len(blocks), batch_size):
         chunk = torch.from_numpy(blocks[b : b + batch_size])
         enc_BS, dec_in_BT, tgt_BT = corruption.batch(chunk, EVAL_SALT)
-        logits_BTV = model(on_model(model, enc_BS), on_model(model, dec_in_BT)).logits.float()
-        total += F.cross_entropy(logits_BTV.flatten(0, 1), on_model(model, tgt_BT).flatten(), reduction="sum").item()
+        out = model(on_model(model, enc_BS), on_model(model, dec_in_BT), targets_BT=on_model(model, tgt_BT),
+                    reduction="sum", chunk_tokens=DEFAULT_CHUNK_TOKENS)
+        total += out.loss.item()
         count += tgt_BT.numel()
         for row in chunk.numpy():  # the restored text: the block's noise tokens
             target_bytes += int(nbytes[row[corruption.noise_mask(row, EVAL_SALT)]].sum())

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from models.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.evaluation.device import on_model
 from pipeline.tokenization.spm import EOS_ID
 
@@ -130,15 +130,18 @@ def windows(doc_ids: list[list[int]], context: int) -> tuple[np.ndarray, np.ndar
 
 
 @torch.no_grad()
-def summed_nll(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, batch_size: int) -> tuple[float, int]:
-    """Total next-token negative log-likelihood (nats) over the non-ignored targets, and their count."""
+def summed_nll(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, batch_size: int,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[float, int]:
+    """Total next-token negative log-likelihood (nats) over the non-ignored targets, and their count.
+    The model sums each batch's loss itself, ``chunk_tokens`` tokens at a time (``models.head.LMHead``),
+    so a large vocabulary's logits are never all held at once."""
     model.eval()
     total, count = 0.0, 0
     for b in range(0, len(inputs), batch_size):
         x_BT = on_model(model, torch.from_numpy(inputs[b : b + batch_size]))
         y_BT = on_model(model, torch.from_numpy(targets[b : b + batch_size]))
-        logits_BTV = model(x_BT).logits.float()
-        total += F.cross_entropy(logits_BTV.flatten(0, 1), y_BT.flatten(), ignore_index=IGNORE, reduction="sum").item()
+        out = model(x_BT, targets_BT=y_BT, reduction="sum", chunk_tokens=chunk_tokens, ignore_index=IGNORE)
+        total += out.loss.item()
         count += int((y_BT != IGNORE).sum())
     return total, count
 

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from models import ModelConfig, build_model
-from models.loss import lm_loss
 from models.mamba import MambaMixer
 from models.schedules import lr_multiplier
 from pipeline.config import OptimizerSection, TrainSection
@@ -183,12 +182,14 @@ def loss_definition(label_smoothing: float) -> str:
 
 
 def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: torch.device,
-               moe_stats=None, label_smoothing: float = 0.0) -> torch.Tensor:
+               moe_stats=None, label_smoothing: float = 0.0, loss_chunk_tokens: int = 0) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns this rank's mean LM loss (detached).
 
-    DeepSpeed divides each micro-batch loss by the accumulation steps in ``backward`` and applies
-    the update (with clipping) at the last micro-batch's ``step``. The MoE auxiliary loss is
-    trained on but not part of the returned loss, so dense and MoE losses compare.
+    The model computes its own loss from the targets (``models.head.LMHead``: inside its forward, so a
+    compiled model compiles the head and the loss with the blocks). DeepSpeed divides each micro-batch
+    loss by the accumulation steps in ``backward`` and applies the update (with clipping) at the last
+    micro-batch's ``step``. The MoE auxiliary loss is trained on but not part of the returned loss, so
+    dense and MoE losses compare.
 
     Args:
         micro_batches: each the model's inputs then the targets: ``(inputs_BT, targets_BT)`` for a decoder,
@@ -197,14 +198,16 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         moe_stats: a ``metrics.MoEStats`` that collects routing statistics, or None.
         label_smoothing: train.label_smoothing; the returned loss is the one trained on, so it is the
             smoothed cross-entropy when this is > 0.
+        loss_chunk_tokens: train.loss_chunk_tokens: the head and the loss a chunk of tokens at a time
+            (``models.loss.linear_cross_entropy``); 0 = the whole logits at once.
     """
     losses = []
     for *model_inputs, targets_BT in micro_batches:
-        out = engine(*(x.to(device) for x in model_inputs))
-        lm = lm_loss(out.logits.float(), targets_BT.to(device), label_smoothing=label_smoothing)
-        engine.backward(lm + out.aux_loss)
+        out = engine(*(x.to(device) for x in model_inputs), targets_BT=targets_BT.to(device),
+                     label_smoothing=label_smoothing, chunk_tokens=loss_chunk_tokens)
+        engine.backward(out.loss + out.aux_loss)
         engine.step()
-        losses.append(lm.detach())
+        losses.append(out.loss.detach())
         if moe_stats is not None:
             moe_stats.add(out.moe_stats)
     return torch.stack(losses).mean()

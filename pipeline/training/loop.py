@@ -184,7 +184,7 @@ def _train(run: _Rank) -> None:
         batches = run.loader.next_step()
         if run.corruption is not None:  # an encoder-decoder: each block span-corrupted, fresh noise per step
             batches = corrupt_micro_batches(run.corruption, batches, salt=step)
-        loss = train_step(run.engine, batches, run.device, run.moe_stats, t.label_smoothing)
+        loss = train_step(run.engine, batches, run.device, run.moe_stats, t.label_smoothing, t.loss_chunk_tokens)
         run.window_tokens += run.dims.global_batch_tokens
         done = step + 1
         val_loss = _validate(run, done)
@@ -211,7 +211,7 @@ def _validate(run: _Rank, done: int) -> float | None:
     if not (va.every and done % va.every == 0):
         return None
     val_loss = validation_loss(run.engine, run.val_blocks, run.dims, run.rank, va.batches, run.device,
-                               dist.all_reduce, run.corruption)
+                               dist.all_reduce, run.corruption, run.cfg.train.loss_chunk_tokens)
     run.val_losses.append(val_loss)
     run.stopped = stop_early(run.val_losses, va.early_stop_patience)
     return val_loss

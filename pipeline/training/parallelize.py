@@ -7,8 +7,9 @@ rank), then ``parallelize`` applies, in this order,
    others by all-to-all; it changes which parameters exist, so it comes before anything that wraps
    the blocks and before the optimizer is built;
 2. activation checkpointing: each block's forward recomputes its activations during backward;
-3. compile: each block (with its checkpointing, and its all-to-all dispatch where there is one)
-   becomes one compiled unit. Compiling last puts the checkpointed forward inside the compiled
+3. compile, by regions: each block (with its checkpointing, and its all-to-all dispatch where there
+   is one) becomes one compiled unit, and so does the model's output end (the final norm, the LM
+   head and the loss: ``output``). Compiling last puts the checkpointed forward inside the compiled
    region, as torchtitan does, rather than a checkpoint around a compiled block.
 
 The limits these rely on are checked at config validation (``pipeline.config.limits``) and required here
@@ -43,12 +44,21 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         block.forward = forward
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """``torch.compile`` each Transformer block (inductor), the unit torchtitan compiles too: blocks
-    share one graph, so compile time does not grow with depth, and whatever cannot be traced (MoE
-    routing's data-dependent sizes) falls back to eager at a graph break instead of failing."""
-    for block in model.layers:
-        block.compile()
+def compile_regions(model: torch.nn.Module) -> None:
+    """``torch.compile`` (inductor) the model by regions: each Transformer block (of the encoder too, in
+    an encoder-decoder), the unit torchtitan compiles, and the output end (``model.output``: the final
+    norm, the LM head and the loss, chunked or not).
+
+    Blocks of a stack share one graph, so compile time does not grow with depth, as it does when the
+    whole model is one graph; whatever cannot be traced (MoE routing's data-dependent sizes) falls back
+    to eager at a graph break instead of failing. What stays eager between the regions is the token
+    embedding (one gather) and the position tables and masks, made once per forward. Each region
+    compiles once for training and once more for evaluation (no grad, dropout off).
+    """
+    for stack in ("encoder_layers", "layers"):
+        for block in getattr(model, stack, ()):
+            block.compile()
+    model.output = torch.compile(model.output)
 
 
 def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims, rank: int) -> None:
@@ -74,4 +84,4 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if train.compile:
-        compile_blocks(model)
+        compile_regions(model)

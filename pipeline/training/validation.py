@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.data.token_blocks import TokenBlocks
@@ -52,10 +51,11 @@ def rank_slice(n: int, world: int, rank: int) -> slice:
 
 @torch.no_grad()
 def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device,
-                corruption: SpanCorruption | None = None) -> tuple[float, int]:
+                corruption: SpanCorruption | None = None, loss_chunk_tokens: int = 0) -> tuple[float, int]:
     """Summed NLL (nats, accumulated in float64) and target count over ``blocks`` (n, T+1): next-token
     targets, or with ``corruption`` (an encoder-decoder) the decoder targets of each span-corrupted block,
-    with evaluation's fixed noise."""
+    with evaluation's fixed noise. The model sums each micro-batch's loss itself (its head, chunked by
+    ``loss_chunk_tokens`` as in training)."""
     total, count = 0.0, 0
     for b in range(0, len(blocks), micro):
         block = torch.from_numpy(np.asarray(blocks[b : b + micro]).astype(np.int64))
@@ -64,16 +64,16 @@ def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device,
         else:
             enc, dec_in, y = corruption.batch(block, EVAL_SALT)
             inputs = (enc, dec_in)
-        y = y.to(device)
-        logits = engine(*(x.to(device) for x in inputs)).logits.float()
-        total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double().item()
+        out = engine(*(x.to(device) for x in inputs), targets_BT=y.to(device), reduction="sum",
+                     chunk_tokens=loss_chunk_tokens)
+        total += out.loss.double().item()
         count += y.numel()
     return total, count
 
 
 def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims, rank: int, eval_batches: int,
                     device: torch.device, all_reduce: Callable[[torch.Tensor], None] | None,
-                    corruption: SpanCorruption | None = None) -> float:
+                    corruption: SpanCorruption | None = None, loss_chunk_tokens: int = 0) -> float:
     """The mean validation loss over the subset, the same on every rank.
 
     Args:
@@ -81,6 +81,7 @@ def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims
         all_reduce: sums a float64 tensor over the ranks in place (``torch.distributed.all_reduce``);
             None in a single process.
         corruption: the span corruption of an encoder-decoder run, else None.
+        loss_chunk_tokens: train.loss_chunk_tokens (the same loss to float rounding, whatever its value).
     """
     n = subset_size(eval_batches, dims)
     rows = np.arange(n)[rank_slice(n, dims.world_size, rank)]
@@ -88,7 +89,8 @@ def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims
     was_training = engine.training
     engine.eval()
     try:
-        total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device, corruption)
+        total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device, corruption,
+                                   loss_chunk_tokens)
     finally:
         engine.train(was_training)
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=device)

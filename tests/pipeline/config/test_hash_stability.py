@@ -23,7 +23,7 @@ class TomorrowsModelConfig(ModelConfig):
 
 @dataclasses.dataclass
 class TomorrowsTrainSection(TrainSection):
-    loss_chunk_tokens: int = 0
+    z_loss_coef: float = 0.0
 
 
 def hashes(cfg: RunConfig) -> dict[str, str]:
@@ -44,8 +44,8 @@ def test_a_field_added_at_its_default_leaves_every_hash(tmp_path, monkeypatch):
     assert hashes(tomorrow) == today
 
     # Set to something else, each new field enters the train hash, and so evaluate's and register's.
-    chunked = TomorrowsTrainSection(**dataclasses.asdict(cfg.train), loss_chunk_tokens=1024)
-    after = hashes(dataclasses.replace(tomorrow, train=chunked))
+    with_z_loss = TomorrowsTrainSection(**dataclasses.asdict(cfg.train), z_loss_coef=1e-4)
+    after = hashes(dataclasses.replace(tomorrow, train=with_z_loss))
     assert [s for s in after if after[s] != today[s]] == ["train", "evaluate", "register"]
     monkeypatch.setattr(RunConfig, "model_config", tomorrows_model(0.001))
     after = hashes(tomorrow)

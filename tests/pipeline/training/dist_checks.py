@@ -62,7 +62,9 @@ ENCDEC = ModelConfig(arch="encoder_decoder", vocab_size=97, d_model=32, n_layers
                      max_seq_len=16, norm="layernorm", norm_position="post", pos_encoding="sinusoidal", ffn="relu",
                      bias=True, tie_embeddings=True, denoise_noise_density=0.3, denoise_mean_span_length=1.5)
 ENCDEC_CORRUPTION = SpanCorruption(0.3, 1.5, first_sentinel_id=5, seed=SEED)
-TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO)
+# Every case trains on the chunked loss, in chunks of 5 of a micro-batch's 16 tokens (5, 5, 5, 1), against
+# a reference that makes the whole logits (dense_zero1_plain_loss: the whole logits in both).
+TRAIN = TrainSection(steps=4, global_batch_size=GLOBAL, micro_batch_size_per_rank=MICRO, loss_chunk_tokens=5)
 OPTIM = OptimizerSection(lr=1e-2, warmup_steps=1, schedule="cosine", weight_decay=0.1, grad_clip=1.0, adam_eps=1e-4)
 
 
@@ -71,7 +73,9 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
                       corruption: SpanCorruption | None = None, optim: OptimizerSection = OPTIM) -> dict:
     """Single process, plain torch, torch's clipping. ``micro=GLOBAL``: the whole global batch in
     one forward; smaller: the same global batch accumulated over micro-batches of that size.
-    ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32.
+    ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``, the loss in fp32, chunked as the
+    engine's (in bf16 the sum of the chunks' weight gradients rounds apart from the whole one's; in fp32
+    the reference makes the whole logits, which proves the chunked loss).
     ``grad_norms``: gets each step's global gradient norm before clipping. ``corruption``: an
     encoder-decoder's span corruption, applied to each step's blocks as the training loop does."""
     seed_everything(SEED)
@@ -84,8 +88,12 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
             batches = corrupt_micro_batches(corruption, batches, salt=step)
         for *x, y in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = model(*x)
-            lm = lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
+                if autocast:  # bf16 matmuls: the chunks' weight gradients round apart from the whole one's
+                    out = model(*x, targets_BT=y, label_smoothing=train.label_smoothing,
+                                chunk_tokens=train.loss_chunk_tokens)
+                else:
+                    out = model(*x)
+            lm = out.loss if autocast else lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
             ((lm + out.aux_loss) * micro / GLOBAL).backward()
         if optim.grad_clip > 0 or grad_norms is not None:  # no clipping: the norm, at an infinite threshold
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip or math.inf)
@@ -109,7 +117,7 @@ def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=
         batches = loader.next_step()
         if corruption is not None:
             batches = corrupt_micro_batches(corruption, batches, salt=step)
-        losses.append(train_step(engine, batches, CPU, moe_stats, train.label_smoothing).item())
+        losses.append(train_step(engine, batches, CPU, moe_stats, train.label_smoothing, train.loss_chunk_tokens).item())
         if grad_norms is not None:
             grad_norms.append(float(engine.get_global_grad_norm()))
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
@@ -152,7 +160,8 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
 
     engine, _ = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
-    first = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
+    chunk = train.loss_chunk_tokens
+    first = [train_step(engine, loader.next_step(), CPU, loss_chunk_tokens=chunk).item() for _ in range(2)]
     save_state(engine, ckpt, step=2, loader_state=loader.state_dict())
     del engine
     gc.collect()
@@ -162,7 +171,7 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     step, loader_state = load_state(engine, ckpt)
     loader = BlockLoader(tokens, dims, rank, seed=0)
     loader.load_state_dict(loader_state)
-    second = [train_step(engine, loader.next_step(), CPU).item() for _ in range(2)]
+    second = [train_step(engine, loader.next_step(), CPU, loss_chunk_tokens=chunk).item() for _ in range(2)]
     resumed = full_state_dict(engine, train.zero_stage)
     out = {"step_restored": step, "losses_equal": straight_losses == first + second}
     if rank == 0:
@@ -177,7 +186,7 @@ def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DE
     engine, scheduler = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     for _ in range(2):
-        train_step(engine, loader.next_step(), CPU)
+        train_step(engine, loader.next_step(), CPU, loss_chunk_tokens=train.loss_chunk_tokens)
     ckpt.mkdir(exist_ok=True)
     save_canonical(engine, ckpt, step=2, scheduler=scheduler, loader_state=loader.state_dict())
     del engine
@@ -198,7 +207,7 @@ def canonical_continue(tokens: Path, ckpt: Path, world: int, rank: int, model_cf
     loader = BlockLoader(tokens, dims, rank, seed=0)
     loader.load_state_dict(loader_state)
     for _ in range(2):
-        train_step(engine, loader.next_step(), CPU)
+        train_step(engine, loader.next_step(), CPU, loss_chunk_tokens=train.loss_chunk_tokens)
     state = full_state_dict(engine, zero)
     del engine
     gc.collect()
@@ -331,6 +340,7 @@ def main(out_dir: str) -> None:
         "dense_zero1_activation_ckpt": (DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_zero1": (MOE, {"zero_stage": 1}), "moe_zero2": (MOE, {"zero_stage": 2}),
         "dense_zero1_label_smoothing": (DENSE, {"zero_stage": 1, "label_smoothing": 0.1}),
+        "dense_zero1_plain_loss": (DENSE, {"zero_stage": 1, "loss_chunk_tokens": 0}),
         "mla_zero3": (MLA, {"zero_stage": 3}), "mla_moe_shared_zero2": (MLA_MOE, {"zero_stage": 2}),
         "mamba_zero1": (MAMBA, {"zero_stage": 1}), "mamba_zero3": (MAMBA, {"zero_stage": 3}),
         "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
@@ -358,13 +368,15 @@ def main(out_dir: str) -> None:
         fp32_ref = reference_weights(DENSE, train, tokens, 2, micro=MICRO)
         results["dense_zero1_amp_bf16"] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, fp32_ref),
                                            "losses": losses}
-    # torch.compile'd blocks against the eager reference; then blocks checkpointed and compiled
-    # (parallelize puts the checkpointing inside the compiled unit) against the same reference.
-    ref = reference_weights(DENSE, train, tokens, 2) if rank == 0 else None
-    for case, fields in (("dense_zero1_compile", {"compile": True}),
+    # torch.compile'd regions (blocks, and the output end with the chunked, label-smoothed loss) against
+    # the eager reference; then blocks checkpointed and compiled (parallelize puts the checkpointing
+    # inside the compiled unit) against the same reference.
+    for case, fields in (("dense_zero1_compile", {"compile": True, "label_smoothing": 0.1}),
                          ("dense_zero1_compile_activation_ckpt", {"compile": True, "activation_checkpointing": True})):
-        state, losses = distributed_weights(DENSE, dataclasses.replace(train, **fields), tokens, 2, world, rank)
+        case_train = dataclasses.replace(train, **fields)
+        state, losses = distributed_weights(DENSE, case_train, tokens, 2, world, rank)
         if rank == 0:
+            ref = reference_weights(DENSE, case_train, tokens, 2)
             results[case] = {"max_abs_diff": max_diff(state, ref),
                              "moved": max_diff(ref, reference_weights(DENSE, train, tokens, 0)), "losses": losses}
     results["canonical_saved_world"] = canonical_save(tokens, out / "ckpt_canonical", world, rank)

@@ -20,8 +20,8 @@ class _PlainEngine:
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
-    def __call__(self, inputs_BT):
-        return self.model(inputs_BT)
+    def __call__(self, inputs_BT, **loss_inputs):
+        return self.model(inputs_BT, **loss_inputs)
 
     def backward(self, loss):
         loss.backward()
@@ -41,15 +41,17 @@ def smoothed_loss_by_hand(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, ep
     return total / n
 
 
+@pytest.mark.parametrize("chunk", [0, 5])  # the whole logits; chunks of 5 tokens (5, 5, 2)
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_engine_loss_is_the_smoothed_cross_entropy(eps):
+def test_engine_loss_is_the_smoothed_cross_entropy(eps, chunk):
     torch.manual_seed(0)
     model = build_model(TINY)
     x_BT = torch.randint(0, TINY.vocab_size, (2, 6))
     y_BT = torch.randint(0, TINY.vocab_size, (2, 6))
     with torch.no_grad():
         expected = smoothed_loss_by_hand(model(x_BT).logits, y_BT, eps)
-    got = train_step(_PlainEngine(model), [(x_BT, y_BT)], torch.device("cpu"), label_smoothing=eps)
+    got = train_step(_PlainEngine(model), [(x_BT, y_BT)], torch.device("cpu"), label_smoothing=eps,
+                     loss_chunk_tokens=chunk)
     assert got.item() == pytest.approx(expected, rel=1e-6)
     if eps:  # really smoothed: differs from the plain cross-entropy
         assert abs(got.item() - smoothed_loss_by_hand(model(x_BT).logits.detach(), y_BT, 0.0)) > 1e-3
