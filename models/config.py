@@ -20,6 +20,7 @@ NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 # How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+MOE_ROUTERS = ("softmax", "sigmoid")
 # Optional sizes: None (derived) or an int >= 1.
 _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
@@ -101,6 +102,15 @@ class ModelConfig:
     moe_d_ff: int | None = None  # expert hidden size; None = same rule as d_ff
     # "auto": grouped_mm where the device, dtype and widths allow it, else the per-expert loop (same math).
     moe_expert_impl: str = "auto"
+    # The router's affinities: "softmax" over the experts (Mixtral, DeepSeek-V2), or "sigmoid" per expert
+    # (DeepSeek-V3), whose layers also hold a per-expert score bias added only to choose the top-k (the
+    # gates are the chosen affinities without it; HF's e_score_correction_bias).
+    moe_router: str = "softmax"
+    # Group-limited routing (DeepSeek-V3): the experts fall into moe_n_group groups, a group scores the
+    # sum of its two highest (biased) affinities, and only a token's best moe_topk_group groups are eligible.
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0  # multiplies the routed experts' gates (V3's routed_scaling_factor)
 
     # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
     # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
@@ -130,7 +140,7 @@ class ModelConfig:
         ints = {
             "vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_multiple_of": 1,
             "max_seq_len": 1, "num_experts": 0, "moe_top_k": 1, "moe_every": 1, "moe_shared_experts": 0,
-            "moe_first_dense_layers": 0,
+            "moe_first_dense_layers": 0, "moe_n_group": 1, "moe_topk_group": 1,
         }
         for name, minimum in ints.items():
             _check_int(name, getattr(self, name), minimum)
@@ -151,6 +161,10 @@ class ModelConfig:
         _check_choice("norm", self.norm, NORM_KINDS)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         _check_choice("moe_expert_impl", self.moe_expert_impl, MOE_EXPERT_IMPLS)
+        _check_choice("moe_router", self.moe_router, MOE_ROUTERS)
+        _check_float("moe_routed_scaling_factor", self.moe_routed_scaling_factor)
+        if self.moe_routed_scaling_factor <= 0:
+            raise ValueError(f"moe_routed_scaling_factor must be > 0, got {self.moe_routed_scaling_factor!r}")
         for name in ("rope_base", "rope_scaling", "norm_eps", "init_std", "moe_aux_loss_coef", "moe_z_loss_coef"):
             _check_float(name, getattr(self, name))
         for name in ("rope_base", "rope_scaling", "norm_eps"):
@@ -181,6 +195,8 @@ class ModelConfig:
             raise ValueError(
                 f"moe_top_k ({self.moe_top_k}) must be in 1..num_experts ({self.num_experts})"
             )
+        if self.num_experts > 0:
+            self._check_groups()
         if self.moe_capacity_factor is not None:
             _check_float("moe_capacity_factor", self.moe_capacity_factor)
             if self.moe_capacity_factor <= 0:
@@ -194,6 +210,23 @@ class ModelConfig:
         if self.denoise_mean_span_length < 1.0:
             raise ValueError(f"denoise_mean_span_length must be >= 1, got {self.denoise_mean_span_length!r}")
         check_family(self, _DEFAULTS)
+
+    def _check_groups(self) -> None:
+        """Group-limited routing must be able to route: the groups split the experts evenly, a group has
+        the two experts its score sums, and the eligible groups hold moe_top_k experts."""
+        E, G, top_g = self.num_experts, self.moe_n_group, self.moe_topk_group
+        if E % G != 0:
+            raise ValueError(f"moe_n_group ({G}) must divide num_experts ({E}); allowed: "
+                             f"{[g for g in range(1, E + 1) if E % g == 0]}")
+        if top_g > G:
+            raise ValueError(f"moe_topk_group ({top_g}) must be in 1..moe_n_group ({G})")
+        if G > 1 and E // G < 2:
+            raise ValueError(f"moe_n_group ({G}) leaves {E // G} expert per group, and a group's score is the sum "
+                             f"of its two best experts' affinities: use at most {E // 2} groups")
+        if top_g * (E // G) < self.moe_top_k:
+            raise ValueError(f"moe_topk_group ({top_g}) groups of {E // G} experts cannot hold moe_top_k "
+                             f"({self.moe_top_k}) experts: raise moe_topk_group to at least "
+                             f"{math.ceil(self.moe_top_k / (E // G))} or lower moe_top_k")
 
     # ------------------------------------------------------------------ derived sizes
 

@@ -1,11 +1,23 @@
-"""Mixture-of-experts feed-forward layer: top-k softmax router, experts, shared experts.
+"""Mixture-of-experts feed-forward layer: top-k router, experts, shared experts.
 
 Routing (`MoEFeedForward.route`) and expert computation (`MoEFeedForward.experts_forward`) are separate:
 
-1. `route(x_ND) -> RoutingDecision`: router logits (linear D -> E, no bias, computed in fp32), softmax
-   probabilities, top-k experts per token, their combine weights (renormalised to sum to 1 over the k
-   picks when `moe_renormalize`), and a `kept_NK` mask from the capacity rule. It also holds what the
-   losses need, so routing can be inspected or tested on its own.
+1. `route(x_ND) -> RoutingDecision`: router logits (linear D -> E, no bias, computed in fp32), the
+   affinities, top-k experts per token, their combine weights (renormalised to sum to 1 over the k
+   picks when `moe_renormalize`, then times `moe_routed_scaling_factor`), and a `kept_NK` mask from the
+   capacity rule. It also holds what the losses need, so routing can be inspected or tested on its own.
+
+Routers (`moe_router`):
+- "softmax" (Mixtral, DeepSeek-V2): affinities softmax(logits); the top-k by affinity; gates the chosen
+  affinities.
+- "sigmoid" (DeepSeek-V3 technical report, section 2.1.2): affinities s_i = sigmoid(logit_i); the layer
+  holds a per-expert `score_bias` b (a buffer, not trained by the gradient: the aux-loss-free balancing of
+  Wang et al. 2024 moves it from outside) that is added only to choose: the top-k of s + b; the gates
+  are the chosen s_i, without b.
+Group-limited routing (`moe_n_group` > 1, V3): the experts fall into G equal groups in index order; a
+group's score is the sum of its two highest (biased) affinities, and only a token's `moe_topk_group`
+best groups are eligible for its top-k. The router probabilities of the losses and statistics
+(`router_probs_NE`) are the softmax, or for sigmoid the affinities normalised to sum to 1 per token.
 2. `experts_forward(x_ND, routing) -> y_ND` delegates to `self.dispatcher(x_ND, routing)`.
 
 Extension point for expert parallelism: `dispatcher` is a plain attribute holding a `Dispatcher`: a
@@ -66,7 +78,8 @@ class RoutingDecision:
         expert_weights_NK: combine weights for the chosen experts (fp32).
         kept_NK: False for slots dropped by the capacity rule (all True when dropless).
         router_logits_NE: fp32 router logits.
-        router_probs_NE: fp32 softmax of the logits.
+        router_probs_NE: fp32 router probabilities: the softmax of the logits, or for a sigmoid router the
+            affinities normalised over the experts.
         capacity: slots per expert, or None when dropless.
     """
 
@@ -173,10 +186,19 @@ class MoEFeedForward(nn.Module):
         self.top_k = cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.renormalize = cfg.moe_renormalize
+        self.router_kind = cfg.moe_router
+        self.n_group, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
+        self.routed_scaling_factor = cfg.moe_routed_scaling_factor
         self.aux_loss_coef = cfg.moe_aux_loss_coef
         self.z_loss_coef = cfg.moe_z_loss_coef
         hidden = cfg.resolved_moe_d_ff
         self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        # The sigmoid router's selection bias (fp32, zero at init; set by `init_weights`).
+        self.score_bias: torch.Tensor | None
+        if cfg.moe_router == "sigmoid":
+            self.register_buffer("score_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.score_bias = None
         self.experts = nn.ModuleList(
             FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.num_experts)
         )
@@ -198,9 +220,19 @@ class MoEFeedForward(nn.Module):
         N = x_ND.shape[0]
         E, K = self.num_experts, self.top_k
         logits_NE = F.linear(x_ND.float(), self.router.weight.float())
-        probs_NE = torch.softmax(logits_NE, dim=-1)
-        top_p_NK, top_i_NK = torch.topk(probs_NE, K, dim=-1)
+        if self.router_kind == "sigmoid":
+            affinity_NE = torch.sigmoid(logits_NE)
+            probs_NE = affinity_NE / affinity_NE.sum(dim=-1, keepdim=True)
+            choice_NE = affinity_NE + self.score_bias
+        else:
+            affinity_NE = probs_NE = choice_NE = torch.softmax(logits_NE, dim=-1)
+        if self.n_group > 1:
+            choice_NE = self.eligible_groups(choice_NE)
+        top_i_NK = torch.topk(choice_NE, K, dim=-1).indices
+        top_p_NK = affinity_NE.gather(1, top_i_NK)
         weights_NK = top_p_NK / top_p_NK.sum(dim=-1, keepdim=True) if self.renormalize else top_p_NK
+        if self.routed_scaling_factor != 1.0:
+            weights_NK = weights_NK * self.routed_scaling_factor
         if self.capacity_factor is None:
             capacity = None
             kept_NK = torch.ones_like(top_i_NK, dtype=torch.bool)
@@ -211,6 +243,16 @@ class MoEFeedForward(nn.Module):
             rank_in_expert_S = (onehot_SE.cumsum(dim=0) - 1).gather(1, top_i_NK.reshape(-1, 1)).squeeze(1)
             kept_NK = (rank_in_expert_S < capacity).view(N, K)
         return RoutingDecision(top_i_NK, weights_NK, kept_NK, logits_NE, probs_NE, capacity)
+
+    def eligible_groups(self, choice_NE: torch.Tensor) -> torch.Tensor:
+        """``choice_NE`` with every expert outside a token's ``topk_group`` best groups at -inf (a group's
+        score: the sum of its two highest choice scores)."""
+        N, E = choice_NE.shape
+        grouped_NGX = choice_NE.view(N, self.n_group, E // self.n_group)
+        group_score_NG = grouped_NGX.topk(2, dim=-1).values.sum(dim=-1)
+        best_NG = torch.zeros_like(group_score_NG, dtype=torch.bool).scatter_(
+            1, group_score_NG.topk(self.topk_group, dim=-1).indices, True)
+        return grouped_NGX.masked_fill(~best_NG[:, :, None], float("-inf")).view(N, E)
 
     def experts_forward(self, x_ND: torch.Tensor, routing: RoutingDecision) -> torch.Tensor:
         """Weighted sum of the kept experts' outputs per token, through the pluggable `dispatcher`."""
@@ -254,7 +296,13 @@ class MoEFeedForward(nn.Module):
                 "load_balance_loss": load_balance.detach(),
                 "z_loss": z_loss.detach(),
                 "dropped_fraction": 1.0 - routing.kept_NK.float().mean(),
-                # -sum p log p with log p = z - lse: reuses the z-loss's logsumexp (no log_softmax pass).
-                "router_entropy": (lse_N - (routing.router_probs_NE * routing.router_logits_NE).sum(dim=-1)).mean(),
+                "router_entropy": self._router_entropy(routing, lse_N),
             }
         return y_ND.view(B, T, D), aux_loss, stats
+
+    def _router_entropy(self, routing: RoutingDecision, lse_N: torch.Tensor) -> torch.Tensor:
+        """Mean over tokens of -sum p log p of the router probabilities (nats)."""
+        p_NE = routing.router_probs_NE
+        if self.router_kind == "softmax":  # log p = z - lse: reuses the z-loss's logsumexp (no log_softmax pass)
+            return (lse_N - (p_NE * routing.router_logits_NE).sum(dim=-1)).mean()
+        return -(p_NE * p_NE.clamp_min(1e-30).log()).sum(dim=-1).mean()

@@ -7,8 +7,9 @@ Layout (names chosen to map one-to-one onto Hugging Face Llama / Mixtral tensors
     -> norm (pre-norm models only; a post-norm block already ends in a norm) -> lm_head (D -> V)
 With `tie_embeddings`, lm_head.weight is the same Parameter as tok_embeddings.weight.
 
-`__init__` only creates parameters; `init_weights()` sets all of them. The model has no buffers
-(positions.py computes its tables per call), so this works on the meta device:
+`__init__` only creates parameters; `init_weights()` sets all of them. The only buffers are a sigmoid
+router's score biases (`models.moe`), which `init_weights()` zeroes too (positions.py computes its
+tables per call), so this works on the meta device:
 
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -95,7 +96,7 @@ class Transformer(nn.Module):
         Linear and embedding weights ~ normal(0, init_std); the residual output projections
         (attn.o_proj, and w2 of every dense FFN, expert and shared expert) ~ normal(0, init_std /
         sqrt(2 * n_layers)) so the residual stream's variance does not grow with depth (GPT-2);
-        biases 0; norm weights 1 and biases 0.
+        biases 0; norm weights 1 and biases 0; a sigmoid router's score bias 0.
 
         Args:
             generator: optional RNG for reproducible initialisation (default: the global RNG).
@@ -109,6 +110,8 @@ class Transformer(nn.Module):
             ffns = [block.ffn] if isinstance(block.ffn, FeedForward) else []
             if isinstance(block.ffn, MoEFeedForward):
                 ffns = [*block.ffn.experts, *block.ffn.shared_experts]
+                if block.ffn.score_bias is not None:
+                    block.ffn.score_bias.zero_()
             for ffn in ffns:
                 nn.init.normal_(ffn.w2.weight, 0.0, resid_std, generator=generator)
 

@@ -1,0 +1,136 @@
+"""DeepSeek-V3's router as an option of the MoE layer: sigmoid affinities, a score bias that only
+chooses, group-limited routing and the routed scaling factor; checked against the report's formulas
+written out here, and the softmax router unchanged."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from models import ModelConfig, build_model
+from models.moe import MoEFeedForward
+
+BASE = dict(vocab_size=97, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, num_experts=8, moe_top_k=2)
+
+
+def layer(**fields) -> MoEFeedForward:
+    torch.manual_seed(0)
+    return MoEFeedForward(ModelConfig(**{**BASE, **fields}))
+
+
+def v3_reference(logits_NE, bias_E, n_group, topk_group, k, scale, renormalize=True):
+    """DeepSeek-V3 (technical report, section 2.1.2) token by token, in plain Python loops."""
+    experts_per_group = logits_NE.shape[1] // n_group
+    chosen, gates = [], []
+    for logits in logits_NE.double():
+        s = torch.sigmoid(logits)
+        biased = s + bias_E.double()
+        group_scores = [sum(sorted(biased[g * experts_per_group:(g + 1) * experts_per_group].tolist())[-2:])
+                        for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -group_scores[g])[:topk_group]
+        eligible = [e for g in groups for e in range(g * experts_per_group, (g + 1) * experts_per_group)]
+        top = sorted(eligible, key=lambda e: -biased[e].item())[:k]
+        g = torch.stack([s[e] for e in top])
+        if renormalize:
+            g = g / g.sum()
+        chosen.append(top)
+        gates.append((g * scale).tolist())
+    return chosen, gates
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2), (4, 1), (2, 1)])
+def test_sigmoid_router_is_deepseek_v3(n_group, topk_group):
+    moe = layer(moe_router="sigmoid", moe_n_group=n_group, moe_topk_group=topk_group, moe_routed_scaling_factor=2.5)
+    moe.score_bias.copy_(torch.linspace(-0.2, 0.3, 8))  # a non-zero bias, as training would leave it
+    x = torch.randn(40, 16)
+    routing = moe.route(x)
+    logits = x @ moe.router.weight.T
+    chosen, gates = v3_reference(logits, moe.score_bias, n_group, topk_group, 2, 2.5)
+    assert routing.expert_indices_NK.tolist() == chosen
+    torch.testing.assert_close(routing.expert_weights_NK.double(), torch.tensor(gates, dtype=torch.float64),
+                               rtol=1e-6, atol=1e-7)
+    s = torch.sigmoid(logits)
+    torch.testing.assert_close(routing.router_probs_NE, s / s.sum(-1, keepdim=True))
+
+
+def test_the_bias_chooses_but_never_weighs():
+    moe = layer(moe_router="sigmoid", moe_renormalize=False)
+    moe.score_bias[5] = 10.0  # expert 5 wins every token's first slot
+    x = torch.randn(32, 16)
+    routing = moe.route(x)
+    assert (routing.expert_indices_NK[:, 0] == 5).all()
+    # Its gate is its affinity alone: sigmoid(logit), not sigmoid(logit) + 10.
+    torch.testing.assert_close(routing.expert_weights_NK[:, 0], torch.sigmoid(x @ moe.router.weight[5]))
+
+
+def test_only_the_best_groups_are_eligible():
+    moe = layer(moe_router="sigmoid", moe_n_group=4, moe_topk_group=1)
+    moe.score_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0]))  # group 3 best for every token
+    routing = moe.route(torch.randn(24, 16))
+    assert sorted(set(routing.expert_indices_NK.flatten().tolist())) == [6, 7]
+
+
+def test_the_softmax_router_is_unchanged():
+    moe = layer()
+    assert moe.score_bias is None and "score_bias" not in moe.state_dict()
+    x = torch.randn(30, 16)
+    routing = moe.route(x)
+    probs = torch.softmax(x @ moe.router.weight.T, dim=-1)
+    top_p, top_i = probs.topk(2, dim=-1)
+    assert torch.equal(routing.expert_indices_NK, top_i)
+    torch.testing.assert_close(routing.expert_weights_NK, top_p / top_p.sum(-1, keepdim=True))
+
+
+def test_softmax_with_groups_and_scaling():
+    """Group limits and the scaling factor apply to the softmax router too (the gates sum to the factor)."""
+    moe = layer(moe_n_group=2, moe_topk_group=1, moe_routed_scaling_factor=1.5)
+    x = torch.randn(30, 16)
+    routing = moe.route(x)
+    groups = routing.expert_indices_NK // 4
+    assert (groups[:, 0] == groups[:, 1]).all()  # both picks from the token's one eligible group
+    torch.testing.assert_close(routing.expert_weights_NK.sum(-1), torch.full((30,), 1.5))
+
+
+def test_the_score_bias_is_state_zeroed_at_init_and_trains_nothing():
+    cfg = ModelConfig(**{**BASE, "moe_router": "sigmoid"})
+    model = build_model(cfg)  # built on the meta device, then to_empty and init_weights
+    biases = {n: b for n, b in model.named_buffers()}
+    assert sorted(biases) == ["layers.0.ffn.score_bias", "layers.1.ffn.score_bias"]
+    assert all(torch.equal(b, torch.zeros(8)) for b in biases.values())
+    assert not any("score_bias" in n for n, _ in model.named_parameters())
+    state = model.state_dict()
+    state["layers.1.ffn.score_bias"] = torch.arange(8.0)
+    model.load_state_dict(state)
+    assert torch.equal(model.layers[1].ffn.score_bias, torch.arange(8.0))
+    out = model(torch.randint(0, 97, (2, 9)))
+    (out.logits.sum() + out.aux_loss).backward()  # trains: the bias takes no gradient
+    assert model.layers[0].ffn.router.weight.grad is not None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"moe_router": "topk"}, r"moe_router must be one of"),
+    ({"moe_routed_scaling_factor": 0.0}, r"moe_routed_scaling_factor must be > 0"),
+    ({"moe_n_group": 3}, r"moe_n_group \(3\) must divide num_experts \(8\)"),
+    ({"moe_n_group": 2, "moe_topk_group": 3}, r"moe_topk_group \(3\) must be in 1..moe_n_group \(2\)"),
+    ({"moe_n_group": 8}, r"leaves 1 expert per group.*use at most 4 groups"),
+    ({"moe_n_group": 4, "moe_topk_group": 1, "moe_top_k": 3},
+     r"moe_topk_group \(1\) groups of 2 experts cannot hold moe_top_k \(3\) experts: raise moe_topk_group to at least 2"),
+])
+def test_impossible_routing_is_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**BASE, **fields})
+
+
+def test_every_group_choice_is_a_valid_topk():
+    """Exhaustive over small layouts: picks are distinct, inside the eligible groups, best-first."""
+    for n_group, topk_group, k in itertools.product((2, 4), (1, 2), (1, 2)):
+        if topk_group > n_group:
+            continue
+        moe = layer(moe_router="sigmoid", moe_n_group=n_group, moe_topk_group=topk_group, moe_top_k=k)
+        routing = moe.route(torch.randn(16, 16))
+        idx = routing.expert_indices_NK
+        assert all(len(set(row)) == k for row in idx.tolist())
+        groups_used = (idx // (8 // n_group))
+        assert all(len(set(row)) <= topk_group for row in groups_used.tolist())
