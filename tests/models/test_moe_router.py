@@ -134,3 +134,16 @@ def test_every_group_choice_is_a_valid_topk():
         assert all(len(set(row)) == k for row in idx.tolist())
         groups_used = (idx // (8 // n_group))
         assert all(len(set(row)) <= topk_group for row in groups_used.tolist())
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_hf_export_refuses_the_v3_router_by_name(attention, tmp_path):
+    from models.export import save_hf
+
+    fields = {**BASE, "moe_router": "sigmoid", "moe_n_group": 2}
+    if attention == "mla":
+        fields.update(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                      moe_renormalize=False)
+    model = build_model(ModelConfig(**fields))
+    with pytest.raises(ValueError, match=r"moe_router='sigmoid'.*DeepSeek-V3's router has no export yet"):
+        save_hf(model, model.cfg, tmp_path)

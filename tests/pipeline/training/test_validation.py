@@ -25,8 +25,8 @@ class PlainEngine(torch.nn.Module):
         self.module = model
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-    def forward(self, *inputs):
-        return self.module(*inputs)
+    def forward(self, *inputs, **loss_inputs):
+        return self.module(*inputs, **loss_inputs)
 
     def backward(self, loss):
         loss.backward()
