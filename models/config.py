@@ -111,6 +111,10 @@ class ModelConfig:
     moe_n_group: int = 1
     moe_topk_group: int = 1
     moe_routed_scaling_factor: float = 1.0  # multiplies the routed experts' gates (V3's routed_scaling_factor)
+    # Auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3): after every optimizer step each score
+    # bias moves by this rate (gamma) towards balance, b_i += gamma * sign(mean load - load_i), the load
+    # counted over the whole global batch. 0: the bias stays as it is. Needs moe_router "sigmoid".
+    moe_bias_update_rate: float = 0.0
 
     # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
     # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
@@ -165,6 +169,12 @@ class ModelConfig:
         _check_float("moe_routed_scaling_factor", self.moe_routed_scaling_factor)
         if self.moe_routed_scaling_factor <= 0:
             raise ValueError(f"moe_routed_scaling_factor must be > 0, got {self.moe_routed_scaling_factor!r}")
+        _check_float("moe_bias_update_rate", self.moe_bias_update_rate)
+        if self.moe_bias_update_rate < 0:
+            raise ValueError(f"moe_bias_update_rate must be >= 0, got {self.moe_bias_update_rate!r}")
+        if self.moe_bias_update_rate > 0 and self.moe_router != "sigmoid":
+            raise ValueError(f"moe_bias_update_rate={self.moe_bias_update_rate} moves the sigmoid router's score "
+                             f"bias: set moe_router to 'sigmoid' (got {self.moe_router!r})")
         for name in ("rope_base", "rope_scaling", "norm_eps", "init_std", "moe_aux_loss_coef", "moe_z_loss_coef"):
             _check_float(name, getattr(self, name))
         for name in ("rope_base", "rope_scaling", "norm_eps"):

@@ -189,6 +189,7 @@ class MoEFeedForward(nn.Module):
         self.router_kind = cfg.moe_router
         self.n_group, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
         self.routed_scaling_factor = cfg.moe_routed_scaling_factor
+        self.bias_update_rate = cfg.moe_bias_update_rate
         self.aux_loss_coef = cfg.moe_aux_loss_coef
         self.z_loss_coef = cfg.moe_z_loss_coef
         hidden = cfg.resolved_moe_d_ff
@@ -292,6 +293,7 @@ class MoEFeedForward(nn.Module):
             kept_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(
                 0, idx_S, routing.kept_NK.reshape(-1).long())
             stats = {
+                **({"routed_per_expert": assigned_E} if self.bias_update_rate > 0 else {}),
                 "tokens_per_expert": kept_E,
                 "load_balance_loss": load_balance.detach(),
                 "z_loss": z_loss.detach(),
@@ -299,6 +301,17 @@ class MoEFeedForward(nn.Module):
                 "router_entropy": self._router_entropy(routing, lse_N),
             }
         return y_ND.view(B, T, D), aux_loss, stats
+
+    @torch.no_grad()
+    def update_score_bias(self, routed_E: torch.Tensor) -> None:
+        """One auxiliary-loss-free balancing step: ``score_bias += rate * sign(mean(routed) - routed)``.
+
+        Args:
+            routed_E: token slots routed to each expert (before capacity) over the whole global batch of
+                the optimizer step just taken: every micro-batch, every rank.
+        """
+        load_E = routed_E.to(self.score_bias.device, torch.float64)
+        self.score_bias += (self.bias_update_rate * torch.sign(load_E.mean() - load_E)).float()
 
     def _router_entropy(self, routing: RoutingDecision, lse_N: torch.Tensor) -> torch.Tensor:
         """Mean over tokens of -sum p log p of the router probabilities (nats)."""

@@ -20,7 +20,8 @@ from models.mamba import MambaMixer
 from models.schedules import lr_multiplier
 from pipeline.config import OptimizerSection, TrainSection
 from pipeline.training.ds_config import build_ds_config
-from pipeline.training.expert_parallel import canonical_state_dict, check_groups, expert_shards, moe_param_groups
+from pipeline.training.expert_parallel import (canonical_state_dict, check_groups, expert_shards, moe_layers,
+                                               moe_param_groups)
 from pipeline.training.layout import ParallelDims
 from pipeline.training.parallelize import parallelize
 
@@ -201,7 +202,7 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         loss_chunk_tokens: train.loss_chunk_tokens: the head and the loss a chunk of tokens at a time
             (``models.loss.linear_cross_entropy``); 0 = the whole logits at once.
     """
-    losses = []
+    losses, routed = [], []
     for *model_inputs, targets_BT in micro_batches:
         out = engine(*(x.to(device) for x in model_inputs), targets_BT=targets_BT.to(device),
                      label_smoothing=label_smoothing, chunk_tokens=loss_chunk_tokens)
@@ -210,7 +211,24 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         losses.append(out.loss.detach())
         if moe_stats is not None:
             moe_stats.add(out.moe_stats)
+        if out.moe_stats and "routed_per_expert" in out.moe_stats[0]:
+            routed.append(torch.stack([s["routed_per_expert"] for s in out.moe_stats]))
+    if routed:
+        update_score_biases(engine.module, torch.stack(routed).sum(dim=0))
     return torch.stack(losses).mean()
+
+
+def update_score_biases(module: torch.nn.Module, routed_LE: torch.Tensor) -> None:
+    """The auxiliary-loss-free bias step of every MoE layer after an optimizer step (DeepSeek-V3):
+    ``routed_LE`` (one row per MoE layer, in order) is this rank's routed slots over its micro-batches,
+    summed here over every rank (data- and expert-parallel alike: each routes its own tokens with the
+    same router), so every rank moves every bias by the same amount."""
+    counts = routed_LE.to(torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    layers = [layer for _, layer in moe_layers(module)]
+    for layer, routed_E in zip(layers, counts, strict=True):
+        layer.update_score_bias(routed_E)
 
 
 def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:

@@ -147,3 +147,23 @@ def test_hf_export_refuses_the_v3_router_by_name(attention, tmp_path):
     model = build_model(ModelConfig(**fields))
     with pytest.raises(ValueError, match=r"moe_router='sigmoid'.*DeepSeek-V3's router has no export yet"):
         save_hf(model, model.cfg, tmp_path)
+
+
+def test_the_bias_step_moves_each_bias_by_the_rate_towards_balance():
+    """b_i += gamma * sign(mean load - load_i): over-loaded experts down, under-loaded up, the mean one still."""
+    moe = layer(moe_router="sigmoid", moe_bias_update_rate=0.001)
+    moe.score_bias.copy_(torch.full((8,), 0.5))
+    moe.update_score_bias(torch.tensor([10, 0, 5, 5, 5, 5, 5, 5]))  # mean 5
+    torch.testing.assert_close(moe.score_bias, torch.tensor([0.499, 0.501, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]))
+    x = torch.randn(12, 16)
+    _, _, stats = moe(x.view(3, 4, 16))
+    routed = stats["routed_per_expert"]  # every top-k pick, before capacity: what the bias step counts
+    assert routed.sum() == 12 * 2 and torch.equal(routed, stats["tokens_per_expert"])  # dropless
+    assert "routed_per_expert" not in layer(moe_router="sigmoid")(x.view(3, 4, 16))[2]  # no update, no count
+
+
+def test_a_bias_rate_needs_the_sigmoid_router():
+    with pytest.raises(ValueError, match=r"moe_bias_update_rate=0.01 moves the sigmoid router's score bias"):
+        ModelConfig(**{**BASE, "moe_bias_update_rate": 0.01})
+    with pytest.raises(ValueError, match=r"moe_bias_update_rate must be >= 0"):
+        ModelConfig(**{**BASE, "moe_router": "sigmoid", "moe_bias_update_rate": -0.1})

@@ -51,6 +51,10 @@ MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_ran
                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
                               moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
+# DeepSeek-V3's router: sigmoid affinities, 2 groups of 2 experts with 1 eligible, and the score bias
+# moved after every step by the routed counts of the whole global batch (an auxiliary-loss-free balance).
+MOE_V3 = dataclasses.replace(MOE, moe_router="sigmoid", moe_n_group=2, moe_topk_group=1,
+                             moe_routed_scaling_factor=2.0, moe_bias_update_rate=0.01)
 # EP: no shared experts (pipeline.config.limits); layer 0 dense, layer 1 experts split over the ranks.
 MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
@@ -86,6 +90,7 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
         batches = loader.next_step()
         if corruption is not None:
             batches = corrupt_micro_batches(corruption, batches, salt=step)
+        routed = []
         for *x, y in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 if autocast:  # bf16 matmuls: the chunks' weight gradients round apart from the whole one's
@@ -95,6 +100,7 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
                     out = model(*x)
             lm = out.loss if autocast else lm_loss(out.logits.float(), y, label_smoothing=train.label_smoothing)
             ((lm + out.aux_loss) * micro / GLOBAL).backward()
+            routed.append([st["routed_per_expert"] for st in out.moe_stats if "routed_per_expert" in st])
         if optim.grad_clip > 0 or grad_norms is not None:  # no clipping: the norm, at an infinite threshold
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip or math.inf)
             if grad_norms is not None:
@@ -102,6 +108,9 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        moe = [m for m in model.modules() if getattr(m, "bias_update_rate", 0) > 0]
+        for i, layer in enumerate(moe):  # V3's bias step: the global batch's routed counts, after the update
+            layer.update_score_bias(sum(r[i] for r in routed))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -344,6 +353,7 @@ def main(out_dir: str) -> None:
         "mla_zero3": (MLA, {"zero_stage": 3}), "mla_moe_shared_zero2": (MLA_MOE, {"zero_stage": 2}),
         "mamba_zero1": (MAMBA, {"zero_stage": 1}), "mamba_zero3": (MAMBA, {"zero_stage": 3}),
         "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
+        "moe_v3_bias_zero1": (MOE_V3, {"zero_stage": 1}), "moe_v3_bias_zero2": (MOE_V3, {"zero_stage": 2}),
     }
     for case, (model_cfg, fields) in variants.items():
         train = dataclasses.replace(TRAIN, **fields)
@@ -353,12 +363,13 @@ def main(out_dir: str) -> None:
             init = reference_weights(model_cfg, train, tokens, 0)
             results[case] = {
                 "max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, init), "losses": losses,
+                "score_bias": [v.tolist() for k, v in state.items() if k.endswith("score_bias")],
             }
 
     # Expert parallelism: experts split over the 2 ranks (one replica each), tokens exchanged by all-to-all.
     results.update(ep_cases(world, rank, tokens, world, (
         ("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1),
-        ("ep2_mla_zero1", MLA_MOE_AUX, 1))))
+        ("ep2_mla_zero1", MLA_MOE_AUX, 1), ("ep2_v3_bias_zero1", MOE_V3, 1))))
     # bf16 autocast (fp32 weights): the reference runs the same micro-batches under autocast, so
     # each rank's bf16 matmuls have the shapes of the reference's.
     train = dataclasses.replace(TRAIN, zero_stage=1)
@@ -391,6 +402,7 @@ def main(out_dir: str) -> None:
     }
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
+    results["resume_v3_bias"] = resume_check(tokens, out / "ckpt_v3", world, rank, MOE_V3, zero=2)
     results["resume_mla_ep2"] = resume_check(tokens, out / "ckpt_mla_ep", world, rank, MLA_MOE_AUX, zero=2,
                                              ep_size=world)
     try:

@@ -64,15 +64,20 @@ def test_canonical_checkpoint_resumes_on_another_layout_of_the_same_world(result
     "dense_zero0", "dense_zero1", "dense_zero2", "dense_zero3", "dense_zero2_offload", "dense_zero3_offload_all",
     "dense_zero1_activation_ckpt", "moe_zero1", "moe_zero2", "dense_zero1_amp_bf16", "dense_zero1_compile",
     "dense_zero1_compile_activation_ckpt", "dense_zero1_label_smoothing", "dense_zero1_plain_loss", "mla_zero3", "mla_moe_shared_zero2", "mamba_zero1", "mamba_zero3",
-    "mamba_zero2_activation_ckpt",
+    "mamba_zero2_activation_ckpt", "moe_v3_bias_zero1", "moe_v3_bias_zero2",
 ])
 def test_two_ranks_match_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3  # the steps really changed the weights, so equality means something
-    assert r["max_abs_diff"] < 1e-5, r
+    assert r["max_abs_diff"] < 1e-5, r  # the score biases included (they are in the state dict)
+    if "v3_bias" in case:  # two steps, one bias step of 0.01 each (not one per micro-batch): whole steps, <= 2
+        biases = [b for layer in r["score_bias"] for b in layer]
+        assert len(r["score_bias"]) == 2 and any(b != 0 for b in biases), r
+        assert all(round(abs(b) / 0.01) in (0, 1, 2) and abs(b) == pytest.approx(round(abs(b) / 0.01) * 0.01)
+                   for b in biases), r
 
 
-@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_mla_zero1"])
+@pytest.mark.parametrize("case", ["ep2_zero1", "ep2_zero2", "ep2_capacity_zero1", "ep2_mla_zero1", "ep2_v3_bias_zero1"])
 def test_expert_parallel_matches_one_process(results, case):
     r = results[case]
     assert r["moved"] > 1e-3
@@ -88,7 +93,7 @@ def test_expert_parallel_with_zero3_is_refused_clearly(results):
     assert "train.zero_stage=3 with parallel.ep_size > 1 is not supported" in results["ep_zero3_refused"]
 
 
-@pytest.mark.parametrize("case", ["resume", "resume_ep2", "resume_mla_ep2"])
+@pytest.mark.parametrize("case", ["resume", "resume_ep2", "resume_mla_ep2", "resume_v3_bias"])
 def test_resume_is_bit_exact(results, case):
     r = results[case]
     assert r["step_restored"] == 2
