@@ -93,7 +93,7 @@ def test_softmax_with_groups_and_scaling():
     torch.testing.assert_close(routing.expert_weights_NK.sum(-1), torch.full((30,), 1.5))
 
 
-def test_the_score_bias_is_state_zeroed_at_init_and_trains_nothing():
+def test_the_score_bias_is_state_zeroed_at_init_and_no_parameter():
     cfg = ModelConfig(**{**BASE, "moe_router": "sigmoid"})
     model = build_model(cfg)  # built on the meta device, then to_empty and init_weights
     biases = {n: b for n, b in model.named_buffers()}
@@ -104,9 +104,6 @@ def test_the_score_bias_is_state_zeroed_at_init_and_trains_nothing():
     state["layers.1.ffn.score_bias"] = torch.arange(8.0)
     model.load_state_dict(state)
     assert torch.equal(model.layers[1].ffn.score_bias, torch.arange(8.0))
-    out = model(torch.randint(0, 97, (2, 9)))
-    (out.logits.sum() + out.aux_loss).backward()  # trains: the bias takes no gradient
-    assert model.layers[0].ffn.router.weight.grad is not None
 
 
 @pytest.mark.parametrize("fields, message", [
