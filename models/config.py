@@ -21,6 +21,7 @@ NORM_POSITIONS = ("pre", "post")
 # How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_AUX_LOSS_SCOPES = ("batch", "sequence")
 # Optional sizes: None (derived) or an int >= 1.
 _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
@@ -98,6 +99,10 @@ class ModelConfig:
     moe_renormalize: bool = True  # renormalise the selected top-k router probabilities to sum to 1
     moe_shared_experts: int = 0  # dense experts that every token passes through
     moe_aux_loss_coef: float = 0.01
+    # What the load-balance loss balances: "batch" (Switch: the experts' loads over all tokens of the
+    # micro-batch) or "sequence" (DeepSeek-V3's complementary sequence-wise loss: the same formula per
+    # sequence, averaged over the sequences; with the sigmoid router V3 keeps it tiny, alpha ~ 1e-4).
+    moe_aux_loss_scope: str = "batch"
     moe_z_loss_coef: float = 0.001
     moe_d_ff: int | None = None  # expert hidden size; None = same rule as d_ff
     # "auto": grouped_mm where the device, dtype and widths allow it, else the per-expert loop (same math).
@@ -166,6 +171,7 @@ class ModelConfig:
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         _check_choice("moe_expert_impl", self.moe_expert_impl, MOE_EXPERT_IMPLS)
         _check_choice("moe_router", self.moe_router, MOE_ROUTERS)
+        _check_choice("moe_aux_loss_scope", self.moe_aux_loss_scope, MOE_AUX_LOSS_SCOPES)
         _check_float("moe_routed_scaling_factor", self.moe_routed_scaling_factor)
         if self.moe_routed_scaling_factor <= 0:
             raise ValueError(f"moe_routed_scaling_factor must be > 0, got {self.moe_routed_scaling_factor!r}")

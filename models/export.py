@@ -1,4 +1,4 @@
-"""Save and load weights: Conduit's own safetensors format and Hugging Face Llama / Mixtral / DeepseekV2.
+"""Save and load weights: Conduit's own safetensors format and Hugging Face Llama / Mixtral / DeepseekV2 / V3.
 
 Own format (`save_safetensors` / `load_safetensors`): one .safetensors file holding the state dict
 (without lm_head.weight when tied) and, in the file's metadata under "conduit_model_config", the
@@ -7,8 +7,8 @@ ModelConfig as JSON. This is what the pipeline's evaluate and register stages re
 Hugging Face format (`save_hf` / `load_hf`): a folder with config.json and model.safetensors that
 `transformers` loads as the class the model's family names (`models.families`): a decoder as
 LlamaForCausalLM (dense) or MixtralForCausalLM (MoE) (`models.hf_llama`), or with multi-head latent
-attention as DeepseekV2ForCausalLM (`models.hf_deepseek`); a Mamba model as MambaForCausalLM
-(`models.hf_mamba`); an encoder-decoder as MarianMTModel or BartForConditionalGeneration
+attention as DeepseekV2ForCausalLM or, with the sigmoid router, DeepseekV3ForCausalLM
+(`models.hf_deepseek`); a Mamba model as MambaForCausalLM (`models.hf_mamba`); an encoder-decoder as MarianMTModel or BartForConditionalGeneration
 (`models.hf_marian`). Each of those modules is one `HFFormat`: names, config.json and their inverses.
 Our full config also goes into the safetensors metadata, so `load_hf` returns exactly the saved
 ModelConfig (dropout, loss coefficients, ... included, which config.json cannot hold) as long as
@@ -199,7 +199,7 @@ def load_hf(
     path: str | os.PathLike, device: torch.device | str | None = None
 ) -> Transformer | MambaLM | EncoderDecoderLM:
     """Load a folder (config.json + model.safetensors) of any class a family reads (Llama, Mixtral,
-    DeepseekV2, Mamba, Marian, BART) as our model.
+    DeepseekV2/V3, Mamba, Marian, BART) as our model.
 
     Reads the per-expert Mixtral layout that `save_hf` writes (experts.{e}.w1/w2/w3).
 

@@ -1,7 +1,9 @@
-"""Conduit MLA models <-> Hugging Face DeepseekV2 (`DeepseekV2ForCausalLM`): config and tensors.
+"""Conduit MLA models <-> Hugging Face DeepseekV2 and DeepseekV3 (`DeepseekV2ForCausalLM`,
+`DeepseekV3ForCausalLM`): config and tensors.
 
-A decoder with multi-head latent attention exports as DeepseekV2 (the attention kind "mla" in
-`models.families.attention` names this format); these functions only map dicts (no file I/O).
+A decoder with multi-head latent attention exports as DeepseekV3 when its MoE layers route with the
+sigmoid router (``moe_router: sigmoid``), else as DeepseekV2 (the attention kind "mla" in
+`models.families.attention` picks the format by `format_for`); these functions only map dicts (no file I/O).
 
 What maps how:
 - names: Conduit's MLA parameters carry DeepseekV2's names except `kv_a_proj` (HF
@@ -16,10 +18,18 @@ What maps how:
 - shared experts: Conduit has moe_shared_experts separate SwiGLU FFNs of width F; DeepseekV2 one of
   width n_shared_experts * F. A sum of SwiGLU FFNs is the SwiGLU FFN with their gate and up rows and
   their down columns concatenated, so this is a concatenation (and a split on import).
-- routing: DeepseekV2's "greedy" router is Conduit's (softmax in fp32 over all experts, top-k) without
-  renormalising the k weights (its norm_topk_prob is unused by the V2 router), scaled by
-  routed_scaling_factor. Export therefore needs moe_renormalize=False and writes
-  routed_scaling_factor 1.0, topk_method "greedy", n_group/topk_group null.
+- routing, V2: DeepseekV2's "greedy" router is Conduit's softmax router (fp32 over all experts, top-k)
+  without renormalising the k weights (its norm_topk_prob is unused by the V2 router), times
+  routed_scaling_factor. Export therefore needs moe_renormalize=False and no groups (V2's
+  "group_limited_greedy" scores a group by its best expert, Conduit by its two best), and writes
+  topk_method "greedy" and moe_routed_scaling_factor.
+- routing, V3: DeepseekV3's router is Conduit's sigmoid router: top-k of sigmoid(logits) +
+  `e_score_correction_bias` (our `ffn.score_bias` buffer) among the `topk_group` best of `n_group`
+  groups (a group's score: its two best biased affinities), gates the unbiased affinities, renormalised
+  when norm_topk_prob (= moe_renormalize; HF adds 1e-20 to the sum), times routed_scaling_factor. HF's
+  group score needs two experts per group, so num_experts >= 2. V3 writes its RoPE rows interleaved
+  (rope_interleave true, as DeepSeek's checkpoints): the same row order as V2's; a V3 config.json with
+  rope_interleave false is refused on import.
 - layer kinds: DeepseekV2 makes layer i MoE iff i >= first_k_dense_replace, which is Conduit's
   moe_first_dense_layers with moe_every=1; a dense model is first_k_dense_replace = num_hidden_layers.
 - attention: num_key_value_heads = num_attention_heads (the expanded keys are per head); the softmax
@@ -28,6 +38,7 @@ What maps how:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -52,25 +63,50 @@ _ATTN_NAMES = {
     "ffn.w3.weight": "mlp.up_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight",
     "ffn.router.weight": "mlp.gate.weight",
+    "ffn.score_bias": "mlp.gate.e_score_correction_bias",
 }
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}
 _HF_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def unsupported_options(cfg: ModelConfig) -> list[str]:
-    """Options of an MLA config DeepseekV2 cannot express, as "field=value (reason)" strings."""
-    problems = hf_llama.block_problems(cfg, "DeepseekV2")
+def format_for(cfg: ModelConfig) -> HFFormat:
+    """The class an MLA decoder exports as: DeepseekV3 for the sigmoid router, else DeepseekV2."""
+    return FORMAT_V3 if cfg.num_experts > 0 and cfg.moe_router == "sigmoid" else FORMAT
+
+
+def _unsupported(cfg: ModelConfig, target: str) -> list[str]:
+    """Options of an MLA config DeepseekV2 / DeepseekV3 (`target`) cannot express, as "field=value (reason)"."""
+    problems = hf_llama.block_problems(cfg, target)
     if cfg.num_experts > 0:
+        v3 = target == "DeepseekV3"
+        router = "sigmoid" if v3 else "softmax"
+        if cfg.moe_router != router:
+            problems.append(f"moe_router={cfg.moe_router!r} ({target}'s router is {router!r})")
         if cfg.moe_every != 1:
-            problems.append(f"moe_every={cfg.moe_every} (DeepseekV2's MoE layers are all layers from "
+            problems.append(f"moe_every={cfg.moe_every} ({target}'s MoE layers are all layers from "
                             "first_k_dense_replace = moe_first_dense_layers on)")
         if cfg.moe_capacity_factor is not None:
-            problems.append(f"moe_capacity_factor={cfg.moe_capacity_factor} (DeepseekV2 is dropless)")
-        if cfg.moe_renormalize:
+            problems.append(f"moe_capacity_factor={cfg.moe_capacity_factor} ({target} is dropless)")
+        if not v3 and cfg.moe_renormalize:
             problems.append("moe_renormalize=True (DeepseekV2's greedy router does not renormalise the top-k "
                             "weights)")
+        if not v3 and cfg.moe_n_group > 1:
+            problems.append(f"moe_n_group={cfg.moe_n_group} (DeepseekV2's group-limited routing scores a group by "
+                            "its best expert, Conduit's by its two best)")
+        if v3 and cfg.num_experts < 2:
+            problems.append(f"num_experts={cfg.num_experts} (DeepseekV3's group score sums two experts)")
     return problems
+
+
+def unsupported_options(cfg: ModelConfig) -> list[str]:
+    """Options of an MLA config DeepseekV2 cannot express, as "field=value (reason)" strings."""
+    return _unsupported(cfg, "DeepseekV2")
+
+
+def unsupported_options_v3(cfg: ModelConfig) -> list[str]:
+    """Options of an MLA config DeepseekV3 cannot express, as "field=value (reason)" strings."""
+    return _unsupported(cfg, "DeepseekV3")
 
 
 def rope_row_order(P: int) -> torch.Tensor:
@@ -98,7 +134,7 @@ def _rope_rows(rest: str) -> bool:
 
 
 def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict (lm_head absent when tied) -> DeepseekV2 checkpoint tensors.
+    """Our state dict (lm_head absent when tied) -> DeepseekV2 / V3 checkpoint tensors.
 
     Raises:
         ValueError: on a parameter with no DeepseekV2 name.
@@ -141,7 +177,7 @@ def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 
 def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """DeepseekV2 checkpoint tensors -> our state dict (inverse of `to_hf_tensors`).
+    """DeepseekV2 / V3 checkpoint tensors -> our state dict (inverse of `to_hf_tensors`).
 
     Raises:
         ValueError: on an unexpected tensor name.
@@ -157,7 +193,7 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
             continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
         if m is None:
-            raise ValueError(f"unexpected tensor {hf_name!r} in DeepseekV2 checkpoint")
+            raise ValueError(f"unexpected tensor {hf_name!r} in a DeepSeek checkpoint")
         i, rest = m.groups()
         e = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", rest)
         if e is not None:
@@ -171,7 +207,7 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
                 out[f"layers.{i}.ffn.shared_experts.{idx}.{w}.weight"] = part.contiguous()
             continue
         if rest not in inverse_attn:
-            raise ValueError(f"unexpected tensor {hf_name!r} in DeepseekV2 checkpoint")
+            raise ValueError(f"unexpected tensor {hf_name!r} in a DeepSeek checkpoint")
         ours = inverse_attn[rest]
         out[f"layers.{i}.{ours}"] = _permute_rope_rows(t, cfg, ours, to_hf=False) if _rope_rows(ours) else t
     return out
@@ -199,43 +235,62 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "topk_method": "greedy",
         "n_group": None,
         "topk_group": None,
-        "routed_scaling_factor": 1.0,
+        "routed_scaling_factor": cfg.moe_routed_scaling_factor,
         "norm_topk_prob": False,
         "mlp_bias": False,
     }}
 
 
+def hf_config_v3(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of DeepseekV3ForCausalLM: V2's keys with V3's router and RoPE layout."""
+    out = hf_config(cfg, dtype)
+    out.update({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "n_group": cfg.moe_n_group,
+        "topk_group": cfg.moe_topk_group,
+        "norm_topk_prob": cfg.moe_renormalize,
+        "rope_interleave": True,
+        "num_mtp_layers": 0,  # Conduit trains no multi-token prediction module
+    })
+    for key in ("topk_method", "mlp_bias"):
+        out.pop(key)
+    return out
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
-    """The ModelConfig a DeepseekV2 config.json describes."""
+    """The ModelConfig a DeepseekV2 or DeepseekV3 config.json describes."""
     fields = {**hf_llama.common_fields(hf, check_head_dim=False), **config_fields(hf)}
     fields.pop("num_kv_heads")  # MLA has no separate key/value heads
     return ModelConfig.from_dict(fields)
 
 
 def architecture(cfg: ModelConfig) -> tuple:
-    """What a DeepseekV2 config.json determines: the Llama-like sizes and MLA's."""
+    """What a DeepseekV2 / V3 config.json determines: the Llama-like sizes, MLA's and the router's."""
+    router = ((cfg.moe_router, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_routed_scaling_factor)
+              if cfg.num_experts else None)
     return (*hf_llama.architecture(cfg), cfg.q_lora_rank,
             *(getattr(cfg, f"resolved_{f}") for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                                       "v_head_dim")))
+                                                       "v_head_dim")), router)
 
 
 def config_fields(hf: dict) -> dict:
-    """ModelConfig fields of a DeepseekV2 config.json beyond the ones Llama-like configs share.
+    """ModelConfig fields of a DeepseekV2 / V3 config.json beyond the ones Llama-like configs share.
 
     Raises:
-        ValueError: on a DeepseekV2 option Conduit cannot express, naming it.
+        ValueError: on a DeepseekV2 / V3 option Conduit cannot express, naming it.
     """
+    v3 = hf.get("model_type") == "deepseek_v3"
     n_layers = hf["num_hidden_layers"]
     first_dense = hf.get("first_k_dense_replace", 0)
     experts = hf.get("n_routed_experts", 0) or 0
     moe = experts > 0 and first_dense < n_layers
-    if moe:
-        if hf.get("topk_method", "greedy") != "greedy":
-            raise ValueError(f"topk_method={hf['topk_method']!r}: only 'greedy' routing loads")
-        if float(hf.get("routed_scaling_factor", 1.0)) != 1.0:
-            raise ValueError(f"routed_scaling_factor={hf['routed_scaling_factor']}: only 1.0 loads")
+    if moe and not v3 and hf.get("topk_method", "greedy") != "greedy":
+        raise ValueError(f"topk_method={hf['topk_method']!r}: only 'greedy' routing loads as DeepseekV2")
+    if v3 and not hf.get("rope_interleave", True):
+        raise ValueError("rope_interleave=false: only DeepSeek's interleaved RoPE layout (true) loads as DeepseekV3")
     if hf.get("num_key_value_heads", hf["num_attention_heads"]) != hf["num_attention_heads"]:
-        raise ValueError("num_key_value_heads must equal num_attention_heads for DeepseekV2 attention")
+        raise ValueError("num_key_value_heads must equal num_attention_heads for DeepSeek's MLA attention")
     fields = dict(
         attention="mla",
         kv_lora_rank=hf["kv_lora_rank"],
@@ -248,7 +303,12 @@ def config_fields(hf: dict) -> dict:
     if moe:
         fields.update(num_experts=experts, moe_top_k=hf["num_experts_per_tok"], moe_d_ff=hf["moe_intermediate_size"],
                       moe_shared_experts=hf.get("n_shared_experts") or 0, moe_renormalize=False,
-                      moe_first_dense_layers=first_dense)
+                      moe_first_dense_layers=first_dense,
+                      moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+        if v3:
+            fields.update(moe_router="sigmoid", moe_n_group=hf.get("n_group") or 1,
+                          moe_topk_group=hf.get("topk_group") or 1,
+                          moe_renormalize=bool(hf.get("norm_topk_prob", True)))
     return fields
 
 
@@ -262,3 +322,6 @@ FORMAT = HFFormat(
     from_hf=from_hf_tensors,
     architecture=architecture,
 )
+
+FORMAT_V3 = dataclasses.replace(FORMAT, name="DeepseekV3ForCausalLM", model_types=("deepseek_v3",),
+                                unsupported_options=unsupported_options_v3, hf_config=hf_config_v3)

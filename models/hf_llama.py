@@ -36,15 +36,11 @@ _EXPERT = (r"ffn\.experts\.(\d+)\.(w[123])\.weight", "block_sparse_moe.experts.{
 
 
 def block_problems(cfg: ModelConfig, target: str) -> list[str]:
-    """What a Llama-like block (RMSNorm, pre-norm, SwiGLU, no biases, a softmax router without groups or
-    scaling) cannot express of `cfg`, for the class `target` names (Llama/Mixtral, DeepseekV2)."""
+    """What a Llama-like block (RMSNorm, pre-norm, SwiGLU, no biases) cannot express of `cfg`, for the
+    class `target` names (Llama/Mixtral, DeepseekV2/V3)."""
     needed = {"norm": "rmsnorm", "norm_position": "pre", "ffn": "swiglu", "bias": False}
     problems = [f"{name}={getattr(cfg, name)!r} ({target} has {value!r})" for name, value in needed.items()
                 if getattr(cfg, name) != value]
-    if cfg.num_experts > 0:  # DeepSeek-V3's router options (DeepseekV3 export is issue 34's)
-        v3 = {"moe_router": "softmax", "moe_n_group": 1, "moe_topk_group": 1, "moe_routed_scaling_factor": 1.0}
-        problems += [f"{name}={getattr(cfg, name)!r} ({target} has {value!r}; DeepSeek-V3's router has no export yet)"
-                     for name, value in v3.items() if getattr(cfg, name) != value]
     return problems
 
 
@@ -66,6 +62,10 @@ def unsupported_options(cfg: ModelConfig) -> list[str]:
             problems.append(f"moe_capacity_factor={cfg.moe_capacity_factor} (Mixtral is dropless)")
         if not cfg.moe_renormalize:
             problems.append("moe_renormalize=False (Mixtral renormalises the top-k weights)")
+        mixtral_router = {"moe_router": "softmax", "moe_n_group": 1, "moe_routed_scaling_factor": 1.0}
+        problems += [f"{name}={getattr(cfg, name)!r} (Mixtral's router has {value!r}; DeepSeek-V3's router exports "
+                     "with attention 'mla' as DeepseekV3)" for name, value in mixtral_router.items()
+                     if getattr(cfg, name) != value]
     return problems
 
 

@@ -47,7 +47,10 @@ is dropless: every slot is kept. Pad tokens are routed like real ones (the layer
 Losses (returned as one differentiable scalar, coefficients from the config):
 - load balance (Switch Transformer, generalised to k slots): E * sum_i f_i * P_i, with f_i the fraction
   of the N*k token-slot assignments (before capacity drops) that chose expert i, and P_i the mean router
-  probability of expert i over tokens. Equals 1.0 for a perfectly uniform router.
+  probability of expert i over tokens. Equals 1.0 for a perfectly uniform router. With
+  `moe_aux_loss_scope` "sequence" (DeepSeek-V3's sequence-wise balance loss, eqs. 17-20 of its report)
+  f and P are taken per sequence of T tokens and the loss is the mean over the B sequences; with one
+  sequence both scopes agree.
 - router z-loss (ST-MoE): mean over tokens of logsumexp(router_logits)^2.
 
 Shape legend: B batch, T time, N = B*T tokens, D d_model, E experts, K top_k, F expert hidden width,
@@ -191,6 +194,7 @@ class MoEFeedForward(nn.Module):
         self.routed_scaling_factor = cfg.moe_routed_scaling_factor
         self.bias_update_rate = cfg.moe_bias_update_rate
         self.aux_loss_coef = cfg.moe_aux_loss_coef
+        self.aux_loss_scope = cfg.moe_aux_loss_scope
         self.z_loss_coef = cfg.moe_z_loss_coef
         hidden = cfg.resolved_moe_d_ff
         self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
@@ -268,7 +272,8 @@ class MoEFeedForward(nn.Module):
         Returns:
             (y_BTD, aux_loss, stats): aux_loss is the differentiable scalar
             aux_loss_coef * load_balance_loss + z_loss_coef * z_loss; stats holds detached
-            `tokens_per_expert` (E,) kept-slot counts, `load_balance_loss`, `z_loss`,
+            `tokens_per_expert` (E,) kept-slot counts, `routed_per_expert` (E,) slots routed before the
+            capacity rule (the load the score bias balances), `load_balance_loss`, `z_loss`,
             `dropped_fraction` and `router_entropy` (mean over tokens, nats).
         """
         B, T, D = x_BTD.shape
@@ -278,12 +283,20 @@ class MoEFeedForward(nn.Module):
         for shared in self.shared_experts:
             y_ND = y_ND + shared(x_ND)
 
-        E = self.num_experts
+        E, K = self.num_experts, self.top_k
         idx_S = routing.expert_indices_NK.reshape(-1)
         assigned_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(0, idx_S, torch.ones_like(idx_S))
-        f_E = assigned_E.float() / routing.expert_indices_NK.numel()
-        P_E = routing.router_probs_NE.mean(dim=0)
-        load_balance = E * (f_E * P_E).sum()
+        if self.aux_loss_scope == "sequence":
+            # Slot s = (b * T + t) * K + k belongs to sequence b = s // (T K).
+            seq_S = torch.arange(idx_S.numel(), device=idx_S.device).div(T * K, rounding_mode="floor")
+            assigned_BE = torch.zeros(B * E, device=idx_S.device).index_add_(
+                0, seq_S * E + idx_S, torch.ones(idx_S.numel(), device=idx_S.device)).view(B, E)
+            P_BE = routing.router_probs_NE.view(B, T, E).mean(dim=1)
+            load_balance = E * (assigned_BE / (T * K) * P_BE).sum(dim=-1).mean()
+        else:
+            f_E = assigned_E.float() / routing.expert_indices_NK.numel()
+            P_E = routing.router_probs_NE.mean(dim=0)
+            load_balance = E * (f_E * P_E).sum()
         lse_N = torch.logsumexp(routing.router_logits_NE, dim=-1)
         z_loss = lse_N.pow(2).mean()
         aux_loss = self.aux_loss_coef * load_balance + self.z_loss_coef * z_loss
@@ -293,7 +306,7 @@ class MoEFeedForward(nn.Module):
             kept_E = torch.zeros(E, dtype=torch.long, device=idx_S.device).index_add_(
                 0, idx_S, routing.kept_NK.reshape(-1).long())
             stats = {
-                **({"routed_per_expert": assigned_E} if self.bias_update_rate > 0 else {}),
+                "routed_per_expert": assigned_E,
                 "tokens_per_expert": kept_E,
                 "load_balance_loss": load_balance.detach(),
                 "z_loss": z_loss.detach(),

@@ -3,7 +3,8 @@
 - ``mha``: multi-head attention, with GQA/MQA through num_kv_heads (`models.attention.Attention`);
   decoders export as Llama / Mixtral.
 - ``mla``: multi-head latent attention (DeepSeek-V2): keys and values from one compressed latent per
-  token (`models.mla.MultiHeadLatentAttention`); decoders export as DeepseekV2.
+  token (`models.mla.MultiHeadLatentAttention`); decoders export as DeepseekV2, or as DeepseekV3 when
+  their MoE layers route with the sigmoid router.
 
 Parameters per layer (biases when ``bias``), with D d_model, H heads, G key/value heads, K head_dim:
     mha: D*H*K + 2*D*G*K + H*K*D
@@ -71,7 +72,8 @@ MHA = AttentionKind(
     cache_width=lambda cfg: 2 * cfg.resolved_num_kv_heads * cfg.head_dim,
     cache_shape=lambda cfg: (cfg.resolved_num_kv_heads, cfg.head_dim, None),
     rope_head_dim=lambda cfg: cfg.head_dim,
-    hf=hf_llama.FORMAT,
+    hf_format=lambda cfg: hf_llama.FORMAT,
+    hf_formats=(hf_llama.FORMAT,),
 )
 
 MLA = AttentionKind(
@@ -85,7 +87,8 @@ MLA = AttentionKind(
     cache_width=lambda cfg: cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim,
     cache_shape=lambda cfg: (1, cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim),
     rope_head_dim=lambda cfg: cfg.resolved_qk_rope_head_dim,
-    hf=hf_deepseek.FORMAT,
+    hf_format=hf_deepseek.format_for,
+    hf_formats=(hf_deepseek.FORMAT, hf_deepseek.FORMAT_V3),
 )
 
 # The table: adding an attention kind is one module and one line here.

@@ -1,6 +1,6 @@
 """The decoder-only Transformer (``arch: decoder``): dense or MoE, with either attention kind.
 
-Built as `models.transformer.Transformer`; exported as Llama / Mixtral (mha) or DeepseekV2 (mla), by
+Built as `models.transformer.Transformer`; exported as Llama / Mixtral (mha) or DeepseekV2 / V3 (mla), by
 the attention kind's entry (`models.families.attention`). Accounting (PaLM, Chowdhery et al. 2022,
 appendix B; `models.accounting` has the formulas):
 - embedding: the token table, a learned position table if any, and the output head unless tied;
@@ -66,7 +66,7 @@ FAMILY = Family(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
-    hf_format=lambda cfg: attention_kind(cfg).hf,
-    hf_formats=tuple(kind.hf for kind in ATTENTION_KINDS.values()),
+    hf_format=lambda cfg: attention_kind(cfg).hf_format(cfg),
+    hf_formats=tuple(fmt for kind in ATTENTION_KINDS.values() for fmt in kind.hf_formats),
     describe=lambda cfg: "MoE" if cfg.num_experts else "dense",
 )

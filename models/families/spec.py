@@ -58,7 +58,8 @@ class AttentionKind:
         cache_width: per layer and token, the elements the KV cache holds.
         cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
         rope_head_dim: how many features of each query/key head RoPE rotates.
-        hf: the Hugging Face class a decoder with this attention exports as.
+        hf_format: the Hugging Face class a decoder of a config with this attention exports as.
+        hf_formats: every Hugging Face class a decoder with this attention reads.
     """
 
     name: str
@@ -70,7 +71,8 @@ class AttentionKind:
     cache_width: Callable[["ModelConfig"], int]
     cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
     rope_head_dim: Callable[["ModelConfig"], int]
-    hf: HFFormat
+    hf_format: Callable[["ModelConfig"], HFFormat]
+    hf_formats: tuple[HFFormat, ...]
 
 
 @dataclass(frozen=True)

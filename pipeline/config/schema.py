@@ -252,7 +252,7 @@ class EvalSection:
 class RegisterSection:
     model_name: str = "conduit-lm"
     alias: str = "challenger"
-    # also log a Hugging Face (Llama / Mixtral / DeepseekV2) export where the architecture allows
+    # also log a Hugging Face (Llama / Mixtral / DeepseekV2 / V3) export where the architecture allows
     hf_export: bool = True
 
 

@@ -58,11 +58,15 @@ def attention_figure(weights: np.ndarray, labels: list[str]) -> Figure:
     return fig
 
 
-def expert_load_figure(load_share: np.ndarray, router_entropy: np.ndarray) -> Figure:
-    """Heatmap of the share of routed tokens each expert received, one row per MoE layer."""
+def expert_load_figure(load_share: np.ndarray, router_entropy: np.ndarray, score_bias: np.ndarray | None = None) -> Figure:
+    """Heatmap of the share of routed tokens each expert received, one row per MoE layer; beside it, for a
+    sigmoid router (DeepSeek-V3), its selection bias per layer and expert (red pushes an expert up, blue
+    down: the balancing's answer to the load on the left)."""
     n_layers, n_experts = load_share.shape
-    fig = Figure(figsize=(1.0 + 0.6 * n_experts, 1.2 + 0.5 * n_layers), layout="constrained")
-    ax = fig.subplots()
+    panels = 1 if score_bias is None else 2
+    fig = Figure(figsize=(1.0 + 0.6 * n_experts * panels, 1.2 + 0.5 * n_layers), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    ax = axes[0]
     image = ax.imshow(load_share, cmap="magma", vmin=0.0, aspect="auto")
     for layer in range(n_layers):
         for expert in range(n_experts):
@@ -72,4 +76,16 @@ def expert_load_figure(load_share: np.ndarray, router_entropy: np.ndarray) -> Fi
     ax.set_xlabel("expert")
     ax.set_title(f"share of routed tokens per expert (uniform = {1 / n_experts:.2f}); H = router entropy, nats")
     fig.colorbar(image, ax=ax)
+    if score_bias is not None:
+        ax = axes[1]
+        scale = max(float(np.abs(score_bias).max()), 1e-12)
+        image = ax.imshow(score_bias, cmap="coolwarm", vmin=-scale, vmax=scale, aspect="auto")
+        for layer in range(n_layers):
+            for expert in range(n_experts):
+                ax.text(expert, layer, f"{score_bias[layer, expert]:+.3f}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(n_experts), [str(e) for e in range(n_experts)])
+        ax.set_yticks(range(n_layers), [f"MoE layer {i}" for i in range(n_layers)])
+        ax.set_xlabel("expert")
+        ax.set_title("router selection bias (added to choose, not to weigh)")
+        fig.colorbar(image, ax=ax)
     return fig

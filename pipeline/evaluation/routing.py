@@ -11,6 +11,7 @@ import math
 import numpy as np
 import torch
 
+from models.moe import MoEFeedForward
 from pipeline.evaluation.device import on_model
 
 
@@ -25,7 +26,9 @@ def routing_stats(model: torch.nn.Module, blocks: np.ndarray, batch_size: int) -
 
     Returns:
         ``load_share`` (layers, experts): the share of routed slots each expert received, rows sum to 1;
-        ``router_entropy`` (layers,): mean entropy of the router's distribution, nats.
+        ``router_entropy`` (layers,): mean entropy of the router's distribution, nats;
+        ``score_bias`` (layers, experts): the sigmoid router's selection bias (DeepSeek-V3), only for a
+        model that has one.
 
     Raises:
         ValueError: when the model has no MoE layer.
@@ -42,12 +45,17 @@ def routing_stats(model: torch.nn.Module, blocks: np.ndarray, batch_size: int) -
         counts = batch_counts if counts is None else counts + batch_counts
         entropy_sum = batch_entropy if entropy_sum is None else entropy_sum + batch_entropy
         n_tokens += x_BT.numel()
-    return {"load_share": counts / counts.sum(axis=1, keepdims=True), "router_entropy": entropy_sum / n_tokens}
+    out = {"load_share": counts / counts.sum(axis=1, keepdims=True), "router_entropy": entropy_sum / n_tokens}
+    biases = [m.score_bias for m in model.modules() if isinstance(m, MoEFeedForward) and m.score_bias is not None]
+    if biases:
+        out["score_bias"] = torch.stack(biases).double().cpu().numpy()
+    return out
 
 
 def routing_metrics(stats: dict[str, np.ndarray]) -> dict[str, float]:
-    """Flat MLflow metrics: mean and per-layer router entropy (nats, and as a share of ln E) and the
-    largest expert's load share over the uniform share, per layer."""
+    """Flat MLflow metrics: mean and per-layer router entropy (nats, and as a share of ln E), the
+    largest expert's load share over the uniform share, per layer, and the selection bias's range per
+    layer where the router has one."""
     n_experts = stats["load_share"].shape[1]
     out = {
         "router_entropy": float(stats["router_entropy"].mean()),
@@ -56,4 +64,6 @@ def routing_metrics(stats: dict[str, np.ndarray]) -> dict[str, float]:
     for i, (h, share) in enumerate(zip(stats["router_entropy"], stats["load_share"])):
         out[f"router_entropy_layer{i}"] = float(h)
         out[f"expert_load_max_over_uniform_layer{i}"] = float(share.max() * n_experts)
+    for i, bias in enumerate(stats.get("score_bias", ())):
+        out[f"score_bias_range_layer{i}"] = float(bias.max() - bias.min())
     return out

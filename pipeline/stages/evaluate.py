@@ -94,8 +94,8 @@ def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, routing_stats: dict
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
     tracker.log_figure(plots.attention_figure(weights, labels), "plots/attention_heatmaps.png")
     if routing_stats is not None:
-        tracker.log_figure(plots.expert_load_figure(routing_stats["load_share"], routing_stats["router_entropy"]),
-                           "plots/expert_load.png")
+        tracker.log_figure(plots.expert_load_figure(routing_stats["load_share"], routing_stats["router_entropy"],
+                                                    routing_stats.get("score_bias")), "plots/expert_load.png")
 
 
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:

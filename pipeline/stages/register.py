@@ -6,7 +6,7 @@ data, config, code and metrics it came from (``metric.<name>`` tags are what ``j
 on), and a description. Shipped inside the model: ``metrics.json`` and, where the architecture allows
 and ``register.hf_export`` is on, a Hugging Face export (``hf/``: config.json, model.safetensors and
 the tokenizer as ``tokenizer.json``, equal to the sentencepiece ``tokenizer.model`` shipped beside it)
-that ``transformers`` loads as Llama / Mixtral / DeepseekV2 / Mamba without ``sentencepiece`` or ``protobuf``.
+that ``transformers`` loads as Llama / Mixtral / DeepseekV2 / DeepseekV3 / Mamba without ``sentencepiece`` or ``protobuf``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
     sentencepiece ``tokenizer.model`` itself.
 
     Returns:
-        None when exported, else why not (the options HF Llama / Mixtral / DeepseekV2 or the tokenizer
+        None when exported, else why not (the options HF Llama / Mixtral / DeepseekV2 / V3 or the tokenizer
         export cannot express).
     """
     problems = hf_unsupported_options(read_config(weights))

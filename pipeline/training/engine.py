@@ -203,6 +203,8 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
             (``models.loss.linear_cross_entropy``); 0 = the whole logits at once.
     """
     losses, routed = [], []
+    model_cfg = getattr(engine.module, "cfg", None)
+    balancing = model_cfg is not None and model_cfg.moe_bias_update_rate > 0
     for *model_inputs, targets_BT in micro_batches:
         out = engine(*(x.to(device) for x in model_inputs), targets_BT=targets_BT.to(device),
                      label_smoothing=label_smoothing, chunk_tokens=loss_chunk_tokens)
@@ -211,7 +213,7 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         losses.append(out.loss.detach())
         if moe_stats is not None:
             moe_stats.add(out.moe_stats)
-        if out.moe_stats and "routed_per_expert" in out.moe_stats[0]:
+        if balancing and out.moe_stats:
             routed.append(torch.stack([s["routed_per_expert"] for s in out.moe_stats]))
     if routed:
         update_score_biases(engine.module, torch.stack(routed).sum(dim=0))

@@ -58,7 +58,7 @@ from pipeline.training.engine import (
 )
 from pipeline.training.layout import ParallelDims
 from pipeline.training.loader import BlockLoader
-from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib
+from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib, score_bias_metrics
 from pipeline.training.outbox import Outbox
 from pipeline.training.validation import stop_early, validation_loss
 
@@ -242,6 +242,7 @@ def _log(run: _Rank, done: int, loss: torch.Tensor, val_loss: float | None, bar)
     if run.moe_stats is not None:
         run.moe_stats.all_reduce()
         metrics.update(run.moe_stats.metrics())
+        metrics.update(score_bias_metrics(run.engine.module))
         run.moe_stats = MoEStats()
     run.window_t0, run.window_tokens = time.perf_counter(), 0
     if run.rank == 0:

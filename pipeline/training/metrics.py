@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from pipeline.training.expert_parallel import moe_layers
+
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA datasheets, FLOP/s.
 GPU_BF16_PEAK = {
     "H200": 989e12,
@@ -115,7 +117,10 @@ class MoEStats:
         ``expert_tokens/l{i}/e{j}`` is the number of token slots layer i's router kept for expert j
         (summed over micro-batches, and over ranks after ``all_reduce``); ``expert_load/l{i}/e{j}``
         is that count's share of the layer's kept slots; ``load_imbalance/l{i}`` is max/mean of
-        those shares (1.0 is perfectly balanced).
+        those shares (1.0 is perfectly balanced). ``max_violation/l{i}`` is the measure of the
+        auxiliary-loss-free balancing paper (Wang et al. 2024): max_i load_i / mean load - 1 over the
+        slots routed before any capacity drop (0.0 is perfectly balanced); ``moe_max_violation`` the
+        largest over the layers.
         """
         if not self.layers:
             return {}
@@ -126,7 +131,7 @@ class MoEStats:
             "moe_dropped_fraction": sum(s["dropped_fraction"].item() for s in self.layers) / (n * len(self.layers)),
             "moe_router_entropy": sum(s["router_entropy"].item() for s in self.layers) / (n * len(self.layers)),
         }
-        imbalance = []
+        imbalance, violation = [], []
         for i, s in enumerate(self.layers):
             counts = s["tokens_per_expert"]
             share = counts / counts.sum().clamp(min=1)
@@ -135,5 +140,23 @@ class MoEStats:
                 out[f"expert_load/l{i}/e{j}"] = v
             imbalance.append((share.max() / share.mean()).item())
             out[f"load_imbalance/l{i}"] = imbalance[-1]
+            routed = s["routed_per_expert"]
+            violation.append((routed.max() / routed.mean().clamp(min=1e-12) - 1.0).item())
+            out[f"max_violation/l{i}"] = violation[-1]
         out["moe_load_imbalance_max"] = max(imbalance)
+        out["moe_max_violation"] = max(violation)
         return out
+
+
+def score_bias_metrics(model: torch.nn.Module) -> dict[str, float]:
+    """The sigmoid router's selection biases, per MoE layer i (numbered as in `MoEStats.metrics`):
+    ``score_bias_min/l{i}``, ``score_bias_max/l{i}`` and ``score_bias_range/l{i}`` (max - min: how far the
+    balancing has pulled the experts apart). Empty for a model without them. Every rank holds the same
+    biases (`engine.update_score_biases`), so any rank's are the run's."""
+    out: dict[str, float] = {}
+    for i, (_, layer) in enumerate(moe_layers(model)):
+        if layer.score_bias is None:
+            continue
+        low, high = layer.score_bias.min().item(), layer.score_bias.max().item()
+        out.update({f"score_bias_min/l{i}": low, f"score_bias_max/l{i}": high, f"score_bias_range/l{i}": high - low})
+    return out

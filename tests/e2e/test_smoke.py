@@ -4,7 +4,7 @@ The pipeline runs once per session, as a person runs it: ``python -m jobs.run`` 
 pseudo-terminal), on the session's Ray cluster (the ``smoke`` fixture of tests/smoke_run.py, whose
 data stages other tests reuse). Its terminal output is checked for what a person reads, and the
 artifacts, MLflow runs and registered model it left for everything else. Then configs/smoke_moe.yaml
-(an MoE with expert parallelism) runs beside it, in-process, reusing its data stages; its training
+(a DeepSeek-V3-like MoE with expert parallelism) runs beside it, in-process, reusing its data stages; its training
 metrics are checked where users read them, in MLflow.
 """
 
@@ -281,7 +281,7 @@ def test_moe_pipeline_walks_all_six_stages(smoke_moe):
     assert [ln.split(":")[0] for ln in lines if ": done" in ln] == ["train", "evaluate", "register"]
     assert sorted(result.artifacts) == sorted(ORDER)
     train = result.artifacts["train"]
-    assert train.manifest["run_config"]["parallel"]["ep_size"] == 2 and cfg.model_config().num_experts == 4
+    assert train.manifest["run_config"]["parallel"]["ep_size"] == 2 and cfg.model_config().num_experts == 8
     assert train.manifest["counts"]["final_loss"] < train.manifest["counts"]["first_loss"]
 
 
@@ -295,6 +295,35 @@ def test_moe_registered_model_loads_and_generates(smoke_moe):
                         params={"max_new_tokens": 6, "temperature": 0.0})
     (text,) = out["text"].tolist()
     assert isinstance(text, str) and text.strip(), text
+
+
+def test_moe_registered_hf_folder_is_deepseek_v3_with_our_logits(smoke_moe, tmp_path):
+    """The V3 twin's registered version ships a DeepseekV3ForCausalLM whose logits are the trained model's,
+    with the selection biases the balancing left at the last step (as training logged them)."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from models.export import load_safetensors
+    from pipeline.store.contracts import HF_DIR, WEIGHTS_FILE
+
+    cfg, result, _, _ = smoke_moe
+    c = tracking.client(result.tracking_uri)
+    mv = c.get_model_version_by_alias(cfg.register.model_name, "challenger")
+    assert mv.tags["conduit.hf_export"] == f"artifacts/{HF_DIR}"
+    local = tracking.download_model(result.tracking_uri, f"models:/{cfg.register.model_name}@challenger", tmp_path)
+    hf = DeepseekV3ForCausalLM.from_pretrained(local / "artifacts" / HF_DIR, dtype=torch.float32).eval()
+    model = load_safetensors(result.artifacts["train"].path / WEIGHTS_FILE).eval()
+    biases = [b.ffn.score_bias for b in model.layers]
+    run_id, last = train_run_id(result), cfg.train.steps
+    for i, bias in enumerate(biases):
+        assert bias.min().item() == metric_by_step(c, run_id, f"score_bias_min/l{i}")[last]
+        assert bias.max().item() == metric_by_step(c, run_id, f"score_bias_max/l{i}")[last]
+    assert any(bias.abs().max() > 0 for bias in biases)  # six steps of balancing moved them
+    for layer, bias in zip(hf.model.layers, biases, strict=True):
+        torch.testing.assert_close(layer.mlp.gate.e_score_correction_bias, bias, atol=0, rtol=0)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_moe_evaluation_has_the_expert_load_plot_and_routing_metrics(smoke_moe):
@@ -311,7 +340,13 @@ def test_moe_evaluation_has_the_expert_load_plot_and_routing_metrics(smoke_moe):
     for name in routing:
         assert run.data.metrics[name] == metrics[name], name
     assert 0 < metrics["router_entropy_normalized"] <= 1
-    assert all(1 <= metrics[f"expert_load_max_over_uniform_layer{i}"] <= 4 for i in range(layers))
+    E = cfg.model_config().num_experts
+    assert all(1 <= metrics[f"expert_load_max_over_uniform_layer{i}"] <= E for i in range(layers))
+    # The evaluated weights hold the biases training ended with (its last logged range).
+    run_id, last = train_run_id(result), cfg.train.steps
+    for i in range(layers):
+        assert metrics[f"score_bias_range_layer{i}"] == pytest.approx(
+            metric_by_step(c, run_id, f"score_bias_range/l{i}")[last], abs=1e-7)
 
 
 def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
@@ -347,6 +382,19 @@ def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
             assert [shares[i, j][step] for j in range(E)] == [v / slots for v in layer], (step, i)
     routed, losses = router_at_first_step(cfg, result.artifacts["tokenize"].path)
     assert [[counts[i, j][1] for j in range(E)] for i in range(layers)] == routed
+    # The aux-loss-free paper's max violation per layer at every step, from the logged counts; and the
+    # selection bias after step 1's update: rate * sign(mean load - load) of those same counts.
+    rate = model_cfg.moe_bias_update_rate
+    for i in range(layers):
+        violation = metric_by_step(c, run_id, f"max_violation/l{i}")
+        for step in steps:
+            layer = [counts[i, j][step] for j in range(E)]
+            assert violation[step] == pytest.approx(max(layer) / (sum(layer) / E) - 1, rel=1e-12), (step, i)
+        first = [rate * ((sum(routed[i]) / E > n) - (sum(routed[i]) / E < n)) for n in routed[i]]
+        assert metric_by_step(c, run_id, f"score_bias_min/l{i}")[1] == pytest.approx(min(first), abs=1e-9)
+        assert metric_by_step(c, run_id, f"score_bias_max/l{i}")[1] == pytest.approx(max(first), abs=1e-9)
+        ranges = metric_by_step(c, run_id, f"score_bias_range/l{i}")
+        assert sorted(ranges) == steps and all(ranges[s] <= 2 * rate * s + 1e-9 for s in steps), ranges
     # The losses are float64 means of the same float32 values, summed in another order.
     for name, value in losses.items():
         assert logged[name][1] == pytest.approx(value, rel=1e-12, abs=0), name

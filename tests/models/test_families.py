@@ -62,6 +62,6 @@ def test_a_family_added_to_the_table_is_asked_for_everything(monkeypatch):
     monkeypatch.delitem(FAMILIES, "toy")
     with pytest.raises(ValueError, match=r"arch must be one of \['decoder', 'mamba', 'encoder_decoder'\], got 'toy'"):
         ModelConfig(arch="toy")
-    with pytest.raises(ValueError, match=r"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'mamba', "
+    with pytest.raises(ValueError, match=r"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'deepseek_v3', 'mamba', "
                                          r"'marian', 'bart', got 'toy'"):
         hf_format_of_model_type("toy")

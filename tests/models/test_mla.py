@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                          DeepseekV3ForCausalLM)
 
 from models import Transformer
 from models.export import load_hf, save_hf
@@ -125,6 +126,8 @@ HF_CASES = [
     ("moe_shared2_top2_first_dense", dict(**MLA, num_experts=4, moe_top_k=2, moe_shared_experts=2, moe_d_ff=16,
                                           moe_renormalize=False, moe_first_dense_layers=1, n_layers=3)),
     ("moe_no_shared_top1_q_lora", dict(**MLA, q_lora_rank=10, num_experts=3, moe_top_k=1, moe_renormalize=False)),
+    ("moe_routed_scaled", dict(**MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
+                               moe_routed_scaling_factor=1.5)),
 ]
 
 
@@ -137,17 +140,22 @@ def test_export_logits_equal_deepseek_v2(make_cfg, tmp_path, name, kw):
     torch.manual_seed(1)
     x = torch.randint(0, 64, (2, 24))
     with torch.no_grad():
-        ours, theirs = model(x).logits, hf(x).logits
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
-    # The cached decoding of both models agrees too (HF caches the latent as well).
+        ours = model(x).logits
+    _check_both_ways(model, hf, tmp_path, x, ours)
+
+
+def _check_both_ways(model, hf, folder, x, ours) -> None:
+    """HF's logits and cached greedy decoding equal ours; the folder loads back to our config and logits;
+    HF's own save of it loads back too."""
     with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours, atol=1e-5, rtol=1e-5)
+        # The cached decoding of both models agrees too (HF caches the latent as well).
         assert torch.equal(hf.generate(x[:, :6], max_new_tokens=8, do_sample=False, pad_token_id=0),
                            generate(model, x[:, :6], 8, temperature=0.0))
-
-    back = load_hf(tmp_path).eval()
+    back = load_hf(folder).eval()
     assert back.cfg == model.cfg
     torch.testing.assert_close(back(x).logits, ours, atol=0, rtol=0)
-    resaved = tmp_path / "resaved"
+    resaved = folder / "resaved"
     hf.save_pretrained(resaved)
     torch.testing.assert_close(load_hf(resaved).eval()(x).logits, ours, atol=1e-6, rtol=1e-6)
 
@@ -208,10 +216,107 @@ def test_load_refuses_deepseek_options_it_cannot_express(tmp_path):
                 n_routed_experts=4, num_experts_per_tok=2)
     save_file({"a": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     for extra, message in ((dict(topk_method="group_limited_greedy"), "topk_method"),
-                           (dict(routed_scaling_factor=2.0), "routed_scaling_factor")):
+                           (dict(model_type="deepseek_v3", rope_interleave=False), "rope_interleave")):
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         with pytest.raises(ValueError, match=message):
             load_hf(tmp_path)
+
+
+# --------------------------------------------------------------------------- Hugging Face DeepseekV3
+
+V3 = dict(**MLA, moe_router="sigmoid")
+V3_CASES = [
+    ("groups_bias_shared_first_dense", dict(**V3, num_experts=8, moe_top_k=2, moe_n_group=4, moe_topk_group=2,
+                                            moe_shared_experts=1, moe_d_ff=16, moe_first_dense_layers=1, n_layers=3,
+                                            moe_routed_scaling_factor=2.5)),
+    ("one_group_top1_unnormalised_q_lora", dict(**V3, q_lora_rank=10, num_experts=4, moe_top_k=1,
+                                                moe_renormalize=False)),
+    ("two_shared_one_of_two_groups_tied", dict(**V3, num_experts=6, moe_top_k=3, moe_n_group=2, moe_topk_group=1,
+                                               moe_shared_experts=2, moe_d_ff=16, tie_embeddings=True,
+                                               moe_bias_update_rate=0.01)),
+]
+
+
+def _random_v3(make_cfg, **kw) -> Transformer:
+    """Random weights and a random selection bias of both signs in every MoE layer, large enough to change
+    which experts and groups win (checked by the caller)."""
+    model = _random_model(make_cfg, **kw)
+    torch.manual_seed(2)
+    for block in model.layers:
+        if block.is_moe:
+            block.ffn.score_bias.copy_(torch.randn(model.cfg.num_experts) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("name, kw", V3_CASES, ids=[c[0] for c in V3_CASES])
+def test_export_logits_equal_deepseek_v3(make_cfg, tmp_path, name, kw):
+    model = _random_v3(make_cfg, **kw)
+    torch.manual_seed(1)
+    x = torch.randint(0, 64, (2, 24))
+    # The bias matters: without it the routing, and so the logits, differ.
+    unbiased = _random_model(make_cfg, **kw)
+    with torch.no_grad():
+        ours = model(x).logits
+        assert not torch.allclose(unbiased(x).logits, ours, atol=1e-3)
+    save_hf(model, model.cfg, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["n_group"] == model.cfg.moe_n_group
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf) is DeepseekV3ForCausalLM
+    moe = next(i for i, b in enumerate(model.layers) if b.is_moe)
+    torch.testing.assert_close(hf.model.layers[moe].mlp.gate.e_score_correction_bias,
+                               model.layers[moe].ffn.score_bias, atol=0, rtol=0)
+    _check_both_ways(model, hf, tmp_path, x, ours)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+         routed_scaling_factor=2.5, q_lora_rank=None),
+    dict(n_group=1, topk_group=1, n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False,
+         routed_scaling_factor=1.0, q_lora_rank=10),
+], ids=["groups_first_dense", "one_group_q_lora"])
+def test_import_of_a_deepseek_v3_checkpoint_equals_it(tmp_path, kw):
+    """A DeepseekV3 model made by transformers, selection bias included, loads with equal logits."""
+    hf_cfg = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+        v_head_dim=5, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False, n_routed_experts=8,
+        num_experts_per_tok=2, **kw,
+    )
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for layer in hf.model.layers[kw["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.3)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    c = ours.cfg
+    assert (c.moe_router, c.moe_n_group, c.moe_topk_group, c.moe_renormalize, c.moe_routed_scaling_factor) == (
+        "sigmoid", kw["n_group"], kw["topk_group"], kw["norm_topk_prob"], kw["routed_scaling_factor"])
+    assert [b.is_moe for b in ours.layers] == [i >= kw["first_k_dense_replace"] for i in range(2)]
+    torch.testing.assert_close(ours.layers[1].ffn.score_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias,
+                               atol=0, rtol=0)
+    x = torch.randint(0, 64, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, hf(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw, option", [
+    (dict(**MLA, num_experts=4, moe_top_k=2, moe_renormalize=False, moe_n_group=2), "moe_n_group=2"),
+    (dict(**V3, num_experts=4, moe_top_k=2, moe_capacity_factor=1.0), "moe_capacity_factor=1.0"),
+    (dict(**V3, num_experts=4, moe_top_k=2, moe_every=2), "moe_every=2"),
+    (dict(**V3, num_experts=1, moe_top_k=1), "num_experts=1"),
+    (dict(num_experts=4, moe_top_k=2, moe_router="sigmoid"), "moe_router='sigmoid'.*DeepseekV3"),
+    (dict(num_experts=4, moe_top_k=2, moe_routed_scaling_factor=2.0), "moe_routed_scaling_factor=2.0"),
+])
+def test_router_options_a_class_cannot_express_are_refused_by_name(make_cfg, tmp_path, kw, option):
+    with torch.device("meta"):
+        model = Transformer(make_cfg(**kw))
+    with pytest.raises(ValueError, match=option):
+        save_hf(model, model.cfg, tmp_path)
+    assert not (tmp_path / "config.json").exists()
 
 
 @pytest.mark.parametrize("name", ["cpu_mla_moe", "mla_moe_32x_top4"])

@@ -204,7 +204,7 @@ def test_model_level_moe_outputs(make_cfg):
     torch.testing.assert_close(out.aux_loss, expected)
     assert out.aux_loss.requires_grad
     for s in out.moe_stats:
-        assert set(s) == {"tokens_per_expert", "load_balance_loss", "z_loss", "dropped_fraction", "router_entropy"}
+        assert set(s) == {"tokens_per_expert", "routed_per_expert", "load_balance_loss", "z_loss", "dropped_fraction", "router_entropy"}
         assert s["tokens_per_expert"].shape == (4,) and s["tokens_per_expert"].sum() == 16 * 2
 
 

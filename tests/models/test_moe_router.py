@@ -133,19 +133,6 @@ def test_every_group_choice_is_a_valid_topk():
         assert all(len(set(row)) <= topk_group for row in groups_used.tolist())
 
 
-@pytest.mark.parametrize("attention", ["mha", "mla"])
-def test_hf_export_refuses_the_v3_router_by_name(attention, tmp_path):
-    from models.export import save_hf
-
-    fields = {**BASE, "moe_router": "sigmoid", "moe_n_group": 2}
-    if attention == "mla":
-        fields.update(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                      moe_renormalize=False)
-    model = build_model(ModelConfig(**fields))
-    with pytest.raises(ValueError, match=r"moe_router='sigmoid'.*DeepSeek-V3's router has no export yet"):
-        save_hf(model, model.cfg, tmp_path)
-
-
 def test_the_bias_step_moves_each_bias_by_the_rate_towards_balance():
     """b_i += gamma * sign(mean load - load_i): over-loaded experts down, under-loaded up, the mean one still."""
     moe = layer(moe_router="sigmoid", moe_bias_update_rate=0.001)
@@ -156,7 +143,8 @@ def test_the_bias_step_moves_each_bias_by_the_rate_towards_balance():
     _, _, stats = moe(x.view(3, 4, 16))
     routed = stats["routed_per_expert"]  # every top-k pick, before capacity: what the bias step counts
     assert routed.sum() == 12 * 2 and torch.equal(routed, stats["tokens_per_expert"])  # dropless
-    assert "routed_per_expert" not in layer(moe_router="sigmoid")(x.view(3, 4, 16))[2]  # no update, no count
+    _, _, capped = layer(moe_router="sigmoid", moe_capacity_factor=0.5)(x.view(3, 4, 16))
+    assert capped["routed_per_expert"].sum() == 24 and capped["tokens_per_expert"].sum() < 24  # before capacity
 
 
 def test_a_bias_rate_needs_the_sigmoid_router():
@@ -164,3 +152,45 @@ def test_a_bias_rate_needs_the_sigmoid_router():
         ModelConfig(**{**BASE, "moe_bias_update_rate": 0.01})
     with pytest.raises(ValueError, match=r"moe_bias_update_rate must be >= 0"):
         ModelConfig(**{**BASE, "moe_router": "sigmoid", "moe_bias_update_rate": -0.1})
+
+
+def v3_sequence_balance_reference(affinity_BTE, chosen_BTK):
+    """DeepSeek-V3's sequence-wise balance loss (report, eqs. 17-20) in loops: per sequence,
+    sum_i f_i P_i with f_i = E / (K T) * #{t: i chosen at t} and P_i = mean_t s_i,t / sum_j s_j,t; averaged
+    over the sequences (the coefficient alpha outside)."""
+    B, T, E = affinity_BTE.shape
+    K = chosen_BTK.shape[-1]
+    total = 0.0
+    for b in range(B):
+        for i in range(E):
+            f = E / (K * T) * sum(int(i in chosen_BTK[b, t].tolist()) for t in range(T))
+            P = sum(float(affinity_BTE[b, t, i] / affinity_BTE[b, t].sum()) for t in range(T)) / T
+            total += f * P
+    return total / B
+
+
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+def test_the_sequence_wise_balance_loss_is_the_v3_formula_per_sequence(router):
+    moe = layer(moe_router=router, moe_aux_loss_scope="sequence", moe_aux_loss_coef=1e-4, moe_z_loss_coef=0.0)
+    torch.manual_seed(3)
+    x_BTD = torch.randn(3, 5, 16)
+    _, aux, stats = moe(x_BTD)
+    routing = moe.route(x_BTD.reshape(15, 16))
+    logits = routing.router_logits_NE.view(3, 5, 8)
+    affinity = torch.sigmoid(logits) if router == "sigmoid" else torch.softmax(logits, dim=-1)
+    expected = v3_sequence_balance_reference(affinity, routing.expert_indices_NK.view(3, 5, 2))
+    assert stats["load_balance_loss"].item() == pytest.approx(expected, rel=1e-6)
+    assert aux.item() == pytest.approx(1e-4 * expected, rel=1e-6)
+    # One sequence: the batch scope's loss; three: the mean of the three alone, not the batch's.
+    batch = layer(moe_router=router, moe_aux_loss_coef=1e-4, moe_z_loss_coef=0.0)
+    alone = [batch(x_BTD[b : b + 1])[2]["load_balance_loss"].item() for b in range(3)]
+    assert stats["load_balance_loss"].item() == pytest.approx(sum(alone) / 3, rel=1e-6)
+    assert batch(x_BTD)[2]["load_balance_loss"].item() != pytest.approx(sum(alone) / 3, rel=1e-3)
+    # It trains the router (through P; the counts are not differentiable).
+    aux.backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+
+
+def test_the_aux_loss_scope_is_checked_by_name():
+    with pytest.raises(ValueError, match="moe_aux_loss_scope must be one of"):
+        ModelConfig(**BASE, moe_aux_loss_scope="token")

@@ -101,8 +101,28 @@ def test_routing_stats_and_expert_load_plot():
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:4] == b"\x89PNG"
+    assert "score_bias" not in stats and not any(k.startswith("score_bias") for k in m)
     with pytest.raises(ValueError, match="needs an MoE model"):
         routing.routing_stats(build_model("debug_dense", vocab_size=512), blocks, batch_size=4)
+
+
+def test_a_sigmoid_routers_bias_is_in_the_stats_and_beside_the_load_picture():
+    moe = build_model("debug_moe", vocab_size=512, max_seq_len=64, moe_router="sigmoid").eval()
+    bias = torch.tensor([[0.25, -0.5, 0.0, 0.125], [0.0, 0.0, 0.0, 0.0]])
+    layers = [b.ffn for b in moe.layers if b.is_moe]
+    for layer, row in zip(layers, bias, strict=True):
+        layer.score_bias.copy_(row)
+    blocks = np.random.default_rng(0).integers(5, 512, (6, 33))
+    stats = routing.routing_stats(moe, blocks, batch_size=4)
+    np.testing.assert_array_equal(stats["score_bias"], bias.double().numpy())
+    m = routing.routing_metrics(stats)
+    assert (m["score_bias_range_layer0"], m["score_bias_range_layer1"]) == (0.75, 0.0)
+    fig = plots.expert_load_figure(stats["load_share"], stats["router_entropy"], stats["score_bias"])
+    assert len(fig.axes) == 4  # two heatmaps, each with its colour bar
+    assert "selection bias" in fig.axes[1].get_title()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    assert buf.getvalue()[:4] == b"\x89PNG"
 
 
 def test_attention_grid_has_a_panel_per_layer_and_head(model, sp):

@@ -15,10 +15,10 @@ TINY = ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, max_seq_len
 
 
 class _PlainEngine:
-    """What ``train_step`` needs of a DeepSpeed engine, in one process: forward, backward, step."""
+    """What ``train_step`` needs of a DeepSpeed engine, in one process: forward, backward, step, module."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        self.model = self.module = model
 
     def __call__(self, inputs_BT, **loss_inputs):
         return self.model(inputs_BT, **loss_inputs)
