@@ -70,6 +70,7 @@ bench: install
 	$(PY) benchmarks/tokenize_throughput.py --scale 8 --repeats 2
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/moe.py --preset cpu_medium --no-full-path --result-name moe_cpu_medium
+	$(PY) benchmarks/router_balance.py
 	$(PY) benchmarks/full_path_profile.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/mamba_speed.py

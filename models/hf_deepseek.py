@@ -46,6 +46,7 @@ import torch
 from models import hf_llama
 from models.config import ModelConfig
 from models.families.spec import HFFormat
+from models.grouped_experts import unstack_expert_state
 
 # Our MLA / MoE names (after "layers.{i}.") -> DeepseekV2's (after "model.layers.{i}.").
 _ATTN_NAMES = {
@@ -141,7 +142,7 @@ def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     """
     out: dict[str, torch.Tensor] = {}
     shared: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
-    for name, t in state.items():
+    for name, t in unstack_expert_state(state).items():
         if name in _FIXED:
             out[_FIXED[name]] = t
             continue

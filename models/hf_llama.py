@@ -18,6 +18,7 @@ import torch
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
+from models.grouped_experts import unstack_expert_state
 
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}
@@ -207,7 +208,7 @@ FORMAT = HFFormat(
     unsupported_options=unsupported_options,
     hf_config=hf_config,
     config_from_hf=config_from_hf,
-    to_hf=lambda state, cfg: {hf_name(k, cfg.num_experts > 0): t for k, t in state.items()},
+    to_hf=lambda state, cfg: {hf_name(k, cfg.num_experts > 0): t for k, t in unstack_expert_state(state).items()},
     from_hf=lambda tensors, cfg: {our_name(k): t for k, t in tensors.items()},
     architecture=architecture,
 )

@@ -30,10 +30,12 @@ them, run the local experts, all-to-all back, combine). Both order the kept slot
 `SlotOrder` (here), so the grouping and the weighted combine are written once. The router, losses and
 statistics stay here and need no change.
 
-Expert storage: `experts` is an `nn.ModuleList` of `FeedForward` modules, so expert e's weights are
-`experts.{e}.w1.weight` (gate, F x D), `experts.{e}.w3.weight` (up, F x D), `experts.{e}.w2.weight`
-(down, D x F): exactly the per-expert tensors of a Hugging Face Mixtral checkpoint
-(`block_sparse_moe.experts.{e}.w1/w2/w3`), and individually addressable for sharding or export.
+Expert storage: `experts` is a `models.grouped_experts.StackedExperts`: one tensor per projection over
+the experts (``experts.w13`` (E, 2F, D), gate rows then up rows, and ``experts.w2`` (E, D, F) for
+SwiGLU), the layout the grouped matmul consumes, so no forward stacks anything. Expert e's slices
+are the per-expert tensors of a Hugging Face Mixtral checkpoint (`block_sparse_moe.experts.{e}.w1/w2/w3`);
+exports unstack them (`models.grouped_experts.unstack_expert_state`) and a per-expert state dict
+(an older checkpoint, an HF import) loads into the stacked layout.
 
 Capacity (when `moe_capacity_factor` is not None):
     capacity = ceil(capacity_factor * N * k / E) token slots per expert, N = tokens in this call.
@@ -69,7 +71,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.ffn import FeedForward
-from models.grouped_experts import run_experts
+from models.grouped_experts import StackedExperts, run_experts
 
 
 @dataclass
@@ -158,12 +160,12 @@ class LocalDispatcher:
     graph in every step (data-parallel gradient reduction then needs no unused-parameter search).
 
     Args:
-        experts: every expert of the layer, expert e at index e. Held by reference (a dispatcher is
-            not a module: the layer registers the experts).
+        experts: every expert of the layer, stacked. Held by reference (a dispatcher is not a module:
+            the layer registers the experts).
         impl: how the experts run (``models.grouped_experts.run_experts``): "auto", "grouped_mm" or "loop".
     """
 
-    def __init__(self, experts: nn.ModuleList, impl: str = "auto") -> None:
+    def __init__(self, experts: StackedExperts, impl: str = "auto") -> None:
         self.experts = experts
         self.impl = impl
 
@@ -204,9 +206,7 @@ class MoEFeedForward(nn.Module):
             self.register_buffer("score_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.score_bias = None
-        self.experts = nn.ModuleList(
-            FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.num_experts)
-        )
+        self.experts = StackedExperts(cfg.num_experts, cfg.d_model, hidden, cfg.ffn, cfg.bias)
         self.shared_experts = nn.ModuleList(
             FeedForward(cfg.d_model, hidden, cfg.ffn, cfg.bias) for _ in range(cfg.moe_shared_experts)
         )

@@ -109,7 +109,8 @@ class Transformer(nn.Module):
             nn.init.normal_(block.attn.o_proj.weight, 0.0, resid_std, generator=generator)
             ffns = [block.ffn] if isinstance(block.ffn, FeedForward) else []
             if isinstance(block.ffn, MoEFeedForward):
-                ffns = [*block.ffn.experts, *block.ffn.shared_experts]
+                block.ffn.experts.reset_parameters(std, resid_std, generator)
+                ffns = list(block.ffn.shared_experts)
                 if block.ffn.score_bias is not None:
                     block.ffn.score_bias.zero_()
             for ffn in ffns:

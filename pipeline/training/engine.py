@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from models import ModelConfig, build_model
+from models.grouped_experts import StackedExperts
 from models.mamba import MambaMixer
 from models.schedules import lr_multiplier
 from pipeline.config import OptimizerSection, TrainSection
@@ -28,14 +29,15 @@ from pipeline.training.parallelize import parallelize
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decoupled weight decay on matrices only (not norms, biases, embeddings or a Mamba
-    mixer's A_log and D, which set its dynamics rather than map features)."""
+    """AdamW groups: decoupled weight decay on matrices only (not norms, biases, the stacked experts'
+    biases, embeddings or a Mamba mixer's A_log and D, which set its dynamics rather than map features)."""
     no_decay: set[int] = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             no_decay.update(id(p) for p in module.parameters(recurse=False))
-        elif isinstance(module, MambaMixer):
-            no_decay.update(id(getattr(module, name)) for name in MambaMixer.NO_WEIGHT_DECAY)
+        elif isinstance(module, (MambaMixer, StackedExperts)):
+            no_decay.update(id(getattr(module, name)) for name in module.NO_WEIGHT_DECAY
+                            if getattr(module, name, None) is not None)
     decay, other = [], []
     for p in model.parameters():
         if not p.requires_grad:

@@ -5,11 +5,13 @@ changes is where its experts live and how tokens reach them:
 
 * Rank ``r`` is expert-parallel rank ``r % ep_size`` (DeepSpeed's default group layout: the
   expert-parallel groups are blocks of ``ep_size`` consecutive ranks) and keeps experts
-  ``[ep_rank * L, (ep_rank + 1) * L)``, ``L = num_experts / ep_size``. This module owns that
-  bookkeeping for everyone: ``global_expert_id`` maps a local expert to its index in the
-  single-process model, ``canonical_names`` names parameters that way, and ``gather_expert`` is the
-  one gather of an expert's tensors over its expert-parallel group (the weights export here and the
-  canonical checkpoint in ``canonical`` both use it).
+  ``[ep_rank * L, (ep_rank + 1) * L)``, ``L = num_experts / ep_size``: rows ``expert_rows`` of each
+  stacked expert tensor (``models.grouped_experts.StackedExperts``), as a StackedExperts of its own.
+  This module owns that bookkeeping for everyone: ``global_expert_id`` maps a local expert to its
+  index in the single-process model, ``canonical_names`` names a rank's block by the single-process
+  model's stacked tensor, and ``gather_experts`` is the one gather of the blocks over the
+  expert-parallel group into the whole stacked tensor (the weights export here and the canonical
+  checkpoint in ``canonical`` both use it).
 * ``AllToAllDispatcher`` replaces the layer's local dispatcher: kept token slots are ordered by
   expert (``models.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one
   all-to-all, regrouped by local expert and run through the local experts
@@ -20,9 +22,10 @@ changes is where its experts live and how tokens reach them:
   expert-data-parallel group and to checkpoint them per expert. Its engine recognises experts
   only inside its own ``deepspeed.moe.layer.MoE`` modules (``engine.has_moe_layers``), with the
   experts at ``deepspeed_moe.experts.deepspeed_experts.<local id>``. ``ExpertShard`` is such a
-  module: it holds the local experts under exactly that path, marks their parameters
-  (``allreduce=False``, ``group_name``) and receives its process group from the engine. It is
-  never called; the layer's forward uses it through the dispatcher.
+  module: it holds the rank's block of stacked experts under exactly that path, as local expert 0
+  (to DeepSpeed each rank has one expert, the block, so its checkpoint writes one expert file per
+  rank), marks their parameters (``allreduce=False``, ``group_name``) and receives its process group
+  from the engine. It is never called; the layer's forward uses it through the dispatcher.
 
 Shared experts are not supported with ep_size > 1 (``pipeline.config.limits.ep_shared_experts``): DeepSpeed's
 checkpoint code treats every parameter whose name contains "expert" as a routed expert.
@@ -35,9 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from models.grouped_experts import run_experts
+from models.grouped_experts import StackedExperts
 from models.moe import MoEFeedForward, RoutingDecision, SlotOrder
 from pipeline.config import limits
-SHARD_EXPERTS = "ep_shard.deepspeed_moe.experts.deepspeed_experts"
+SHARD_EXPERTS = "ep_shard.deepspeed_moe.experts.deepspeed_experts.0"
 
 
 def _moe_base():
@@ -49,33 +53,41 @@ def _moe_base():
 class _ExpertHolder(nn.Module):
     """``deepspeed_moe`` of an ExpertShard: ``experts.deepspeed_experts`` plus the EP group."""
 
-    def __init__(self, local_experts: list[nn.Module]):
+    def __init__(self, local: StackedExperts):
         super().__init__()
         self.experts = nn.Module()
-        self.experts.deepspeed_experts = nn.ModuleList(local_experts)
+        self.experts.deepspeed_experts = nn.ModuleList([local])
         self.ep_group = None
 
     def _set_ep_group(self, group) -> None:  # called by DeepSpeed's MoE._create_process_groups
         self.ep_group = group
 
 
-def make_expert_shard(num_experts: int, ep_size: int, local_experts: list[nn.Module]) -> nn.Module:
-    """An ``ExpertShard``: a ``deepspeed.moe.layer.MoE`` in type only, holding this rank's experts."""
+def make_expert_shard(num_experts: int, ep_size: int, local: StackedExperts) -> nn.Module:
+    """An ``ExpertShard``: a ``deepspeed.moe.layer.MoE`` in type only, holding this rank's block of experts."""
     MoE = _moe_base()
 
     class ExpertShard(MoE):
         def __init__(self) -> None:
             nn.Module.__init__(self)  # not MoE.__init__: no gate or experts of DeepSpeed's own
             self.ep_size = ep_size
-            self.num_experts = num_experts
-            self.num_local_experts = num_experts // ep_size
+            # DeepSpeed's view: one expert (the block) per expert-parallel rank.
+            self.num_experts = ep_size
+            self.num_local_experts = 1
+            # Ours: the layer's routed experts and how many of them each rank holds.
+            self.routed_experts = num_experts
+            self.experts_per_rank = num_experts // ep_size
             self.expert_group_name = f"ep_size_{ep_size}"
             self.enable_expert_tensor_parallelism = False
             self.use_residual = False
-            self.deepspeed_moe = _ExpertHolder(local_experts)
+            self.deepspeed_moe = _ExpertHolder(local)
             for p in self.deepspeed_moe.parameters():
                 p.allreduce = False
                 p.group_name = self.expert_group_name
+
+        @property
+        def local_experts(self) -> StackedExperts:
+            return self.deepspeed_moe.experts.deepspeed_experts[0]
 
         def forward(self, *args, **kwargs):
             raise RuntimeError("ExpertShard is a container; the MoE layer calls its experts via the dispatcher")
@@ -108,8 +120,8 @@ class AllToAllDispatcher:
         group = shard.deepspeed_moe.ep_group
         if group is None:
             raise RuntimeError("expert-parallel group not set: deepspeed.initialize has not run on this model")
-        ep, L = shard.ep_size, shard.num_local_experts
-        slots = SlotOrder.of(routing, shard.num_experts)
+        ep, L = shard.ep_size, shard.experts_per_rank
+        slots = SlotOrder.of(routing, shard.routed_experts)
         # Global experts come in blocks of L per expert-parallel rank (``global_expert_id``), so the
         # slot counts per expert are, viewed as (ep, L), what this rank sends to each rank's experts.
         send_counts_PL = slots.counts_E.view(ep, L).contiguous()
@@ -127,8 +139,7 @@ class AllToAllDispatcher:
         local_of_row = torch.arange(L, device=x_ND.device).repeat(ep).repeat_interleave(
             recv_counts_PL.reshape(-1), output_size=x_recv.shape[0])
         order_R = torch.argsort(local_of_row, stable=True)
-        experts = shard.deepspeed_moe.experts.deepspeed_experts
-        y_grouped = run_experts(experts, x_recv.index_select(0, order_R), recv_counts_PL.sum(0), self.impl,
+        y_grouped = run_experts(shard.local_experts, x_recv.index_select(0, order_R), recv_counts_PL.sum(0), self.impl,
                                 host_counts=[sum(col) for col in zip(*recv_PL)])
         y_recv = torch.empty_like(y_grouped).index_copy(0, order_R, y_grouped)  # back to arrival order
         y_back = all_to_all_single(y_recv.new_empty(len(slots.token_S), x_ND.shape[1]), y_recv, send_splits,
@@ -160,71 +171,56 @@ def global_expert_id(ep_rank: int, num_local_experts: int, local: int) -> int:
     return ep_rank * num_local_experts + local
 
 
-def local_expert_param(name: str) -> tuple[str, int, str] | None:
-    """Split the name of an expert-parallel expert's parameter (or state entry).
+def local_expert_param(name: str) -> tuple[str, str] | None:
+    """Split the name of an expert-parallel rank's block of experts (a parameter or state entry).
 
     Returns:
-        ``(MoE layer name, local expert index, name inside the expert)`` for
-        ``<layer>.ep_shard.deepspeed_moe.experts.deepspeed_experts.<local>.<rest>``; None for any other name.
+        ``(MoE layer name, name inside the StackedExperts)`` for
+        ``<layer>.ep_shard.deepspeed_moe.experts.deepspeed_experts.0.<rest>``; None for any other name.
     """
-    layer_name, sep, tail = name.partition(f".{SHARD_EXPERTS}.")
-    if not sep:
-        return None
-    local, rest = tail.split(".", 1)
-    return layer_name, int(local), rest
+    layer_name, sep, rest = name.partition(f".{SHARD_EXPERTS}.")
+    return (layer_name, rest) if sep else None
 
 
-def expert_name(layer_name: str, global_id: int, rest: str) -> str:
-    """The single-process (and Mixtral) name of a routed expert's parameter."""
-    return f"{layer_name}.experts.{global_id}.{rest}"
+def expert_name(layer_name: str, rest: str) -> str:
+    """The single-process name of a layer's stacked expert tensor."""
+    return f"{layer_name}.experts.{rest}"
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:
-    """Each parameter's name in the single-process model: experts under their global index.
-
-    Every rank of an expert-parallel group names its own local experts; no collective.
-    """
-    shards = expert_shards(model)
+    """Each parameter's name in the single-process model (a rank's block of experts: the stacked tensor
+    it is rows of). No collective."""
     names = {}
     for name, _ in model.named_parameters():
         parsed = local_expert_param(name)
-        if parsed is None:
-            names[name] = name
-            continue
-        layer_name, local, rest = parsed
-        shard = shards[layer_name]
-        ep_rank = dist.get_rank(shard.deepspeed_moe.ep_group)
-        names[name] = expert_name(layer_name, global_expert_id(ep_rank, shard.num_local_experts, local), rest)
+        names[name] = name if parsed is None else expert_name(*parsed)
     return names
 
 
-def gather_expert(shard: nn.Module, tensor: torch.Tensor, local: int) -> dict[int, torch.Tensor]:
-    """Every expert-parallel rank's ``tensor`` for its local expert ``local``, by global expert id.
+def expert_rows(model: nn.Module) -> dict[str, slice]:
+    """For each of this rank's expert-block parameters, the rows of the single-process stacked tensor it holds."""
+    shards = expert_shards(model)
+    rows = {}
+    for name, _ in model.named_parameters():
+        parsed = local_expert_param(name)
+        if parsed is not None:
+            shard = shards[parsed[0]]
+            L = shard.experts_per_rank
+            ep_rank = dist.get_rank(shard.deepspeed_moe.ep_group)
+            rows[name] = slice(global_expert_id(ep_rank, L, 0), global_expert_id(ep_rank, L, L))
+    return rows
 
-    A collective over the shard's expert-parallel group: every rank of it calls this with its own
-    copy of the same local slot, in the same order.
 
-    Args:
-        shard: the layer's ExpertShard.
-        tensor: this rank's tensor (a weight, or an optimizer state of one).
-        local: the local expert index the tensor belongs to.
+def gather_experts(shard: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """Every expert-parallel rank's block of ``tensor`` (a stacked weight, or an optimizer state of one),
+    concatenated in global expert order: the single-process tensor.
 
-    Returns:
-        Global expert id -> that expert's tensor, for the ``ep_size`` experts in slot ``local``.
+    A collective over the shard's expert-parallel group: every rank of it calls this with its own block
+    of the same tensor, in the same order.
     """
     gathered = [torch.empty_like(tensor) for _ in range(shard.ep_size)]
     dist.all_gather(gathered, tensor.contiguous(), group=shard.deepspeed_moe.ep_group)
-    return {global_expert_id(r, shard.num_local_experts, local): t for r, t in enumerate(gathered)}
-
-
-def all_expert_names(model: nn.Module) -> set[str]:
-    """The names of every routed expert's parameters in the single-process twin of ``model``
-    (all experts of every split layer, not only this rank's)."""
-    names = set()
-    for layer_name, shard in expert_shards(model).items():
-        for n, _ in shard.deepspeed_moe.experts.deepspeed_experts[0].named_parameters():
-            names.update(expert_name(layer_name, e, n) for e in range(shard.num_experts))
-    return names
+    return torch.cat(gathered, dim=0)  # rank r holds experts [r L, (r + 1) L): global_expert_id
 
 
 # ---- applying expert parallelism ---------------------------------------------------------------------
@@ -245,8 +241,8 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, rank: int) -> None:
     for _, layer in moe_layers(model):
         E = layer.num_experts
         L = E // ep_size
-        local = [layer.experts[global_expert_id(ep_rank, L, j)] for j in range(L)]
-        layer.experts = nn.ModuleList()  # the other ranks' experts are dropped here
+        local = layer.experts.slice(global_expert_id(ep_rank, L, 0), global_expert_id(ep_rank, L, L))
+        layer.experts = None  # the other ranks' experts are dropped here
         layer.ep_shard = make_expert_shard(E, ep_size, local)
         layer.dispatcher = AllToAllDispatcher(layer.ep_shard, layer.expert_impl)
 
@@ -260,7 +256,7 @@ def check_groups(model: nn.Module, rank: int) -> None:
 
 
 def canonical_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights in the single-process layout (``...ffn.experts.<global id>...``).
+    """The model's weights in the single-process layout (each layer's experts stacked whole).
 
     Every rank must call it: each layer's experts are gathered over its expert-parallel group.
     """
@@ -270,10 +266,8 @@ def canonical_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         parsed = local_expert_param(key)
         if parsed is None:
             state[key] = value
-            continue
-        layer_name, local, rest = parsed
-        for global_id, t in gather_expert(shards[layer_name], value.detach(), local).items():
-            state[expert_name(layer_name, global_id, rest)] = t
+        else:
+            state[expert_name(*parsed)] = gather_experts(shards[parsed[0]], value.detach())
     return state
 
 

@@ -135,6 +135,8 @@ def _setup(config: dict) -> _Rank:
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
     layout = {"world_size": world, "ep_size": dims.ep_size,
               "zero_stage": engine_zero_stage(t, dims, config["precision"])}
+    if model_cfg.num_experts:  # checkpoints from before the experts were stacked resume through canonical.pt
+        layout["experts"] = "stacked"
     checkpoints = CheckpointManager(engine, scheduler, layout, cfg.checkpoint.resume_from,
                                     warn=lambda m: rank == 0 and print(m, flush=True))
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.

@@ -36,7 +36,7 @@ def built_counts(model: Transformer) -> dict[str, int]:
     inactive = 0
     for block in model.layers:
         if isinstance(block.ffn, MoEFeedForward):
-            per_expert = sum(p.numel() for p in block.ffn.experts[0].parameters())
+            per_expert = sum(p[0].numel() for p in block.ffn.experts.parameters())  # expert 0's slices
             inactive += (block.ffn.num_experts - block.ffn.top_k) * per_expert
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "active": total - inactive}
 

@@ -1,21 +1,79 @@
-"""Grouped-matmul experts against the per-expert loop, the backward that grouped_mm lacks, and host syncs."""
+"""Stacked experts: the layout against per-expert FFNs, old checkpoints, the grouped matmul against the
+per-expert loop, the backward that grouped_mm lacks, and host syncs."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from models.ffn import FeedForward
-from models.grouped_experts import GroupedMatmul, _grouped_mm_runs, grouped_experts, looped_experts, resolve_impl
+from models.grouped_experts import (GroupedMatmul, StackedExperts, _grouped_mm_runs, grouped_experts, looped_experts,
+                                    resolve_impl, stack_expert_state, unstack_expert_state)
 from models.moe import MoEFeedForward
 
 
-def _experts(kind: str, bias: bool, E: int = 4, D: int = 16, hidden: int = 24) -> torch.nn.ModuleList:
+def _experts(kind: str, bias: bool, E: int = 4, D: int = 16, hidden: int = 24) -> StackedExperts:
     torch.manual_seed(0)
-    experts = torch.nn.ModuleList(FeedForward(D, hidden, kind, bias) for _ in range(E))
+    experts = StackedExperts(E, D, hidden, kind, bias)
     for p in experts.parameters():
         p.data = torch.randn_like(p) * 0.3
     return experts
+
+
+@pytest.mark.parametrize("kind,bias", [("swiglu", False), ("swiglu", True), ("gelu", True), ("relu", False)])
+def test_expert_e_is_the_ffn_of_its_slices_and_the_layout_round_trips(kind, bias):
+    """Unstacked, expert e's tensors are a FeedForward's (the Mixtral per-expert layout: w1 gate, w3 up, w2
+    down), which computes what the stacked expert computes; stacking them back gives the same tensors,
+    and a state dict in the per-expert layout (an older checkpoint) loads into the stacked module."""
+    experts = _experts(kind, bias)
+    per_expert = unstack_expert_state({f"ffn.experts.{k}": v for k, v in experts.state_dict().items()})
+    names = {"w1", "w2", "w3"} if kind == "swiglu" else {"w1", "w2"}
+    assert set(per_expert) == {f"ffn.experts.{e}.{w}.{t}" for e in range(4) for w in names
+                               for t in (("weight", "bias") if bias else ("weight",))}
+    x = torch.randn(5, 16)
+    for e in range(4):
+        ffn = FeedForward(16, 24, kind, bias)
+        ffn.load_state_dict({k.removeprefix(f"ffn.experts.{e}."): v for k, v in per_expert.items()
+                             if k.startswith(f"ffn.experts.{e}.")})
+        torch.testing.assert_close(experts.expert(e, x), ffn(x), rtol=1e-6, atol=1e-6)  # one (2F, D) matmul vs two
+    restacked = stack_expert_state(per_expert)
+    assert restacked.keys() == {f"ffn.experts.{k}" for k in experts.state_dict()}
+    for k, v in experts.state_dict().items():
+        assert torch.equal(restacked[f"ffn.experts.{k}"], v)
+    old = StackedExperts(4, 16, 24, kind, bias)
+    old.load_state_dict({k.removeprefix("ffn.experts."): v for k, v in per_expert.items()})
+    for k, v in experts.state_dict().items():
+        assert torch.equal(old.state_dict()[k], v)
+
+
+def test_a_per_expert_state_with_an_expert_missing_is_refused_by_name():
+    per_expert = unstack_expert_state({f"layers.0.ffn.experts.{k}": v for k, v in _experts("swiglu", False).state_dict().items()})
+    del per_expert["layers.0.ffn.experts.2.w3.weight"]
+    with pytest.raises(ValueError, match=r"layers.0.ffn.experts: w3.weight is missing for some of experts \[0, 1, 3\]"):
+        stack_expert_state(per_expert)
+
+
+def test_an_old_moe_checkpoint_loads_into_the_stacked_model(make_cfg, tmp_path):
+    """A model file in the per-expert layout (as Conduit wrote them before the experts were stacked)
+    loads with the same logits."""
+    from safetensors.torch import save_file
+
+    from models import Transformer
+    from models.export import CONFIG_METADATA_KEY, load_safetensors
+
+    torch.manual_seed(0)
+    model = Transformer(make_cfg(num_experts=4, moe_top_k=2)).eval()
+    model.init_weights()
+    old = unstack_expert_state(model.state_dict())
+    assert "layers.1.ffn.experts.3.w2.weight" in old
+    save_file({k: v.contiguous() for k, v in old.items()}, str(tmp_path / "old.safetensors"),
+              metadata={CONFIG_METADATA_KEY: json.dumps(model.cfg.to_dict())})
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(load_safetensors(tmp_path / "old.safetensors").eval()(x).logits, model(x).logits,
+                                   rtol=0, atol=0)
 
 
 def test_grouped_matmul_forward_and_backward_with_a_stride0_gradient():
@@ -98,7 +156,7 @@ def test_dropless_grouped_layer_reads_no_tensor_values_on_the_host(make_cfg):
         x = torch.randn(2, 5, 32, dtype=torch.bfloat16, requires_grad=True)
     y, aux, stats = layer(x)
     (y.sum() + aux).backward()
-    assert layer.experts[3].w2.weight.grad.shape == (32, layer.experts[3].w1.out_features)
+    assert layer.experts.w2.grad.shape == (4, 32, layer.experts.hidden)
     # The loop needs the per-expert counts on the host, so it cannot run there.
     layer.dispatcher.impl = "loop"
     with pytest.raises(NotImplementedError):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models.ffn import FeedForward
+from models.grouped_experts import unstack_expert_state
 from models.moe import LocalDispatcher, MoEFeedForward, RoutingDecision, SlotOrder
 from models.transformer import Transformer
 
@@ -23,8 +24,9 @@ def _moe(make_cfg, seed=0, scale=0.3, **kw) -> MoEFeedForward:
 
 def test_one_expert_top1_equals_the_dense_ffn(make_cfg):
     layer = _moe(make_cfg, num_experts=1, moe_top_k=1)
-    dense = FeedForward(32, layer.experts[0].w1.out_features, "swiglu", False)
-    dense.load_state_dict(layer.experts[0].state_dict())
+    dense = FeedForward(32, layer.experts.hidden, "swiglu", False)
+    per_expert = unstack_expert_state({f"experts.{k}": v for k, v in layer.experts.state_dict().items()})
+    dense.load_state_dict({k.removeprefix("experts.0."): v for k, v in per_expert.items()})
     x = torch.randn(2, 5, 32)
     y, aux, stats = layer(x)
     torch.testing.assert_close(y, dense(x))
@@ -45,7 +47,7 @@ def per_token_reference(layer: MoEFeedForward, x_ND: torch.Tensor) -> torch.Tens
         chosen = sorted(range(layer.num_experts), key=lambda e: -probs[e])[: layer.top_k]
         total = sum(probs[e] for e in chosen) if layer.renormalize else 1.0
         for e in chosen:
-            out[n] += probs[e] / total * layer.experts[e](x_ND[n:n + 1])[0]
+            out[n] += probs[e] / total * layer.experts.expert(e, x_ND[n:n + 1])[0]
         for shared in layer.shared_experts:
             out[n] += shared(x_ND[n:n + 1])[0]
     return out
@@ -115,7 +117,7 @@ def test_capacity_drops_exactly_the_late_tokens(make_cfg):
     assert (y[0, 3:5] == 0).all()  # dropped tokens get nothing (the residual carries them)
     for n in (0, 1, 2):
         w = routing.expert_weights_NK[n, 0]
-        torch.testing.assert_close(y[0, n], w * layer.experts[0](x[0, n:n + 1])[0])
+        torch.testing.assert_close(y[0, n], w * layer.experts.expert(0, x[0, n:n + 1])[0])
     assert stats["tokens_per_expert"].tolist() == [3, 1]
     assert stats["dropped_fraction"].item() == pytest.approx(2 / 6)
 

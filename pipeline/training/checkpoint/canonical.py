@@ -3,8 +3,8 @@
 DeepSpeed's own checkpoints store each rank's flat partition (and each rank's experts), so they
 load only into the same data-parallel and expert-parallel layout; DeepSpeed cannot convert MoE
 checkpoints at all. Beside them, every checkpoint also holds ``canonical.pt`` (written by rank 0):
-for each parameter, under its name in the single-process model (experts as
-``...ffn.experts.<global id>...``, whatever rank held them), the fp32 weight and AdamW's
+for each parameter, under its name in the single-process model (each layer's experts as its whole
+stacked tensors ``...ffn.experts.w13`` etc., whatever ranks held their rows), the fp32 weight and AdamW's
 ``exp_avg`` / ``exp_avg_sq``; plus the optimizer step, the LR scheduler's state and the loader
 position (world-size independent already). A run resumed with another number of workers, ZeRO
 stage (0-3) or ``parallel.ep_size`` loads it instead of DeepSpeed's.
@@ -13,7 +13,8 @@ How the full tensors are reached, by ZeRO stage: 0 reads the client AdamW's stat
 each parameter's fragments of the flat fp32 partitions (``safe_get_full_*``, gathered over the
 parameter's data-parallel group: the expert-data-parallel group for experts); 3 the same through
 the stage-3 optimizer. Experts are then gathered over their expert-parallel group. Loading runs
-the other way: every rank writes the slices it owns.
+the other way: every rank writes the slices it owns. A ``canonical.pt`` written before the experts
+were stacked (``...ffn.experts.<global id>.w1.weight`` per expert) is stacked on load.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models.grouped_experts import stack_expert_state
 from pipeline.training.expert_parallel import (
-    all_expert_names, canonical_names, expert_name, expert_shards, gather_expert, local_expert_param,
+    canonical_names, expert_name, expert_rows, expert_shards, gather_experts, local_expert_param,
 )
 
 CANONICAL_FILE = "canonical.pt"
@@ -99,15 +101,42 @@ def save_canonical(engine, ckpt_dir: str | Path, *, step: int, scheduler, loader
         if parsed is None:
             params[names[name]] = entry
             continue
-        layer_name, local, rest = parsed
-        for key, value in entry.items():  # every expert-parallel rank's copy of this local slot
-            for global_id, t in gather_expert(shards[layer_name], value, local).items():
-                params.setdefault(expert_name(layer_name, global_id, rest), {})[key] = t
+        # Every expert-parallel rank's block of this tensor, in global expert order.
+        params[expert_name(*parsed)] = {key: gather_experts(shards[parsed[0]], value) for key, value in entry.items()}
     adam_step = _adam_step(engine)
     if dist.get_rank() == 0:
         torch.save({"params": params, "adam_step": adam_step, "step": step, "scheduler": scheduler.state_dict(),
                     "loader": loader_state, "world_size": dist.get_world_size()}, Path(ckpt_dir) / CANONICAL_FILE)
     dist.barrier()
+
+
+def _stacked(params: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """``params`` with per-expert entries (a checkpoint from before the experts were stacked) stacked, each of
+    the weight and the two Adam moments as the weights are (Adam is elementwise, so the stacked moments
+    are the per-expert ones)."""
+    by_key = {key: stack_expert_state({name: entry[key] for name, entry in params.items()}) for key in STATE_KEYS}
+    return {name: {key: by_key[key][name] for key in STATE_KEYS} for name in by_key["weight"]}
+
+
+def _write_param(engine, zopt, p: torch.nn.Parameter, entry: dict[str, torch.Tensor], adam_step: torch.Tensor) -> None:
+    """One parameter's weight and Adam state, full, into whatever this rank holds of it."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if zopt is not None and hasattr(zopt, "fp32_partitioned_groups_flat"):
+        # ZeRO-3's partitioned compute copy: gathered, written on rank 0, re-partitioned.
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                p.copy_(entry["weight"].to(p.device, p.dtype))
+    else:
+        with torch.no_grad():
+            p.copy_(entry["weight"].to(p.device, p.dtype))  # the full copy every ZeRO 0-2 rank computes with
+    if zopt is not None:
+        safe_set_full_fp32_param(p, entry["weight"].to(p.device))
+        for key in ADAM_KEYS:
+            safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
+    else:
+        engine.optimizer.state[p] = {"step": adam_step.clone(), **{k: entry[k].to(p.device).clone() for k in ADAM_KEYS}}
 
 
 def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dict]:
@@ -120,9 +149,6 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
         ValueError: no canonical.pt, or it holds another model's parameters.
         pickle.UnpicklingError: canonical.pt holds anything but tensors and plain values.
     """
-    import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     path = Path(ckpt_dir) / CANONICAL_FILE
     if not path.is_file():
         raise ValueError(
@@ -130,39 +156,27 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
             "of workers, parallel.ep_size and train.zero_stage"
         )
     saved = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: nothing runs
-    params = saved["params"]
+    params = _stacked(saved["params"])
     module = engine.module
-    expected = set(canonical_names(module).values()) | all_expert_names(module)  # all experts, not only local
+    expected = set(canonical_names(module).values())
     if expected != set(params):
         extra, missing = sorted(set(params) - expected)[:5], sorted(expected - set(params))[:5]
         raise ValueError(f"{path} holds another model's parameters (unexpected {extra}, missing {missing}): "
                          "resume needs the same model config")
     adam_step = torch.tensor(float(saved["adam_step"]))
     zopt = _zero_optimizer(engine)
-    zero3 = zopt is not None and hasattr(zopt, "fp32_partitioned_groups_flat")
     if zopt is not None:
         # AdamW creates its state lazily at the first step; create it for every flat partition so
         # that the per-parameter fragments can be written into it.
         for flat in _flat_partitions(zopt):
             zopt.optimizer.state[flat] = {"step": adam_step.clone(), **{k: torch.zeros_like(flat) for k in ADAM_KEYS}}
         _relink_optimizer_fragments(zopt)
-    names = canonical_names(module)
+    names, rows = canonical_names(module), expert_rows(module)
     for name, p in module.named_parameters():
         entry = params[names[name]]
-        if zero3:  # the partitioned compute copy: gathered, written on rank 0, re-partitioned
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-                if dist.get_rank() == 0:
-                    p.copy_(entry["weight"].to(p.device, p.dtype))
-        else:
-            with torch.no_grad():
-                p.copy_(entry["weight"].to(p.device, p.dtype))  # the full copy every ZeRO 0-2 rank computes with
-        if zopt is not None:
-            safe_set_full_fp32_param(p, entry["weight"].to(p.device))
-            for key in ADAM_KEYS:
-                safe_set_full_optimizer_state(p, entry[key].to(p.device), key)
-        else:
-            engine.optimizer.state[p] = {"step": adam_step.clone(),
-                                         **{k: entry[k].to(p.device).clone() for k in ADAM_KEYS}}
+        if name in rows:  # this rank's block of the layer's experts
+            entry = {k: v[rows[name]] for k, v in entry.items()}
+        _write_param(engine, zopt, p, entry, adam_step)
     # The schedule's position only: base LRs and group count belong to this layout (expert
     # parallelism gives experts optimizer groups of their own).
     scheduler.load_state_dict({k: v for k, v in saved["scheduler"].items() if k not in ("base_lrs", "_last_lr")})

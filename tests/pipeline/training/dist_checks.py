@@ -51,9 +51,11 @@ MLA = dataclasses.replace(DENSE, num_kv_heads=None, attention="mla", kv_lora_ran
                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_renormalize=False,
                               moe_first_dense_layers=1, moe_aux_loss_coef=0.0, moe_z_loss_coef=0.01)
-# DeepSeek-V3's router: sigmoid affinities, 2 groups of 2 experts with 1 eligible, and the score bias
+# DeepSeek-V3's router: sigmoid affinities, 4 groups of 2 experts with 2 eligible, and the score bias
 # moved after every step by the routed counts of the whole global batch (an auxiliary-loss-free balance).
-MOE_V3 = dataclasses.replace(MOE, moe_router="sigmoid", moe_n_group=2, moe_topk_group=1,
+# (Not 2 groups of 2 with 1 eligible: top-2 inside one group of 2 loads both its experts alike, and the
+# bias could only swing between the two groups, back to zero every other step.)
+MOE_V3 = dataclasses.replace(MOE, num_experts=8, moe_router="sigmoid", moe_n_group=4, moe_topk_group=2,
                              moe_routed_scaling_factor=2.0, moe_bias_update_rate=0.01)
 # EP: no shared experts (pipeline.config.limits); layer 0 dense, layer 1 experts split over the ranks.
 MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
@@ -131,8 +133,8 @@ def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=
             grad_norms.append(float(engine.get_global_grad_norm()))
     if ep_size > 1:  # the experts really are split: this rank holds num_experts / ep_size of them
         for _, layer in moe_layers(engine.module):
-            assert len(layer.experts) == 0
-            assert len(layer.ep_shard.deepspeed_moe.experts.deepspeed_experts) == model_cfg.num_experts // ep_size
+            assert layer.experts is None
+            assert len(layer.ep_shard.local_experts) == model_cfg.num_experts // ep_size
         assert engine.has_moe_layers
     state = full_state_dict(engine, train.zero_stage)
     del engine
