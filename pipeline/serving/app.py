@@ -32,6 +32,7 @@ from pipeline import tracking
 from pipeline.serving import openai_api, pyfunc, request_limits
 from pipeline.inference.batched import GenRequest, generate_batch
 from pipeline.inference.generator import PromptError
+from pipeline.inference.scoring import can_score, score_tokens
 from pipeline.serving.openai_api import ApiError, Choice, CompletionRequest
 from pipeline.tokenization.spm import EOS_ID
 
@@ -119,29 +120,47 @@ class ConduitServer:
     def _error(self, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=self._headers())
 
-    def _rows(self, req: CompletionRequest) -> tuple[list[GenRequest], int]:
-        """One ``GenRequest`` per (prompt, choice), prompt-major as OpenAI numbers choices; and the
-        number of prompt tokens. Each prompt starts a new document (after an EOS), as in training."""
-        max_len = self.generator.max_seq_len
-        rows, prompt_tokens = [], 0
-        base_seed = random.getrandbits(31) if req.seed is None else req.seed
-        for i, prompt in enumerate(req.prompts):
+    def _prompt_ids(self, i: int, prompt: str | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """The ids the model sees for prompt ``i``, and how many of them lead it without being its own:
+        a text prompt starts a new document (after an EOS), as in training; token ids are taken as they are."""
+        if isinstance(prompt, str):
             try:  # by its characters first: a prompt far too long is never tokenized
                 self.generator.check_prompt_length(i, prompt)
             except PromptError as e:
                 raise ApiError(400, str(e), "prompt", "context_length_exceeded") from e
-            ids = (EOS_ID, *self.generator.sp.encode(prompt))
-            prompt_tokens += len(ids) - 1
+            return (EOS_ID, *self.generator.sp.encode(prompt)), 1
+        vocab = self.generator.model.cfg.vocab_size
+        outside = [t for t in prompt if t >= vocab]
+        if outside:
+            raise ApiError(400, f"prompt {i} has token id {outside[0]}, outside this model's vocabulary "
+                                f"[0, {vocab})", "prompt")
+        return prompt, 0
+
+    def _rows(self, req: CompletionRequest) -> tuple[list[GenRequest], list[tuple[tuple[int, ...], int]], int]:
+        """One ``GenRequest`` per (prompt, choice), prompt-major as OpenAI numbers choices; each row's
+        prompt ids and their leading non-prompt count; and the number of prompt tokens."""
+        max_len = self.generator.max_seq_len
+        if (req.echo or req.logprobs is not None) and not can_score(self.generator.model):
+            raise ApiError(400, "echo and logprobs need a decoder-only model; this one is an encoder-decoder",
+                           "logprobs" if req.logprobs is not None else "echo")
+        rows, sources, prompt_tokens = [], [], 0
+        base_seed = random.getrandbits(31) if req.seed is None else req.seed
+        for i, prompt in enumerate(req.prompts):
+            ids, lead = self._prompt_ids(i, prompt)
+            prompt_tokens += len(ids) - lead
             if len(ids) + req.max_tokens > max_len:
                 param = "max_tokens" if len(ids) < max_len else "prompt"
                 raise ApiError(400, f"this model's maximum context length is {max_len} tokens; prompt {i} is "
-                                    f"{len(ids) - 1} tokens (+1 for the start of text) and max_tokens is "
+                                    f"{len(ids) - lead} tokens (+{lead} for the start of text) and max_tokens is "
                                     f"{req.max_tokens}", param, "context_length_exceeded")
             for j in range(req.n):
                 rows.append(GenRequest(ids, req.max_tokens, req.temperature, req.top_p, base_seed + i * req.n + j))
-        return rows, prompt_tokens
+                sources.append((ids, lead))
+        return rows, sources, prompt_tokens
 
     def _choice(self, ids: list[int], req: CompletionRequest) -> tuple[Choice, list[str]]:
+        """The choice's text cut at a stop sequence, and its pieces (one per kept token, the last shortened
+        to the cut; a token made entirely of the stop sequence is not kept)."""
         pieces = text_pieces(self.generator.sp, ids)
         text, cut = openai_api.apply_stop("".join(pieces), req.stop)
         if cut:  # keep the pieces up to the stop sequence, the last one shortened
@@ -152,9 +171,39 @@ class ConduitServer:
                     break
                 kept.append(p)
                 length += len(p)
-            pieces = [p for p in kept if p]
+            while kept and not kept[-1]:
+                kept.pop()
+            pieces = kept
         reason = "stop" if cut or len(ids) < req.max_tokens else "length"
         return Choice(text, reason, len(ids)), pieces
+
+    def _with_logprobs(self, choice: Choice, pieces: list[str], new_ids: list[int], source: tuple[tuple[int, ...], int],
+                       req: CompletionRequest) -> Choice:
+        """``choice`` with the prompt before it (``echo``) and the ``logprobs`` object (``logprobs``)."""
+        prompt_ids, lead = source
+        sp = self.generator.sp
+        # A completion that ended on the end of text lists that token last (no text), as OpenAI-style
+        # servers do: a harness that asks for one token and drops the last entry then drops that one.
+        ended_on_eos = len(new_ids) < req.max_tokens and choice.text == "".join(text_pieces(sp, new_ids))
+        pieces = [*pieces, ""] if ended_on_eos else pieces
+        full = [*prompt_ids, *new_ids[:len(pieces)], *([EOS_ID] if ended_on_eos else [])]
+        first = lead if req.echo else len(prompt_ids)  # the first token returned
+        prompt_pieces = text_pieces(sp, list(prompt_ids[lead:])) if req.echo else []
+        text = "".join(prompt_pieces) + choice.text
+        if req.logprobs is None:
+            return Choice(text, choice.finish_reason, choice.completion_tokens)
+        scores = score_tokens(self.generator.model, full, req.logprobs) if len(full) > 1 else None
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        for t in range(first, len(full)):
+            if t == first and req.echo:  # the first prompt token: no log-probability (OpenAI's null)
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(scores.logprobs[t - 1])
+            top.append({sp.id_to_piece(a).replace("\u2581", " "): v for a, v in scores.top[t - 1]})
+        body = openai_api.logprobs_body([*prompt_pieces, *pieces], token_logprobs, top)
+        return Choice(text, choice.finish_reason, choice.completion_tokens, body)
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -173,11 +222,14 @@ class ConduitServer:
             if req.model is not None and req.model != self.target.model_name:
                 raise ApiError(404, f"the model {req.model!r} does not exist here; this deployment serves "
                                     f"{self.target.model_name!r}", "model", "model_not_found")
-            rows, prompt_tokens = self._rows(req)
+            rows, sources, prompt_tokens = self._rows(req)
         except ApiError as e:
             return self._error(e)
         outputs = await asyncio.gather(*(self._generate(r) for r in rows))
         choices = [self._choice(ids, req) for ids in outputs]
+        if req.echo or req.logprobs is not None:  # one scoring pass per choice, off the event loop
+            choices = [(await asyncio.to_thread(self._with_logprobs, c, pieces, ids, source, req), pieces)
+                       for (c, pieces), ids, source in zip(choices, outputs, sources)]
         cid, name, version = openai_api.completion_id(), self.target.model_name, self.target.version
         if not req.stream:
             body = openai_api.completion_body(cid, name, version, [c for c, _ in choices], prompt_tokens)
@@ -185,7 +237,8 @@ class ConduitServer:
 
         def events():
             for index, (choice, pieces) in enumerate(choices):
-                yield from openai_api.stream_events(cid, name, version, index, pieces, choice.finish_reason)
+                yield from openai_api.stream_events(cid, name, version, index, [p for p in pieces if p],
+                                                    choice.finish_reason)
             yield openai_api.DONE_EVENT
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=self._headers())

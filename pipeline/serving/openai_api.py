@@ -5,10 +5,14 @@ generates, and answers with ``completion_body`` / ``stream_events``; a bad reque
 ``ApiError`` whose ``body()`` is the JSON error an OpenAI client expects
 (``{"error": {"message", "type", "param", "code"}}``) and whose ``status`` is its 4xx.
 
-Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string or a list of up to
-``request_limits.MAX_PROMPTS`` strings), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop`` (a
-string or up to 4), ``seed``, ``stream``, and ``user`` (accepted, unused). Any other field (``top_k``,
-``logprobs``, ...) is a 400 that names it, rather than being ignored. Sampling values follow
+Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string, a list of up to
+``request_limits.MAX_PROMPTS`` strings, a list of token ids, or a list of such lists), ``max_tokens``,
+``temperature``, ``top_p``, ``n``, ``stop`` (a string or up to 4), ``seed``, ``stream``, ``echo`` (the
+prompt's text and tokens before the completion's), ``logprobs`` (0..``MAX_LOGPROBS``: each token's
+log-probability and the ``logprobs`` most likely tokens at its position, as evaluation harnesses read
+them), and ``user`` (accepted, unused). Any other field (``top_k``, ``suffix``, ...) is a 400 that names
+it, rather than being ignored. A string prompt is a new document (the model sees an EOS before it, as in
+training); a token-id prompt is taken as it is. Sampling values follow
 ``pipeline.serving.request_limits``: NaN, infinities and temperatures just above 0 are 400s naming the field.
 """
 
@@ -25,7 +29,9 @@ from pipeline.serving import request_limits
 MAX_N = 16
 MAX_STOP = 4
 MAX_SEED = 2**62  # each choice seeds a generator with seed + its index
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user"}
+MAX_LOGPROBS = 5  # the OpenAI completions API's own maximum
+FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "echo", "logprobs",
+          "user"}
 
 
 class ApiError(Exception):
@@ -45,7 +51,7 @@ class CompletionRequest:
     """A checked POST /v1/completions body (OpenAI's defaults for what the client left out)."""
 
     model: str | None
-    prompts: list[str]
+    prompts: list[str | tuple[int, ...]]  # text, or token ids taken as they are
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,6 +59,8 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stream: bool = False
+    echo: bool = False
+    logprobs: int | None = None
 
 
 def _count(body: dict, name: str, default: int, hi: int) -> int:
@@ -86,6 +94,35 @@ def _strings(value: Any, name: str, max_items: int | None = None) -> list[str]:
     return items
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _prompts(value: Any) -> list[str | tuple[int, ...]]:
+    """``prompt`` in any of its four forms, as a list of strings and token-id tuples."""
+    form = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ApiError(400, f"prompt must be {form}; got {value!r}", "prompt")
+    if not value:
+        raise ApiError(400, "prompt must not be an empty list", "prompt")
+    if all(_is_id(v) for v in value):
+        value = [value]
+    elif not all(isinstance(v, str) for v in value) and not all(isinstance(v, list) for v in value):
+        raise ApiError(400, f"prompt must be {form}; got {value!r}", "prompt")
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        if not item or not all(_is_id(v) and v >= 0 for v in item):
+            raise ApiError(400, f"prompt {i} must be a non-empty list of token ids (whole numbers >= 0); got "
+                                f"{item!r}", "prompt")
+        out.append(tuple(item))
+    return out
+
+
 def parse_completion_request(raw: bytes) -> CompletionRequest:
     """Check a POST /v1/completions body.
 
@@ -108,10 +145,8 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     if unknown:
         raise ApiError(400, f"unsupported field(s) {unknown}; this server accepts {sorted(FIELDS)}", unknown[0])
     if "prompt" not in body:
-        raise ApiError(400, "prompt is required (a string or a list of strings)", "prompt")
-    prompts = _strings(body["prompt"], "prompt")
-    if not prompts:
-        raise ApiError(400, "prompt must not be an empty list", "prompt")
+        raise ApiError(400, "prompt is required (a string, a list of strings or token ids)", "prompt")
+    prompts = _prompts(body["prompt"])
     too_many = request_limits.prompt_count_problem("prompt", len(prompts))
     if too_many is not None:
         raise ApiError(400, too_many, "prompt")
@@ -126,6 +161,15 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
         raise ApiError(400, f"seed must be an integer; got {seed!r}", "seed")
     if seed is not None and not -MAX_SEED <= seed <= MAX_SEED:  # torch's generators take 64 bits
         raise ApiError(400, f"seed={seed} must be in [-{MAX_SEED}, {MAX_SEED}]", "seed")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be true or false; got {echo!r}", "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_id(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ApiError(400, f"logprobs must be null or a whole number in [0, {MAX_LOGPROBS}]; got {logprobs!r}",
+                       "logprobs")
+    if stream and (echo or logprobs is not None):
+        raise ApiError(400, "stream with echo or logprobs is not supported; ask without stream", "stream")
     stop = body.get("stop")
     return CompletionRequest(
         model=model, prompts=prompts,
@@ -134,7 +178,7 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
         top_p=_sampling(body, "top_p", 1.0, request_limits.top_p_problem),
         n=_count(body, "n", 1, MAX_N),
         stop=() if stop is None else tuple(s for s in _strings(stop, "stop", MAX_STOP) if s),
-        seed=seed, stream=stream,
+        seed=seed, stream=stream, echo=echo, logprobs=logprobs,
     )
 
 
@@ -146,11 +190,24 @@ def apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
 
 @dataclass(frozen=True)
 class Choice:
-    """One generated completion: its text, why it ended (``stop`` or ``length``), its token count."""
+    """One generated completion: its text (after the prompt's, with ``echo``), why it ended (``stop`` or
+    ``length``), its token count, and with ``logprobs`` the OpenAI ``logprobs`` object."""
 
     text: str
     finish_reason: str
     completion_tokens: int
+    logprobs: dict | None = None
+
+
+def logprobs_body(pieces: list[str], token_logprobs: list[float | None], top: list[dict[str, float] | None]) -> dict:
+    """The OpenAI ``logprobs`` object of one choice: each token's text, its log-probability (None for a
+    first prompt token, which has no context), the most likely tokens at its position, and where its text
+    starts in the choice's text."""
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def completion_id() -> str:
@@ -162,7 +219,7 @@ def completion_body(cid: str, model: str, version: int, choices: list[Choice], p
     completion_tokens = sum(c.completion_tokens for c in choices)
     return {
         "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+        "choices": [{"text": c.text, "index": i, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},

@@ -87,6 +87,86 @@ def test_openai_client_completions_streaming_and_models(served):
     assert raw.text.rstrip().endswith("data: [DONE]")
 
 
+def test_echo_and_logprobs_are_the_served_models_own_log_softmax(served, tiny_run):
+    """What lm-evaluation-harness's local-completions sends (token ids, echo, logprobs 1, max_tokens 1,
+    greedy) and a text prompt with logprobs 3: every number equals the registered weights' log-softmax
+    from a forward pass here, the first echoed token has none, and the text offsets place every token."""
+    import torch
+
+    from models.export import load_safetensors
+    from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE
+    from pipeline.tokenization.spm import EOS_ID, load_sentencepiece
+
+    model = load_safetensors(tiny_run.arts["train"].path / WEIGHTS_FILE).eval()
+    sp = load_sentencepiece(str(tiny_run.arts["tokenizer"].path / TOKENIZER_FILE))
+    ids = [EOS_ID, *sp.encode("KING: What is the matter?")]
+    r = _complete(served, prompt=[ids, ids[:5]], echo=True, logprobs=1, max_tokens=1, temperature=0.0)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for choice, prompt in zip(choices, (ids, ids[:5])):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        expected = [logp[t - 1, prompt[t]].item() for t in range(1, len(prompt))]
+        assert lp["token_logprobs"][1:-1] == pytest.approx(expected, abs=1e-5)
+        greedy = logp[len(prompt) - 1].max().item()  # max_tokens 1 at temperature 0: the argmax, its value
+        assert lp["token_logprobs"][-1] == pytest.approx(greedy, abs=1e-5)
+        assert [max(top.values()) for top in lp["top_logprobs"][1:]] == pytest.approx(
+            [logp[t - 1].max().item() for t in range(1, len(prompt) + 1)], abs=1e-5)
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+        assert all(choice["text"].startswith(tok, at) for tok, at in zip(lp["tokens"], lp["text_offset"]))
+    text = _complete(served, prompt="KING:", logprobs=3, max_tokens=4, temperature=0.0).json()["choices"][0]
+    prompt = [EOS_ID, *sp.encode("KING:")]
+    assert len(text["logprobs"]["tokens"]) == 4 and "".join(text["logprobs"]["tokens"]) == text["text"]
+    assert all(len(top) == 3 for top in text["logprobs"]["top_logprobs"])
+    with torch.no_grad():  # the first new token, greedy: the argmax after the prompt (and its EOS)
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert text["logprobs"]["token_logprobs"][0] == pytest.approx(logp.max().item(), abs=1e-5)
+    echoed = _complete(served, prompt="KING:", echo=True, max_tokens=3, temperature=0.0).json()["choices"][0]
+    assert echoed["text"].startswith("KING:") and echoed["logprobs"] is None
+
+
+def test_lm_eval_scores_the_deployment_as_it_scores_the_hf_export(served, tiny_run, tmp_path):
+    """lm-evaluation-harness's local-completions model against the deployment (the registered version's
+    HF tokenizer as the harness's) and its hf model on the same version's HF export, one small local
+    perplexity task: every document's log-likelihood agrees to 1e-4 per token."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from pipeline.evaluation.lm_eval_task import write_rolling_task
+    from pipeline.store.contracts import HF_DIR
+    from pipeline.tokenization.spm import EOS_ID
+
+    local = tracking.download_model(tiny_run.uri, f"models:/{MODEL_NAME}/1", tmp_path / "v1")
+    hf_dir = str(local / "artifacts" / HF_DIR)
+    texts = ["KING: What is the matter, my lord?\nQUEEN: Nothing.", "First Citizen:\nBefore we proceed any further, "
+             "hear me speak.\n\nAll: Speak, speak.", "O Romeo, Romeo! wherefore art thou Romeo?"]
+    write_rolling_task(tmp_path / "tasks", "conduit_served", texts)
+    # hf's rolling windows predict max_length tokens; the API model's predict max_length - 2 (it keeps one
+    # slot for the answered token, and one more for the window's context token), so the same windows:
+    window = 48
+    common = dict(tasks=["conduit_served"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+                  log_samples=True, batch_size=1, device="cpu")
+    served_run = lm_eval.simple_evaluate(
+        model="local-completions", model_args={
+            "base_url": f"{served}/completions", "model": MODEL_NAME, "tokenizer": hf_dir,
+            "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_length": window + 2,
+            "custom_prefix_token_id": EOS_ID, "num_concurrent": 1, "max_retries": 1}, **common)
+    hf_run = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": hf_dir, "dtype": "float32", "max_length": window,
+                                "prefix_token_id": EOS_ID}, **common)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    served_docs = sorted(served_run["samples"]["conduit_served"], key=lambda d: d["doc_id"])
+    hf_docs = sorted(hf_run["samples"]["conduit_served"], key=lambda d: d["doc_id"])
+    assert len(served_docs) == len(hf_docs) == len(texts)
+    for a, b, text in zip(served_docs, hf_docs, texts):
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ll_served, ll_hf = a["filtered_resps"][0], b["filtered_resps"][0]
+        assert ll_served < 0 and abs(ll_served - ll_hf) <= 1e-4 * n, (ll_served, ll_hf, n)
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -94,7 +174,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="KING:")
     for body, param in [({"max_tokens": 0, "prompt": "x"}, "max_tokens"), ({"prompt": 3}, "prompt"),
-                        ({}, "prompt"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+                        ({}, "prompt"), ({"prompt": "x", "logprobs": 6}, "logprobs"),
+                        ({"prompt": [5, 10**6]}, "prompt"), ({"prompt": "x", "echo": 1}, "echo"),
                         ({"prompt": "to be or not " * 40}, "prompt"), ({"prompt": "x", "max_tokens": 63}, "max_tokens"),
                         ({"prompt": "x", "n": 99}, "n"), ({"prompt": "x", "stop": ["a"] * 5}, "stop"),
                         # sampling values that reached torch.multinomial as NaN probabilities (500s) before

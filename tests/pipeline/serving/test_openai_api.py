@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.serving.openai_api import (ApiError, Choice, apply_stop, completion_body, parse_completion_request,
-                                 stream_events)
+from pipeline.serving.openai_api import (ApiError, Choice, apply_stop, completion_body, logprobs_body,
+                                         parse_completion_request, stream_events)
 
 
 def parse(**body):
@@ -21,12 +21,31 @@ def test_defaults_and_both_prompt_forms():
     r = parse(model="m", prompt=["a", "b"], max_tokens=3, temperature=0, top_p=0.5, n=2, stop="\n", seed=4,
               stream=True, user="u")
     assert r.prompts == ["a", "b"] and r.stop == ("\n",) and r.n == 2 and r.seed == 4 and r.stream
+    assert (r.echo, r.logprobs) == (False, None)
+
+
+def test_token_id_prompts_echo_and_logprobs():
+    """The four prompt forms of the OpenAI API; token ids kept as tuples (lm-evaluation-harness sends them)."""
+    assert parse(prompt=[5, 6, 7]).prompts == [(5, 6, 7)]
+    assert parse(prompt=[[5, 6], [7]]).prompts == [(5, 6), (7,)]
+    assert parse(prompt=["a", "b"]).prompts == ["a", "b"]
+    r = parse(prompt=[1, 2], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert (r.echo, r.logprobs) == (True, 1)
+    assert parse(prompt="x", logprobs=0).logprobs == 0
 
 
 @pytest.mark.parametrize("body, param, needle", [
     ({}, "prompt", "prompt is required"),
     ({"prompt": []}, "prompt", "must not be an empty list"),
-    ({"prompt": [1]}, "prompt", "a string or a list of strings"),
+    ({"prompt": [1.5]}, "prompt", "a list of token ids or a list of lists"),
+    ({"prompt": [[1, 2], "a"]}, "prompt", "a list of token ids or a list of lists"),
+    ({"prompt": [[1, 2], []]}, "prompt", "prompt 1 must be a non-empty list of token ids"),
+    ({"prompt": [[1, -2]]}, "prompt", "prompt 0 must be a non-empty list of token ids"),
+    ({"prompt": [[True, 2]]}, "prompt", "prompt 0 must be a non-empty list of token ids"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs", "logprobs must be null or a whole number in [0, 5]; got 6"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be null or a whole number"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "echo must be true or false"),
+    ({"prompt": "x", "logprobs": 1, "stream": True}, "stream", "stream with echo or logprobs is not supported"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be in [1"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
     ({"prompt": "x", "temperature": -0.1}, "temperature", "temperature=-0.1"),
@@ -35,7 +54,7 @@ def test_defaults_and_both_prompt_forms():
     ({"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
     ({"prompt": "x", "seed": "1"}, "seed", "seed must be an integer"),
     ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
-    ({"prompt": "x", "echo": True}, "echo", "unsupported field(s) ['echo']"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "unsupported field(s) ['suffix']"),
     # Values that reached torch.multinomial as NaN probabilities (a 500) before.
     ({"prompt": "x", "temperature": float("nan")}, "temperature", "temperature must be a finite number; got nan"),
     ({"prompt": "x", "temperature": float("inf")}, "temperature", "must be a finite number; got inf"),
@@ -73,3 +92,12 @@ def test_stop_completion_and_stream_bodies():
     assert [c["choices"][0]["text"] for c in chunks] == ["a", "b", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
     assert all(e.endswith("\n\n") and c["choices"][0]["index"] == 1 for e, c in zip(events, chunks))
+
+
+def test_the_logprobs_object_places_each_token_in_the_text():
+    body = logprobs_body(["KING", ":", " O"], [None, -1.5, -0.25], [None, {":": -1.5}, {" O": -0.25}])
+    assert body == {"tokens": ["KING", ":", " O"], "token_logprobs": [None, -1.5, -0.25],
+                    "top_logprobs": [None, {":": -1.5}, {" O": -0.25}], "text_offset": [0, 4, 5]}
+    choice = completion_body("cmpl-1", "m", 1, [Choice("KING: O", "length", 1, body)], 2)["choices"][0]
+    assert choice["logprobs"] is body and all(choice["text"].startswith(t, o) for t, o in
+                                              zip(body["tokens"], body["text_offset"]))
