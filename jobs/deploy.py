@@ -8,20 +8,29 @@ ALIAS defaults to ``champion``. Settings come from the config's ``deploy`` secti
 it. The deployment follows the alias: ``jobs.promote`` rolls it over to a new champion. Prints the
 status, the endpoint (the OpenAI base URL) and the version, which are also tagged on the version
 (``deploy.*``). Without a cluster address Ray starts in this process, and the deployment serves until
-Ctrl-C (or SIGTERM). Exit status: 0 deployed (or taken down), 2 usage, bad reference or no cluster.
+Ctrl-C (or SIGTERM); meanwhile one status line says what it does (the version answering, completions
+per second, their p50 latency, errors, the largest batch), redrawn in place on a terminal and printed
+every ``STATUS_EVERY_S`` seconds otherwise, and the replicas' access log goes to the folder the first
+line names. Exit status: 0 deployed (or taken down), 2 usage, bad reference or no cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import signal
 import sys
 import time
+import urllib.request
 
 from pipeline.serving import deploy
 from pipeline.cluster import ClusterError
 from pipeline.config import ConfigError, load_config
+
+
+STATUS_EVERY_S = 2.0  # how often the status line is redrawn (a terminal)
+STATUS_LINE_EVERY_S = 30.0  # how often it is printed where output is not a terminal (a log)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", help="deploy.host (default 127.0.0.1: this machine only)")
     p.add_argument("--config", help="YAML config with deploy and tracking sections")
     p.add_argument("--tracking-uri", help="MLflow tracking/registry URI (default: the config's)")
+    p.add_argument("--status-every", type=float, default=None, metavar="S",
+                   help=f"serving here: print the status line every S seconds (default: redrawn every "
+                        f"{STATUS_EVERY_S:.0f} s on a terminal, else printed every {STATUS_LINE_EVERY_S:.0f} s)")
     return p.parse_args(argv)
 
 
@@ -44,17 +56,52 @@ FLAGS = {"replicas": "num_replicas", "cpus": "num_cpus_per_replica", "gpus": "nu
          "port": "port", "host": "host"}
 
 
-def _serve_until_stopped(uri: str, d: deploy.Deployment) -> None:
-    """Keep the embedded Ray (and so the deployment) alive until Ctrl-C or SIGTERM."""
+def status_line(now: dict, before: dict | None, seconds: float) -> str:
+    """One line of what the deployment did since ``before``, from two /healthz answers ``seconds`` apart."""
+    c, b = now["completions"], now["batches"]
+    rate = (c["ok"] - before["completions"]["ok"]) / seconds if before is not None and seconds > 0 else 0.0
+    p50 = "-" if c["p50_latency_s"] is None else f"{c['p50_latency_s']:.2f} s"
+    return (f"v{now['version']}: {rate:.1f} completions/s, p50 {p50}, {c['ok']} answered, {c['errors']} errors, "
+            f"largest batch {b['largest']}")
+
+
+def _healthz(endpoint: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(endpoint.removesuffix("/v1") + "/healthz", timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None  # rolling over, or busy: the next poll tells
+
+
+def _serve_until_stopped(uri: str, d: deploy.Deployment, every_s: float | None) -> None:
+    """Keep the embedded Ray (and so the deployment) alive until Ctrl-C or SIGTERM, with a status line
+    (printed every ``every_s`` seconds when given, else redrawn in place on a terminal or printed every
+    ``STATUS_LINE_EVERY_S`` seconds)."""
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    print("serving until Ctrl-C (Ray runs in this process)", flush=True)
+    tty = sys.stdout.isatty() and every_s is None
+    poll_s, print_s = (every_s, every_s) if every_s is not None else (STATUS_EVERY_S, STATUS_LINE_EVERY_S)
+    print(f"access log: {deploy.serve_log_dir()} (Serve's replica logs)\nserving until Ctrl-C (Ray runs in this "
+          "process)", flush=True)
+    before, t_before, last_print = None, time.monotonic(), 0.0
     try:
         while True:
-            time.sleep(3600)
+            time.sleep(poll_s)
+            now, t_now = _healthz(d.endpoint), time.monotonic()
+            if now is None:
+                continue
+            line = status_line(now, before, t_now - t_before)
+            if tty:
+                print(f"\r\x1b[K{line}", end="", flush=True)
+            elif t_now - last_print >= print_s:
+                print(line, flush=True)
+                last_print = t_now
+            before, t_before = now, t_now
     except KeyboardInterrupt:
+        if tty:
+            print()
         served = deploy.served_version(uri, d.model_name)  # a promotion may have rolled it meanwhile
         if served is not None:
             deploy.mark_stopped(uri, d.model_name, served)
@@ -91,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
           f"endpoint: {d.endpoint}  (POST /completions, GET /models; OpenAI clients: base_url={d.endpoint})",
           flush=True)
     if started_here:
-        _serve_until_stopped(uri, d)
+        _serve_until_stopped(uri, d, args.status_every)
     return 0
 
 

@@ -3,7 +3,9 @@
     python -m jobs.status [JOB_ID] [--address http://HOST:8265]
 
 With an id: prints PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED; exits 1 when the job failed or was
-stopped, else 0. Without: one line per job, ``id  status  entrypoint``.
+stopped, else 0. Without: one line per job, ``id  status  entrypoint``. A process connected to the
+cluster as a driver (not submitted) has no submission id: it is listed by its Ray job id, and a
+``jobs.deploy`` driver as the deployment it holds.
 """
 
 from __future__ import annotations
@@ -12,6 +14,15 @@ import argparse
 import sys
 
 from jobs._cli import add_address, connect
+
+
+def describe(job) -> str:
+    """``id  status  entrypoint`` of a listed job; a driver (no submission id) by its Ray job id."""
+    if job.submission_id is not None:
+        return f"{job.submission_id}\t{job.status.value}\t{job.entrypoint}"
+    entry = job.entrypoint or ""  # a driver's command line; ``-m jobs.deploy`` shows as .../jobs/deploy.py
+    kind = "deployment (jobs.deploy)" if "jobs.deploy" in entry or "jobs/deploy.py" in entry else "driver"
+    return f"{kind} {job.job_id}\t{job.status.value}\t{job.entrypoint}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.job_id is None:
         for job in jc.list_jobs():
-            print(f"{job.submission_id}\t{job.status.value}\t{job.entrypoint}")
+            print(describe(job))
         return 0
     info = jc.get_job_info(args.job_id)
     status = str(info.status.value)

@@ -11,14 +11,18 @@ Concurrent requests (and the ``n`` choices and several prompts of one request) a
 in a worker thread so that the replica's event loop keeps accepting requests meanwhile. ``/healthz``
 says what batching did on the replica that answers: batched calls, the rows they held, the largest.
 
-Routes: POST /v1/completions, GET /v1/models, GET /healthz. (No ``from __future__ import annotations``:
-FastAPI must see the ``Request`` annotation as the class, not a string, through Serve's ingress wrapper.)
+Routes: POST /v1/completions, GET /v1/models, GET /healthz (also what the replica answered: completions
+served and refused or failed, and their p50 latency, for ``jobs.deploy``'s status line). (No
+``from __future__ import annotations``: FastAPI must see the ``Request`` annotation as the class, not a
+string, through Serve's ingress wrapper.)
 """
 
 
 import asyncio
+import collections
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from pipeline.serving.openai_api import ApiError, Choice, CompletionRequest
 from pipeline.tokenization.spm import EOS_ID
 
 VERSION_HEADER = "x-conduit-version"
+LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,10 @@ class ConduitServer:
             self.generator.model.to("cuda")
         self.loaded_at = int(time.time())
         self.batches = {"calls": 0, "rows": 0, "largest": 0}  # what batching did, for /healthz
+        # What this replica answered, for /healthz (jobs.deploy's status line): completions answered and
+        # refused or failed, and the latency of the last LATENCY_WINDOW answered ones.
+        self.answered = {"ok": 0, "errors": 0}
+        self.latencies_s: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._generate.set_max_batch_size(max_batch_size)
         self._generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -207,8 +216,10 @@ class ConduitServer:
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
+        latency = statistics.median(self.latencies_s) if self.latencies_s else None
         return JSONResponse({"status": "ok", "model": self.target.model_name, "version": self.target.version,
-                             "batches": self.batches}, headers=self._headers())
+                             "batches": self.batches, "completions": {**self.answered, "p50_latency_s": latency}},
+                            headers=self._headers())
 
     @app.get("/v1/models")
     async def models(self) -> JSONResponse:
@@ -217,6 +228,20 @@ class ConduitServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        t0 = time.perf_counter()
+        try:
+            response = await self._complete(request)
+        except Exception:
+            self.answered["errors"] += 1
+            raise
+        if response.status_code == 200:
+            self.answered["ok"] += 1
+            self.latencies_s.append(time.perf_counter() - t0)  # to the response (a stream: to its start)
+        else:
+            self.answered["errors"] += 1
+        return response
+
+    async def _complete(self, request: Request):
         try:
             req = openai_api.parse_completion_request(await read_body(request))
             if req.model is not None and req.model != self.target.model_name:

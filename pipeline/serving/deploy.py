@@ -102,13 +102,24 @@ def connect(address: str | None) -> tuple[str, bool]:
             raise DeployError(f"this process is connected to the Ray cluster at {current}, not {address}")
         return current, False
     if resolved is None:
-        ray.init(include_dashboard=False, runtime_env={"env_vars": tracking.env_for_workers()})
+        # The replicas' output (Serve's access log line per request, the artifact download's progress
+        # bar) stays in Ray's log folder (``serve_log_dir``) instead of flooding this terminal.
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": tracking.env_for_workers()})
         return ray.get_runtime_context().gcs_address, True
     try:
         ray.init(address=resolved, runtime_env={"env_vars": tracking.env_for_workers()})
     except (AuthenticationError, ConnectionError) as e:
         raise cluster.connection_error(resolved, e) from e
     return ray.get_runtime_context().gcs_address, False
+
+
+def serve_log_dir() -> str:
+    """Where this process's Ray keeps Serve's logs (the replicas' access logs among them)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # no public accessor in Ray 2.60
+    base = node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
+    return os.path.join(base, "serve")
 
 
 # ---- deploying ------------------------------------------------------------------------------------

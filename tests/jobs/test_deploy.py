@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -286,3 +287,66 @@ def test_down_removes_the_application_and_tags_the_version(served, tiny_run, cap
     assert deploy.app_status(MODEL_NAME) == "NOT_DEPLOYED"
     assert tracking.get_version(tiny_run.uri, MODEL_NAME, 1).tags["deploy.status"] == "down"
     assert deploy_cli.main([f"{MODEL_NAME}@nope", "--tracking-uri", tiny_run.uri]) == 2
+
+
+def test_serving_here_prints_a_status_line_and_keeps_the_access_log_off_the_terminal(tiny_run, tmp_path):
+    """``jobs.deploy`` with no cluster starts Ray in its own process and serves until SIGTERM: its output
+    names the access log's folder, then status lines (version, completions/s, p50, answered, errors,
+    largest batch) and none of Serve's per-request access lines, which are in that folder instead.
+    (After test_down: this deployment's tags are v1's last.)"""
+    import os
+    import queue
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    if "champion" not in tracking.model_aliases(tiny_run.uri, MODEL_NAME):  # run alone, without the module's
+        assert promote.main([MODEL_NAME, "--tracking-uri", tiny_run.uri]) == 0
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["CONDUIT_INFRA_ENV"] = str(tmp_path / "no-cluster-env")  # no infra cluster either: Ray starts here
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.deploy", f"{MODEL_NAME}@champion", "--tracking-uri", tiny_run.uri,
+         "--port", str(port), "--replicas", "1", "--cpus", "1", "--status-every", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+
+    def wait_for(pattern: str, timeout: float, running: bool = True) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert not running or proc.poll() is None, "".join(seen)
+                continue
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n{''.join(seen)}")
+
+    try:
+        base = wait_for(r"^endpoint: (\S+)", 300).group(1)
+        log_dir = Path(wait_for(r"^access log: (\S+)", 30).group(1))
+        for i in range(4):
+            assert requests.post(f"{base}/completions", json={"prompt": "KING:", "max_tokens": 3 + i},
+                                 timeout=60).status_code == 200
+        assert requests.post(f"{base}/completions", json={"prompt": "x", "n": 99}, timeout=60).status_code == 400
+        m = wait_for(r"^v1: [\d.]+ completions/s, p50 [\d.]+ s, (\d+) answered, (\d+) errors, largest batch (\d+)$", 60)
+        assert (m.group(1), m.group(2)) == ("4", "1") and int(m.group(3)) >= 1
+        logged = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
+        assert re.search(r"POST /v1/completions 200", logged)  # the access log is in the folder named
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    wait_for(r"^stopped; " + MODEL_NAME + r" v1 tagged deploy.status=stopped", 30, running=False)
+    output = "".join(seen)
+    assert not re.search(r"(GET|POST) /\S+ \d{3}", output), output  # no access line here ("POST /v1/completions 200")

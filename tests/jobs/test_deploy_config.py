@@ -79,3 +79,30 @@ def test_jobs_deploy_refuses_bad_references_and_settings_before_connecting(capsy
                          (["name", "--port", "99999"], "deploy.port=99999")]:
         assert deploy_cli.main(argv) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_the_status_line_says_rate_latency_errors_and_batch():
+    from jobs.deploy import status_line
+
+    before = {"version": 3, "batches": {"largest": 2}, "completions": {"ok": 10, "errors": 1, "p50_latency_s": 0.5}}
+    now = {"version": 3, "batches": {"largest": 6}, "completions": {"ok": 30, "errors": 2, "p50_latency_s": 0.25}}
+    assert status_line(now, before, 4.0) == ("v3: 5.0 completions/s, p50 0.25 s, 30 answered, 2 errors, "
+                                             "largest batch 6")
+    idle = {"version": 1, "batches": {"largest": 0}, "completions": {"ok": 0, "errors": 0, "p50_latency_s": None}}
+    assert status_line(idle, None, 2.0) == "v1: 0.0 completions/s, p50 -, 0 answered, 0 errors, largest batch 0"
+
+
+def test_jobs_status_lists_a_driver_by_its_job_id_and_a_deployment_as_one():
+    from types import SimpleNamespace
+
+    from jobs.status import describe
+
+    def job(sid, entry):
+        return SimpleNamespace(submission_id=sid, job_id="02000000", status=SimpleNamespace(value="RUNNING"),
+                               entrypoint=entry)
+
+    assert describe(job("raysubmit_x", "python -m jobs.run c.yaml")) == "raysubmit_x\tRUNNING\tpython -m jobs.run c.yaml"
+    assert describe(job(None, "python -m jobs.deploy m@champion")) == \
+        "deployment (jobs.deploy) 02000000\tRUNNING\tpython -m jobs.deploy m@champion"
+    assert describe(job(None, "/repo/jobs/deploy.py m --port 8001")).startswith("deployment (jobs.deploy) 02000000")
+    assert describe(job(None, "python train.py")) == "driver 02000000\tRUNNING\tpython train.py"
