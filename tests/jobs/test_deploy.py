@@ -337,8 +337,9 @@ def test_serving_here_prints_a_status_line_and_keeps_the_access_log_off_the_term
             assert requests.post(f"{base}/completions", json={"prompt": "KING:", "max_tokens": 3 + i},
                                  timeout=60).status_code == 200
         assert requests.post(f"{base}/completions", json={"prompt": "x", "n": 99}, timeout=60).status_code == 400
-        m = wait_for(r"^v1: [\d.]+ completions/s, p50 [\d.]+ s, (\d+) answered, (\d+) errors, largest batch (\d+)$", 60)
-        assert (m.group(1), m.group(2)) == ("4", "1") and int(m.group(3)) >= 1
+        # Lines printed while the requests ran say less; one that says all of them comes within seconds.
+        m = wait_for(r"^v1: [\d.]+ completions/s, p50 [\d.]+ s, 4 answered, 1 errors, largest batch (\d+)$", 60)
+        assert int(m.group(1)) >= 1
         logged = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
         assert re.search(r"POST /v1/completions 200", logged)  # the access log is in the folder named
     finally:
