@@ -124,7 +124,7 @@ class StackedExperts(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Also reads the per-expert layout (``{e}.w1.weight``, ...: older checkpoints, HF imports)."""
         mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)
-                                                and re.fullmatch(r"\d+\.w[123]\.(weight|bias)", k[len(prefix):])]}
+                                                and _PER_EXPERT.fullmatch("experts." + k[len(prefix):])]}
         if mine:
             stacked = stack_expert_state({"experts." + k[len(prefix):]: v for k, v in mine.items()})
             state_dict.update({prefix + k.removeprefix("experts."): v for k, v in stacked.items()})
