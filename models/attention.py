@@ -36,6 +36,10 @@ class KVCache:
     at step s. Pad tokens (attention_mask 0) take a slot but are masked out as keys, and do not advance
     their row's position counter, so a left-padded prompt decodes exactly like the unpadded one.
 
+    Slots are not positions: a row that joined a running batch (``gather_rows``) starts at a later slot,
+    its earlier slots masked, and the slots may outnumber ``max_seq_len`` while every row's own
+    positions stay below it (the model checks positions, ``next_pos_B``).
+
     What a slot holds per layer is two tensors, written by `update` as "k" and "v":
     - attention 'mha': the RoPE'd keys and the values of the G key/value heads, (B, G, S, K) each;
     - attention 'mla': the compressed latent c_KV, (B, 1, S, kv_lora_rank), and the one RoPE'd key
@@ -84,10 +88,8 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> "KVCache":
-        """An empty cache sized for `cfg` (max_len defaults to cfg.max_seq_len)."""
+        """An empty cache sized for `cfg` (max_len, in slots, defaults to cfg.max_seq_len)."""
         max_len = cfg.max_seq_len if max_len is None else max_len
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"KVCache max_len ({max_len}) exceeds max_seq_len ({cfg.max_seq_len})")
         from models.families import attention_kind  # the table imports this module
 
         heads, key_dim, value_dim = attention_kind(cfg).cache_shape(cfg)
@@ -133,6 +135,85 @@ class KVCache:
         """Commit the step begun by `begin_step`."""
         self.length += self._pending
         self._pending = 0
+
+    def _first_real_slot(self, rows_R: torch.Tensor) -> int:
+        """The first filled slot that holds a real token of any of ``rows_R`` (``length`` if none)."""
+        real_S = self.key_mask_BS[rows_R, : self.length].any(dim=0)
+        return int(real_S.nonzero()[0]) if bool(real_S.any()) else self.length
+
+    def span(self, rows_R: torch.Tensor) -> int:
+        """Filled slots from the first that holds a real token of any of ``rows_R`` to the end."""
+        return self.length - self._first_real_slot(rows_R.to(device=self.key_mask_BS.device, dtype=torch.long))
+
+    def can_put(self, span: int, more: int) -> bool:
+        """Whether ``put_row`` can place a row of ``span`` filled slots that will add ``more``."""
+        return span <= self.length and self.length + more <= self.max_len
+
+    def put_row(self, slot: int, src: "KVCache", row: int) -> None:
+        """Write ``src``'s row ``row`` (its filled slots from its first real token) into row ``slot``,
+        right-aligned at this cache's filled slots, the slots before it masked: a row joins a batch in
+        place of one that left, and attends to exactly what it did in ``src``.
+
+        Raises:
+            ValueError: the row does not fit before this cache's end (``can_put``).
+        """
+        span = src.span(torch.tensor([row]))
+        if span > self.length:
+            raise ValueError(f"put_row: a row of {span} slots does not fit before slot {self.length}")
+        dst, from_ = slice(self.length - span, self.length), slice(src.length - span, src.length)
+        for layer in range(len(self.k_BGSK)):
+            self.k_BGSK[layer][slot, :, dst] = src.k_BGSK[layer][row, :, from_]
+            self.v_BGSK[layer][slot, :, dst] = src.v_BGSK[layer][row, :, from_]
+        self.key_mask_BS[slot] = False
+        self.key_mask_BS[slot, dst] = src.key_mask_BS[row, from_]
+        self.positions_BS[slot, dst] = src.positions_BS[row, from_]
+        self.next_pos_B[slot] = src.next_pos_B[row]
+
+    @classmethod
+    def gather_rows(cls, parts: list[tuple["KVCache", torch.Tensor]], max_len: int = 0, spare: int = 0,
+                    free_rows: int = 0) -> "KVCache":
+        """A new cache of the rows ``parts`` names, in that order, their filled slots right-aligned.
+
+        Each row keeps its keys, values, positions and next position; slots before the earliest real
+        token of a part's rows are dropped, and a part with fewer filled slots than the longest gets
+        masked slots in front. So each row attends to exactly what it did before: this is how rows
+        leave a running batch (one part, the rows that stay) and join it (the running rows plus the
+        cache of the joining rows' prompts).
+
+        Args:
+            parts: (cache, row indices) pairs; the caches share layers, sizes, device and dtype.
+            max_len: capacity in slots of the new cache, at least the filled slots plus ``spare``.
+            spare: empty slots to leave after the filled ones.
+            free_rows: empty rows to add after the gathered ones (for rows to ``put_row`` later).
+
+        Raises:
+            ValueError: no rows, or a part with a step in progress.
+        """
+        parts = [(c, rows.to(device=c.key_mask_BS.device, dtype=torch.long)) for c, rows in parts]
+        if not parts or sum(len(rows) for _, rows in parts) == 0:
+            raise ValueError("gather_rows needs at least one row")
+        if any(c._pending for c, _ in parts):
+            raise ValueError("gather_rows: a cache has a step in progress (begin_step without end_step)")
+        spans = [c.length - c._first_real_slot(rows) for c, rows in parts]
+        S = max(spans)
+        first, _ = parts[0]
+        k0, v0 = first.k_BGSK[0], first.v_BGSK[0]
+        B = sum(len(rows) for _, rows in parts) + free_rows
+        out = cls(len(first.k_BGSK), B, k0.shape[1], k0.shape[3], max(max_len, S + spare), k0.device, k0.dtype,
+                  value_dim=v0.shape[3])
+        at = 0
+        for (c, rows), span in zip(parts, spans):
+            b = slice(at, at + len(rows))
+            src, dst = slice(c.length - span, c.length), slice(S - span, S)
+            for layer in range(len(c.k_BGSK)):
+                out.k_BGSK[layer][b, :, dst] = c.k_BGSK[layer][rows][:, :, src]
+                out.v_BGSK[layer][b, :, dst] = c.v_BGSK[layer][rows][:, :, src]
+            out.key_mask_BS[b, dst] = c.key_mask_BS[rows][:, src]
+            out.positions_BS[b, dst] = c.positions_BS[rows][:, src]
+            out.next_pos_B[b] = c.next_pos_B[rows]
+            at += len(rows)
+        out.length = S
+        return out
 
 
 def build_attention_mask(

@@ -54,7 +54,8 @@ class MambaState:
     Attributes:
         conv_LBEK: (L, B, E, K-1) the convolution's previous inputs (zeros = no history).
         ssm_LBEN: (L, B, E, N) the SSM state, fp32.
-        length: tokens consumed so far.
+        length: tokens fed so far, pads included.
+        next_pos_B: (B,) real tokens each row has consumed (what ``max_seq_len`` bounds).
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -62,6 +63,45 @@ class MambaState:
         self.conv_LBEK = torch.zeros(L, batch_size, E, K - 1, device=device, dtype=dtype)
         self.ssm_LBEN = torch.zeros(L, batch_size, E, N, device=device, dtype=torch.float32)
         self.length = 0
+        self.next_pos_B = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def span(self, rows_R: torch.Tensor) -> int:
+        """0: a state has no slots (``KVCache.span``'s signature)."""
+        return 0
+
+    def can_put(self, span: int, more: int) -> bool:
+        """Always: a row's state is its own (``KVCache.can_put``'s signature)."""
+        return True
+
+    def put_row(self, slot: int, src: "MambaState", row: int) -> None:
+        """Write ``src``'s row ``row`` into row ``slot`` (a row joining a batch in place of one that left)."""
+        self.conv_LBEK[:, slot] = src.conv_LBEK[:, row]
+        self.ssm_LBEN[:, slot] = src.ssm_LBEN[:, row]
+        self.next_pos_B[slot] = src.next_pos_B[row]
+
+    @classmethod
+    def gather_rows(cls, parts: list[tuple["MambaState", torch.Tensor]], max_len: int = 0, spare: int = 0,
+                    free_rows: int = 0) -> "MambaState":
+        """A new state of the rows ``parts`` names, in that order (rows leaving or joining a running
+        batch; each row's state is its own, so nothing else moves), and ``free_rows`` zero rows after
+        them. ``max_len`` and ``spare`` are ignored: the state does not grow with length (``KVCache.gather_rows``'s signature).
+
+        Raises:
+            ValueError: no rows.
+        """
+        if not parts or sum(len(rows) for _, rows in parts) == 0:
+            raise ValueError("gather_rows needs at least one row")
+        out = cls.__new__(cls)
+        idx = [(c, rows.to(device=c.ssm_LBEN.device, dtype=torch.long)) for c, rows in parts]
+        c0 = parts[0][0]
+        free = (c0.conv_LBEK.new_zeros(c0.conv_LBEK.shape[0], free_rows, *c0.conv_LBEK.shape[2:]),
+                c0.ssm_LBEN.new_zeros(c0.ssm_LBEN.shape[0], free_rows, *c0.ssm_LBEN.shape[2:]),
+                c0.next_pos_B.new_zeros(free_rows))
+        out.conv_LBEK = torch.cat([c.conv_LBEK[:, rows] for c, rows in idx] + [free[0]], dim=1)
+        out.ssm_LBEN = torch.cat([c.ssm_LBEN[:, rows] for c, rows in idx] + [free[1]], dim=1)
+        out.next_pos_B = torch.cat([c.next_pos_B[rows] for c, rows in idx] + [free[2]])
+        out.length = max(c.length for c, _ in parts)
+        return out
 
 
 def _chunk_states(logdecay_BCEN: torch.Tensor, inject_BCEN: torch.Tensor, h0_BEN: torch.Tensor) -> torch.Tensor:
@@ -353,15 +393,20 @@ class MambaLM(nn.Module):
             raise ValueError(
                 f"attention_mask_BT shape {tuple(attention_mask_BT.shape)} != input shape {tuple(input_ids_BT.shape)}"
             )
-        past = kv_cache.length if kv_cache is not None else 0
         T = input_ids_BT.shape[1]
-        if past + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {past} cached + {T} new exceeds max_seq_len {self.cfg.max_seq_len}")
+        real_B = (torch.full((input_ids_BT.shape[0],), T, dtype=torch.long) if attention_mask_BT is None
+                  else attention_mask_BT.to(device="cpu", dtype=torch.long).sum(dim=1))
+        past_B = kv_cache.next_pos_B.cpu() if kv_cache is not None else torch.zeros_like(real_B)
+        if len(real_B) and int((past_B + real_B).max()) > self.cfg.max_seq_len:  # each row's real tokens
+            row = int((past_B + real_B).argmax())
+            raise ValueError(f"sequence length {int(past_B[row])} cached + {int(real_B[row])} new exceeds "
+                             f"max_seq_len {self.cfg.max_seq_len}")
         x_BTD = self.emb_dropout(self.tok_embeddings(input_ids_BT))
         for block in self.layers:
             x_BTD = block(x_BTD, attention_mask_BT, kv_cache)
         if kv_cache is not None:
             kv_cache.length += T
+            kv_cache.next_pos_B = kv_cache.next_pos_B + real_B.to(kv_cache.next_pos_B.device)
         logits_BTV, loss = self.output(x_BTD, targets_BT, loss_options)
         aux_loss = torch.zeros((), device=input_ids_BT.device, dtype=torch.float32)
         return ModelOutput(logits_BTV, aux_loss, [], None, kv_cache, loss)

@@ -155,13 +155,18 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"attention_mask_BT shape {tuple(attention_mask_BT.shape)} != input shape {(B, T)}"
             )
-        past = kv_cache.length if kv_cache is not None else 0
-        if past + T > cfg.max_seq_len:
-            raise ValueError(f"sequence length {past} cached + {T} new exceeds max_seq_len {cfg.max_seq_len}")
+        if kv_cache is None and T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}")
 
         device = input_ids_BT.device
         if kv_cache is not None:
             mask_BT = torch.ones_like(input_ids_BT) if attention_mask_BT is None else attention_mask_BT
+            # Positions, not slots, are bounded (a batch's rows may have joined at different slots).
+            new_B = mask_BT.to(device=kv_cache.next_pos_B.device, dtype=torch.long).sum(dim=1)
+            row = int((kv_cache.next_pos_B + new_B).argmax()) if B else 0
+            if B and int(kv_cache.next_pos_B[row] + new_B[row]) > cfg.max_seq_len:
+                raise ValueError(f"sequence length {int(kv_cache.next_pos_B[row])} cached + {int(new_B[row])} new "
+                                 f"exceeds max_seq_len {cfg.max_seq_len}")
             positions_BT = kv_cache.begin_step(mask_BT)
         elif attention_mask_BT is not None:
             positions_BT = (attention_mask_BT.long().cumsum(dim=1) - 1).clamp(min=0)

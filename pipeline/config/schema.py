@@ -296,12 +296,19 @@ class DeploySection:
     host: str = _unhashed("127.0.0.1")  # where Serve's HTTP proxy listens (set once per Ray cluster)
     port: int = _unhashed(8000)
     route_prefix: str = _unhashed("/")  # the OpenAI API is under <route_prefix>v1/
-    max_batch_size: int = _unhashed(16)  # concurrent requests generated as one batch
-    batch_wait_timeout_s: float = _unhashed(0.01)  # how long a batch waits to fill
+    max_batch_size: int = _unhashed(16)  # rows (choices of requests) generated as one batch
+    # The most KV-cache slots of a replica's batch (rows x slots); at least the model's max_seq_len.
+    max_batch_tokens: int = _unhashed(65536)
+    # continuous: requests join the running batch at its next step and leave it when they end;
+    # static: a batch forms when the replica is idle and runs until its last request ends.
+    batching: str = _unhashed("continuous")
+    batch_wait_timeout_s: float = _unhashed(0.01)  # static batching: how long a batch waits to fill
     max_ongoing_requests: int = _unhashed(64)  # per replica; more wait in Serve's queue
 
     def __post_init__(self):
-        for name in ("num_replicas", "max_batch_size", "max_ongoing_requests"):
+        if self.batching not in ("continuous", "static"):
+            raise ConfigError(f"deploy.batching={self.batching!r} must be 'continuous' or 'static'")
+        for name in ("num_replicas", "max_batch_size", "max_batch_tokens", "max_ongoing_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"deploy.{name}={getattr(self, name)} must be >= 1")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "batch_wait_timeout_s"):

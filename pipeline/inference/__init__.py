@@ -2,4 +2,6 @@
 
 - ``generator``: ``TextGenerator``, a model and its tokenizer: prompts checked, tokens sampled, text out.
 - ``batched``: many requests at once, one left-padded batch through the KV-cached model.
+- ``engine``: continuous batching: requests join a running batch at its next step and leave it when
+  they end, each token handed over as it is made.
 """

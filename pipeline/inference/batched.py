@@ -6,18 +6,18 @@ its own seeded generator). Two things make that true:
 
 - prompts are left-padded and the pads masked (``attention_mask_BT``); the model counts positions from
   each row's first real token, so a padded prompt decodes like the unpadded one;
-- a row that has finished (end of text, or its own budget spent) is fed as a pad from then on, so
-  its position counter stops and the other rows carry on unaffected.
+- a row that has finished (end of text, or its own budget spent) leaves the batch, and the cache keeps
+  only the rows that go on (``pipeline.inference.engine``, which also lets rows join a running batch).
 
 A Mamba model has no positions: it zeroes masked inputs, so pads before a prompt leave its state as
-without them, and a finished row's state no longer matters.
+without them.
 
 An encoder-decoder's requests (text with sentinels; the answer is the spans that fill them) run one
 row at a time through ``models.encdec.generate_encdec`` (the encoder once, a KV-cached decoder), each
 from its own seeded generator: the same output as alone, without the batching speed-up.
 
-The KV cache is sized for the batch (longest prompt + largest budget), which may exceed
-``max_seq_len`` in slots; every row's own positions stay below it (``check_fits``).
+The KV cache's slots may outnumber ``max_seq_len`` (a long prompt in one row, a long budget in
+another); every row's own positions stay below it (``check_fits``).
 
 Shape legend: B batch rows, T padded prompt length, V vocab.
 """
@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from models.generate import sample_next
-from models.families import family
 
 
 @dataclass(frozen=True)
@@ -91,12 +89,12 @@ def _pad_left(requests: list[GenRequest], device: torch.device) -> tuple[torch.T
     return ids_BT.to(device), mask_BT.to(device)
 
 
-@torch.no_grad()
 def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: int) -> list[list[int]]:
-    """Extend every request's prompt in one batch.
+    """Extend every request's prompt in one batch (``pipeline.inference.engine.Engine``, all rows
+    admitted at its first step; a row leaves the batch when it ends).
 
     Args:
-        model: a ``models.Transformer`` in eval mode.
+        model: a ``models.Transformer`` (or another family's model) in eval mode.
         requests: the rows; each must pass ``check_fits`` for the model's ``max_seq_len``.
         eos_id: the token that ends a row (it is not included in the output).
 
@@ -105,43 +103,18 @@ def generate_batch(model: torch.nn.Module, requests: list[GenRequest], eos_id: i
 
     Raises:
         ValueError: a request that does not fit (``check_fits``) or an empty batch.
+        Exception: what the model raised (the first failing row's error).
     """
+    from pipeline.inference.engine import FINISH_ERROR, Engine  # the engine builds on this module
+
     if not requests:
         raise ValueError("generate_batch needs at least one request")
-    cfg = model.cfg
     for r in requests:
-        check_fits(r, cfg.max_seq_len)
-    if family(cfg).seq2seq:
-        return [_fill_spans(model, r, eos_id) for r in requests]
-    p = model.tok_embeddings.weight
-    ids_BT, mask_BT = _pad_left(requests, p.device)
-    B, T = ids_BT.shape
-    budgets = [r.max_new_tokens for r in requests]
-    cache = model.new_kv_cache(B, max_len=T + max(budgets))  # a KVCache, or a Mamba model's state
-    gens = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
-    out: list[list[int]] = [[] for _ in requests]
-    active = [True] * B
-    logits_BV = model(ids_BT, attention_mask_BT=mask_BT, kv_cache=cache).logits[:, -1, :]
-    while True:
-        next_B = torch.zeros(B, dtype=torch.long)  # finished rows feed token 0, masked as a pad
-        logits_BV = logits_BV.float().cpu()
-        greedy_B = logits_BV.argmax(dim=-1).tolist()  # one op for every greedy row
-        for i, r in enumerate(requests):
-            if not active[i]:
-                continue
-            # Sampled rows draw one at a time, each from its own generator (batch-independent output).
-            tok = greedy_B[i] if r.temperature == 0 else int(sample_next(
-                logits_BV[i:i + 1], r.temperature, top_p=None if r.top_p >= 1.0 else r.top_p, generator=gens[i])[0])
-            if tok == eos_id:
-                active[i] = False
-                continue
-            out[i].append(tok)
-            next_B[i] = tok
-            if len(out[i]) >= budgets[i]:
-                active[i] = False
-        if not any(active):
-            return out
-        # Finished rows are fed as pads: masked as keys, and their positions stop advancing.
-        step_mask_B1 = torch.tensor(active, dtype=torch.long).unsqueeze(1).to(p.device)
-        logits_BV = model(next_B.unsqueeze(1).to(p.device), attention_mask_BT=step_mask_B1,
-                          kv_cache=cache).logits[:, -1, :]
+        check_fits(r, model.cfg.max_seq_len)
+    engine = Engine(model, eos_id, max_rows=len(requests))
+    tickets = [engine.submit(r) for r in requests]
+    engine.run_until_idle()
+    for t in tickets:
+        if t.finish == FINISH_ERROR:
+            raise t.error
+    return [t.tokens for t in tickets]

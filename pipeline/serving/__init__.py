@@ -5,7 +5,8 @@ MLflow scoring server loads only what it uses):
 
 - ``pyfunc``: ``ConduitLM``, the MLflow pyfunc model a registered version is; ``model_code``: the file
   MLflow's "models from code" runs to load it.
-- ``app``: the Ray Serve replica: one version behind the OpenAI completions API, requests batched.
+- ``app``: the Ray Serve replica: one version behind the OpenAI completions API, requests continuously
+  batched and streamed as they are generated; ``streaming``: a choice's text as its tokens arrive.
 - ``openai_api``: request checking and the response and error bodies of that API;
   ``request_limits``: what a request may ask for, checked before any work (both servers use it).
 - ``deploy``: deploy a version on Ray Serve, follow its alias on promotion, take it down.

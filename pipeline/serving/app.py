@@ -6,10 +6,14 @@ a surge: new replicas start and become ready before the old ones drain and stop)
 comes from one version, and says which: ``conduit_version`` in the JSON body and the
 ``x-conduit-version`` header.
 
-Concurrent requests (and the ``n`` choices and several prompts of one request) are batched by
-``@serve.batch`` into one left-padded call of ``pipeline.inference.batched.generate_batch``, which runs
-in a worker thread so that the replica's event loop keeps accepting requests meanwhile. ``/healthz``
-says what batching did on the replica that answers: batched calls, the rows they held, the largest.
+Generation is continuously batched (``pipeline.inference.engine.Engine``, on a thread of its own so
+that the replica's event loop keeps accepting requests): a request (each of its ``n`` choices and
+prompts a row) joins the running batch at its next step and leaves it when it ends, and each token goes
+to its request as soon as it is made, so ``stream: true`` sends text as it is generated
+(``pipeline.serving.streaming``: a character is never split, a stop sequence is never half sent). A
+client that goes away stops its rows at the engine's next step. ``deploy.batching: static`` keeps the
+earlier behaviour (a batch forms when the engine is idle and runs until its last row ends).
+``/healthz`` says what batching did on the replica that answers.
 
 Routes: POST /v1/completions, GET /v1/models, GET /healthz (also what the replica answered: completions
 served and refused or failed, and their p50 latency, for ``jobs.deploy``'s status line). (No
@@ -34,10 +38,12 @@ from ray import serve
 
 from pipeline import tracking
 from pipeline.serving import openai_api, pyfunc, request_limits
-from pipeline.inference.batched import GenRequest, generate_batch
+from pipeline.inference.batched import GenRequest
+from pipeline.inference.engine import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine
 from pipeline.inference.generator import PromptError
 from pipeline.inference.scoring import can_score, score_tokens
 from pipeline.serving.openai_api import ApiError, Choice, CompletionRequest
+from pipeline.serving.streaming import ChoiceText, text_pieces
 from pipeline.tokenization.spm import EOS_ID
 
 VERSION_HEADER = "x-conduit-version"
@@ -63,17 +69,6 @@ def load_target(target: ServeTarget):
     with tempfile.TemporaryDirectory(prefix="conduit-serve-") as tmp:
         local = tracking.download_model(target.tracking_uri, f"models:/{target.model_name}/{target.version}", tmp)
         return pyfunc.generator_from_model_dir(local)  # reads the files; nothing is kept open
-
-
-def text_pieces(sp, ids: list[int]) -> list[str]:
-    """The text of each new token as it extends the decoded text (sentencepiece joins pieces, so a
-    token's text depends on what precedes it); concatenated they are ``sp.decode(ids)``."""
-    pieces, before = [], ""
-    for k in range(1, len(ids) + 1):
-        text = sp.decode(ids[:k])
-        pieces.append(text[len(before):])
-        before = text
-    return pieces
 
 
 async def read_body(request: Request, limit: int = request_limits.MAX_REQUEST_BYTES) -> bytes:
@@ -103,25 +98,81 @@ app = FastAPI(title="Conduit", docs_url=None, redoc_url=None)
 class ConduitServer:
     """A replica of the deployment: the version's generator plus the batching queue."""
 
-    def __init__(self, target: ServeTarget, max_batch_size: int, batch_wait_timeout_s: float):
+    def __init__(self, target: ServeTarget, max_batch_size: int, batch_wait_timeout_s: float,
+                 max_batch_tokens: int | None = None, batching: str = "continuous"):
         self.target = target
         self.generator = load_target(target)
         if torch.cuda.is_available():  # Ray shows a replica only the GPUs it asked for (num_gpus)
             self.generator.model.to("cuda")
         self.loaded_at = int(time.time())
-        self.batches = {"calls": 0, "rows": 0, "largest": 0}  # what batching did, for /healthz
+        # The engine's thread leaves (queue, item) here; one wake-up of the event loop per step delivers them.
+        self._outbox: collections.deque = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self.engine = Engine(self.generator.model, EOS_ID, max_rows=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                 join_running=batching == "continuous", wait_s=batch_wait_timeout_s,
+                                 on_step=self._after_step)
+        except ValueError as e:
+            raise ValueError(f"deploy.max_batch_tokens: {e}") from e
+        self.engine.start()
         # What this replica answered, for /healthz (jobs.deploy's status line): completions answered and
         # refused or failed, and the latency of the last LATENCY_WINDOW answered ones.
         self.answered = {"ok": 0, "errors": 0}
         self.latencies_s: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
-        self._generate.set_max_batch_size(max_batch_size)
-        self._generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def _generate(self, requests: list[GenRequest]) -> list[list[int]]:
-        b = self.batches
-        b["calls"], b["rows"], b["largest"] = b["calls"] + 1, b["rows"] + len(requests), max(b["largest"], len(requests))
-        return await asyncio.to_thread(generate_batch, self.generator.model, requests, EOS_ID)
+    def _after_step(self) -> None:  # the engine's thread
+        if self._outbox and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the event loop
+        while self._outbox:
+            queue, item = self._outbox.popleft()
+            queue.put_nowait(item)
+
+    async def _choices(self, rows: list[GenRequest], texts: list[ChoiceText], reasons: list[str | None],
+                       eos_ended: list[bool]):
+        """Run ``rows`` on the engine: yields ``(index, text)`` as each choice's text becomes final, and
+        fills ``reasons`` (``stop`` or ``length``) and ``eos_ended`` as the choices end. A choice that meets
+        a stop sequence is stopped; leaving early (a client gone) stops every row still running.
+
+        Raises:
+            RuntimeError: the model failed on a row.
+        """
+        self._loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:  # the engine's thread; delivered after its step (_after_step)
+            self._outbox.append((queue, item))
+
+        tickets = []
+        try:
+            for i, row in enumerate(rows):
+                tickets.append(self.engine.submit(row, on_token=lambda tok, i=i: put((i, tok, None)),
+                                                  on_done=lambda reason, err, i=i: put((i, None, (reason, err)))))
+            while any(r is None for r in reasons):
+                i, tok, done = await queue.get()
+                if reasons[i] is not None:  # ended at a stop sequence: what the engine made since is dropped
+                    continue
+                text = texts[i]
+                if tok is not None:
+                    piece = text.add(tok)
+                    if piece:
+                        yield i, piece
+                    if text.stopped:
+                        tickets[i].cancel()
+                        reasons[i] = "stop"
+                    continue
+                reason, err = done
+                if reason == FINISH_ERROR:
+                    raise RuntimeError(f"generation failed: {type(err).__name__}: {err}") from err
+                piece = text.finish()
+                if piece:
+                    yield i, piece
+                reasons[i] = "length" if reason == FINISH_LENGTH and not text.stopped else "stop"
+                eos_ended[i] = reason == FINISH_EOS
+        finally:
+            for t in tickets:  # a client gone or a failure: what still runs stops at the next step
+                t.cancel()
 
     def _headers(self) -> dict[str, str]:
         return {VERSION_HEADER: str(self.target.version)}
@@ -167,33 +218,31 @@ class ConduitServer:
                 sources.append((ids, lead))
         return rows, sources, prompt_tokens
 
-    def _choice(self, ids: list[int], req: CompletionRequest) -> tuple[Choice, list[str]]:
-        """The choice's text cut at a stop sequence, and its pieces (one per kept token, the last shortened
-        to the cut; a token made entirely of the stop sequence is not kept)."""
+    def _choice(self, text: ChoiceText, reason: str) -> tuple[Choice, list[str]]:
+        """The choice, and its pieces (one per kept token, the last shortened to a stop sequence's cut;
+        a token made entirely of the stop sequence is not kept)."""
+        ids = text.ids[:text.kept]
         pieces = text_pieces(self.generator.sp, ids)
-        text, cut = openai_api.apply_stop("".join(pieces), req.stop)
-        if cut:  # keep the pieces up to the stop sequence, the last one shortened
+        if text.stopped:  # keep the pieces up to the stop sequence, the last one shortened
             kept, length = [], 0
             for p in pieces:
-                if length + len(p) >= len(text):
-                    kept.append(text[length:])
+                if length + len(p) >= len(text.text):
+                    kept.append(text.text[length:])
                     break
                 kept.append(p)
                 length += len(p)
             while kept and not kept[-1]:
                 kept.pop()
             pieces = kept
-        reason = "stop" if cut or len(ids) < req.max_tokens else "length"
-        return Choice(text, reason, len(ids)), pieces
+        return Choice(text.text, reason, len(ids)), pieces
 
     def _with_logprobs(self, choice: Choice, pieces: list[str], new_ids: list[int], source: tuple[tuple[int, ...], int],
-                       req: CompletionRequest) -> Choice:
-        """``choice`` with the prompt before it (``echo``) and the ``logprobs`` object (``logprobs``)."""
+                       req: CompletionRequest, ended_on_eos: bool) -> Choice:
+        """``choice`` with the prompt before it (``echo``) and the ``logprobs`` object (``logprobs``).
+        A completion that ended on the end of text lists that token last (no text), as OpenAI-style
+        servers do: a harness that asks for one token and drops the last entry then drops that one."""
         prompt_ids, lead = source
         sp = self.generator.sp
-        # A completion that ended on the end of text lists that token last (no text), as OpenAI-style
-        # servers do: a harness that asks for one token and drops the last entry then drops that one.
-        ended_on_eos = len(new_ids) < req.max_tokens and choice.text == "".join(text_pieces(sp, new_ids))
         pieces = [*pieces, ""] if ended_on_eos else pieces
         full = [*prompt_ids, *new_ids[:len(pieces)], *([EOS_ID] if ended_on_eos else [])]
         first = lead if req.echo else len(prompt_ids)  # the first token returned
@@ -218,7 +267,7 @@ class ConduitServer:
     async def healthz(self) -> JSONResponse:
         latency = statistics.median(self.latencies_s) if self.latencies_s else None
         return JSONResponse({"status": "ok", "model": self.target.model_name, "version": self.target.version,
-                             "batches": self.batches, "completions": {**self.answered, "p50_latency_s": latency}},
+                             "batches": dict(self.engine.stats), "completions": {**self.answered, "p50_latency_s": latency}},
                             headers=self._headers())
 
     @app.get("/v1/models")
@@ -250,27 +299,56 @@ class ConduitServer:
             rows, sources, prompt_tokens = self._rows(req)
         except ApiError as e:
             return self._error(e)
-        outputs = await asyncio.gather(*(self._generate(r) for r in rows))
-        choices = [self._choice(ids, req) for ids in outputs]
-        if req.echo or req.logprobs is not None:  # one scoring pass per choice, off the event loop
-            choices = [(await asyncio.to_thread(self._with_logprobs, c, pieces, ids, source, req), pieces)
-                       for (c, pieces), ids, source in zip(choices, outputs, sources)]
         cid, name, version = openai_api.completion_id(), self.target.model_name, self.target.version
-        if not req.stream:
-            body = openai_api.completion_body(cid, name, version, [c for c, _ in choices], prompt_tokens)
-            return JSONResponse(body, headers=self._headers())
+        texts = [ChoiceText(self.generator.sp, req.stop, incremental=req.stream) for _ in rows]
+        reasons: list[str | None] = [None] * len(rows)
+        eos_ended = [False] * len(rows)
+        if req.stream:
+            return StreamingResponse(self._stream(cid, rows, texts, reasons, eos_ended, prompt_tokens),
+                                     media_type="text/event-stream", headers=self._headers())
+        try:
+            async for _ in self._choices(rows, texts, reasons, eos_ended):
+                pass
+        except RuntimeError as e:
+            return self._error(ApiError(500, str(e), None, None, "server_error"))
+        choices = [self._choice(text, reason) for text, reason in zip(texts, reasons)]
+        if req.echo or req.logprobs is not None:  # one scoring pass per choice, off the event loop
+            choices = [(await asyncio.to_thread(self._with_logprobs, c, pieces, text.ids[:text.kept], source, req, eos),
+                        pieces)
+                       for (c, pieces), text, source, eos in zip(choices, texts, sources, eos_ended)]
+        body = openai_api.completion_body(cid, name, version, [c for c, _ in choices], prompt_tokens)
+        return JSONResponse(body, headers=self._headers())
 
-        def events():
-            for index, (choice, pieces) in enumerate(choices):
-                yield from openai_api.stream_events(cid, name, version, index, [p for p in pieces if p],
-                                                    choice.finish_reason)
-            yield openai_api.DONE_EVENT
+    async def _stream(self, cid: str, rows: list[GenRequest], texts: list[ChoiceText], reasons: list[str | None],
+                      eos_ended: list[bool], prompt_tokens: int):
+        """Server-sent events: each choice's text as it is generated, its end (the last one with the
+        usage), then [DONE]. A client that disconnects closes this generator: its rows stop."""
+        name, version, created = self.target.model_name, self.target.version, int(time.time())
+        ended = [False] * len(rows)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=self._headers())
+        def endings():
+            for i, reason in enumerate(reasons):
+                if reason is not None and not ended[i]:
+                    ended[i] = True
+                    usage = (openai_api.usage_body(prompt_tokens, sum(t.kept for t in texts))
+                             if all(ended) else None)
+                    yield openai_api.stream_chunk(cid, name, version, created, i, "", reason, usage)
+
+        try:
+            async for i, piece in self._choices(rows, texts, reasons, eos_ended):
+                yield openai_api.stream_chunk(cid, name, version, created, i, piece)
+                for event in endings():
+                    yield event
+            for event in endings():
+                yield event
+        except RuntimeError as e:
+            yield openai_api.error_event(str(e))
+        yield openai_api.DONE_EVENT
 
 
 def build(target: ServeTarget, *, num_replicas: int, num_cpus: float, num_gpus: float, max_ongoing_requests: int,
-          max_batch_size: int, batch_wait_timeout_s: float):
+          max_batch_size: int, batch_wait_timeout_s: float, max_batch_tokens: int | None = None,
+          batching: str = "continuous"):
     """The Serve application for ``target`` with the deployment's resources and batching.
 
     Returns:
@@ -279,7 +357,7 @@ def build(target: ServeTarget, *, num_replicas: int, num_cpus: float, num_gpus: 
     return ConduitServer.options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-    ).bind(target, max_batch_size, batch_wait_timeout_s)
+    ).bind(target, max_batch_size, batch_wait_timeout_s, max_batch_tokens, batching)
 
 
 def app_builder(args: dict):
@@ -289,14 +367,15 @@ def app_builder(args: dict):
 
     Args:
         args: ``model`` (``NAME@ALIAS``, resolved now, or ``NAME/VERSION``); ``tracking_uri`` (default
-            ``$MLFLOW_TRACKING_URI``); optional ``max_batch_size`` (16) and ``batch_wait_timeout_s`` (0.01);
+            ``$MLFLOW_TRACKING_URI``); optional ``max_batch_size`` (16), ``max_batch_tokens`` (65536),
+            ``batching`` (``continuous`` or ``static``) and ``batch_wait_timeout_s`` (0.01, static only);
             ``revision``, unused: a counter to bump so that KubeRay sees a new config (a new champion).
 
     Raises:
         ValueError: a missing or unknown argument, or no tracking URI.
         LookupError: the model, alias or version does not exist.
     """
-    known = {"model", "tracking_uri", "max_batch_size", "batch_wait_timeout_s", "revision"}
+    known = {"model", "tracking_uri", "max_batch_size", "batch_wait_timeout_s", "max_batch_tokens", "batching", "revision"}
     if "model" not in args or set(args) - known:
         raise ValueError(f"app_builder args need 'model' and take only {sorted(known)}; got {sorted(args)}")
     uri = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
@@ -314,8 +393,12 @@ def app_builder(args: dict):
         if not name or not number.isdigit():
             raise ValueError(f"app_builder args.model={model!r} must look like NAME@ALIAS or NAME/VERSION")
         version = tracking.get_version(uri, name, int(number)).version
+    batching = str(args.get("batching", "continuous"))
+    if batching not in ("continuous", "static"):
+        raise ValueError(f"app_builder args.batching={batching!r} must be 'continuous' or 'static'")
     return ConduitServer.bind(ServeTarget(uri, name, version), int(args.get("max_batch_size", 16)),
-                              float(args.get("batch_wait_timeout_s", 0.01)))
+                              float(args.get("batch_wait_timeout_s", 0.01)), int(args.get("max_batch_tokens", 65536)),
+                              batching)
 
 
-__all__ = ["app_builder", "ConduitServer", "ServeTarget", "VERSION_HEADER", "build", "load_target", "text_pieces"]
+__all__ = ["app_builder", "ConduitServer", "ServeTarget", "VERSION_HEADER", "build", "load_target"]

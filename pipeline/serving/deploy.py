@@ -133,7 +133,8 @@ def _run(section: DeploySection, uri: str, name: str, version: int) -> None:
     app = build(ServeTarget(uri, name, version), num_replicas=section.num_replicas,
                 num_cpus=section.num_cpus_per_replica, num_gpus=section.num_gpus_per_replica,
                 max_ongoing_requests=section.max_ongoing_requests, max_batch_size=section.max_batch_size,
-                batch_wait_timeout_s=section.batch_wait_timeout_s)
+                batch_wait_timeout_s=section.batch_wait_timeout_s, max_batch_tokens=section.max_batch_tokens,
+                batching=section.batching)
     serve.run(app, name=app_name(name), route_prefix=section.route_prefix)
 
 

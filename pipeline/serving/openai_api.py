@@ -1,7 +1,7 @@
 """The OpenAI completions API as Conduit speaks it: request checking, response and error bodies.
 
 No Ray and no model here: ``pipeline.serving.app`` parses a request with ``parse_completion_request``,
-generates, and answers with ``completion_body`` / ``stream_events``; a bad request becomes an
+generates, and answers with ``completion_body`` / ``stream_chunk``; a bad request becomes an
 ``ApiError`` whose ``body()`` is the JSON error an OpenAI client expects
 (``{"error": {"message", "type", "param", "code"}}``) and whose ``status`` is its 4xx.
 
@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from pipeline.serving import request_limits
 
@@ -221,29 +221,32 @@ def completion_body(cid: str, model: str, version: int, choices: list[Choice], p
         "id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"text": c.text, "index": i, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage_body(prompt_tokens, completion_tokens),
         "conduit_version": version,
     }
 
 
-def stream_events(cid: str, model: str, version: int, index: int, pieces: list[str],
-                  finish_reason: str) -> Iterator[str]:
-    """Server-sent events of one choice: a chunk per text piece, then one carrying its finish reason.
+def stream_chunk(cid: str, model: str, version: int, created: int, index: int, text: str,
+                 finish_reason: str | None = None, usage: dict | None = None) -> str:
+    """One server-sent event of a streamed completion: text of choice ``index`` as it is generated, or
+    (with ``finish_reason``) the end of that choice; the event that ends the last choice also carries
+    the request's ``usage``. The caller sends ``DONE_EVENT`` after it."""
+    data = {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}],
+            "conduit_version": version}
+    if usage is not None:
+        data["usage"] = usage
+    return f"data: {json.dumps(data)}\n\n"
 
-    The caller sends ``DONE_EVENT`` after the last choice.
-    """
-    created = int(time.time())
 
-    def chunk(text: str, reason: str | None) -> str:
-        data = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": reason}],
-                "conduit_version": version}
-        return f"data: {json.dumps(data)}\n\n"
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
-    for piece in pieces:
-        yield chunk(piece, None)
-    yield chunk("", finish_reason)
+
+def error_event(message: str) -> str:
+    """A streamed completion that failed after its first event: an OpenAI-style error as the last event."""
+    return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
 
 
 DONE_EVENT = "data: [DONE]\n\n"

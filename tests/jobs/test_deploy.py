@@ -81,7 +81,20 @@ def test_openai_client_completions_streaming_and_models(served):
     stream = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=8, temperature=0.0, stream=True)
     chunks = list(stream)
     assert len(chunks) >= 2 and "".join(c.choices[0].text for c in chunks) == full
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text == ""
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == cut.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # several choices stream interleaved, each by its index, each as it would be alone; a stop sequence
+    # ends its choice with the text before it
+    many = list(client.completions.create(model=MODEL_NAME, prompt=["KING:", "The old man said"], max_tokens=8,
+                                          temperature=0.0, stream=True, stop=[stop]))
+    texts = {i: "".join(c.choices[0].text for c in many if c.choices[0].index == i) for i in (0, 1)}
+    alone = client.completions.create(model=MODEL_NAME, prompt="The old man said", max_tokens=8, temperature=0.0,
+                                      stop=[stop]).choices[0]
+    assert texts == {0: cut.choices[0].text, 1: alone.text}
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in many if c.choices[0].finish_reason}
+    assert ends == {0: "stop", 1: alone.finish_reason} and many[-1].usage is not None
     raw = requests.post(f"{served}/completions", json={"prompt": "KING:", "max_tokens": 3, "stream": True},
                         timeout=60, stream=True)
     assert raw.headers["content-type"].startswith("text/event-stream")
@@ -202,9 +215,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert _complete(served, prompt="KING:", max_tokens=2).status_code == 200
 
 
+def test_a_client_that_disconnects_stops_its_rows_within_a_step(served):
+    """32 streamed rows (2 prompts x n=16) of 50 tokens; the client reads the first event and hangs up.
+    The replica counts the rows it stopped early and the steps each took after its cancel; the batch
+    made far fewer steps than the 50 the rows would have taken."""
+    health = served.removesuffix("/v1") + "/healthz"
+    before = requests.get(health, timeout=30).json()["batches"]
+    body = {"model": MODEL_NAME, "prompt": ["KING:", "The old man said"], "n": 16, "max_tokens": 50,
+            "temperature": 0.0, "stream": True}
+    t0 = time.perf_counter()
+    with requests.post(f"{served}/completions", json=body, timeout=60, stream=True) as r:
+        first = next(line for line in r.iter_lines() if line)
+    first_s = time.perf_counter() - t0
+    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] is not None
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        after = requests.get(health, timeout=30).json()["batches"]
+        if after["stopped"] - before["stopped"] >= 32:
+            break
+        time.sleep(0.2)
+    steps = after["steps"] - before["steps"]
+    assert after["stopped"] - before["stopped"] == 32, (before, after, first_s)
+    assert after["steps_after_cancel_max"] <= 1 and steps < 25, (before, after, first_s)
+    print(f"first event after {first_s:.3f} s; {steps} steps before the rows stopped")
+
+
 def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
-    """Six clients at once: each gets what it got alone, and the replica (one: --replicas 1) ran them
-    in fewer generation calls than rows, at least one call holding several requests."""
+    """Six clients at once: each gets what it got alone, and the replica (one: --replicas 1) admitted
+    them in fewer prompt forwards than rows, its batch holding several requests at once."""
     prompts = ["KING:", "The old man said", "O", "What light through yonder window", "First Citizen:", "Ay"]
     alone = [_complete(served, prompt=p, max_tokens=10 + i, temperature=0.0).json()["choices"][0]["text"]
              for i, p in enumerate(prompts)]
@@ -217,7 +255,7 @@ def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
     after = requests.get(health, timeout=30).json()["batches"]
     assert together == alone
     assert after["rows"] - before["rows"] == len(prompts), (before, after)
-    assert after["calls"] - before["calls"] < len(prompts) and after["largest"] > 1, (before, after)
+    assert after["joins"] - before["joins"] < len(prompts) and after["largest"] > 1, (before, after)
 
 
 def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, tiny_run, capsys):
@@ -276,7 +314,9 @@ def test_app_builder_resolves_the_alias_for_declarative_configs(served, tiny_run
     for args, error, needle in [({"model": f"{MODEL_NAME}@nope", "tracking_uri": tiny_run.uri}, LookupError, "no alias"),
                                 ({"model": f"{MODEL_NAME}/99", "tracking_uri": tiny_run.uri}, LookupError, "no version 99"),
                                 ({"model": MODEL_NAME, "tracking_uri": tiny_run.uri}, ValueError, "NAME@ALIAS or"),
-                                ({"model": "m", "replicas": 2}, ValueError, "take only")]:
+                                ({"model": "m", "replicas": 2}, ValueError, "take only"),
+                                ({"model": f"{MODEL_NAME}/1", "tracking_uri": tiny_run.uri, "batching": "dynamic"},
+                                 ValueError, "'continuous' or 'static'")]:
         with pytest.raises(error, match=needle):
             app.app_builder(args)
 

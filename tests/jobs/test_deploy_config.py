@@ -15,11 +15,14 @@ from tests.servers import ROOT
 def test_deploy_section_defaults_overrides_and_bad_values():
     cfg = load_config(None, ["deploy.num_replicas=3", "deploy.port=9000", "deploy.num_gpus_per_replica=0.5"])
     assert (cfg.deploy.num_replicas, cfg.deploy.port, cfg.deploy.num_gpus_per_replica) == (3, 9000, 0.5)
+    assert (cfg.deploy.batching, cfg.deploy.max_batch_tokens) == ("continuous", 65536)
     assert deploy.endpoint(cfg.deploy) == "http://127.0.0.1:9000/v1"
     assert deploy.endpoint(DeploySection(route_prefix="/lm")) == "http://127.0.0.1:8000/lm/v1"
     for override, needle in [("deploy.num_replicas=0", "deploy.num_replicas=0 must be >= 1"),
                              ("deploy.port=70000", "deploy.port=70000 must be in 1..65535"),
                              ("deploy.route_prefix=lm", "must start with '/'"),
+                             ("deploy.batching=dynamic", "deploy.batching='dynamic' must be 'continuous' or 'static'"),
+                             ("deploy.max_batch_tokens=0", "deploy.max_batch_tokens=0 must be >= 1"),
                              ("deploy.replicas=2", "did you mean 'num_replicas'")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(None, [override])

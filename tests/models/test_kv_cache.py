@@ -75,5 +75,12 @@ def test_cache_limits(make_model):
         model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match="batch size"):
         model(torch.zeros(2, 1, dtype=torch.long), kv_cache=model.new_kv_cache(1))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model.new_kv_cache(1, max_len=33)
+    # Slots may outnumber max_seq_len (rows that joined a batch later start at later slots); a row's
+    # positions may not: pads take slots without positions, real tokens past max_seq_len are refused.
+    big = model.new_kv_cache(2, max_len=40)
+    mask_BT = torch.tensor([[0] * 8 + [1] * 24, [1] * 32])
+    model(torch.zeros(2, 32, dtype=torch.long), attention_mask_BT=mask_BT, kv_cache=big)
+    model(torch.zeros(2, 1, dtype=torch.long), attention_mask_BT=torch.tensor([[1], [0]]), kv_cache=big)
+    assert big.length == 33 and big.next_pos_B.tolist() == [25, 32]
+    with pytest.raises(ValueError, match="sequence length 32 cached \\+ 1 new exceeds max_seq_len 32"):
+        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=big)

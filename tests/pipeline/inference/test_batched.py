@@ -56,3 +56,14 @@ def test_requests_that_do_not_fit_are_refused_by_name():
         check_fits(GenRequest((5,), 0), 16)
     with pytest.raises(ValueError, match="at least one request"):
         generate_batch(build_model("debug_dense"), [], EOS)
+
+
+@pytest.mark.parametrize("preset", ["debug_dense", "debug_mamba"])
+def test_a_long_prompt_and_a_long_budget_in_one_batch_both_run(preset):
+    """Rows of 60 prompt + 2 new and 2 + 60 in a 64-token model: the batch spans 120 slots, each row's
+    positions stay below 64 (this raised "KVCache max_len (120) exceeds max_seq_len (64)" before)."""
+    torch.manual_seed(1)
+    model = build_model(preset, max_seq_len=64).eval()
+    reqs = [GenRequest(tuple(range(5, 65)), 2), GenRequest((5, 6), 60)]
+    assert generate_batch(model, reqs, eos_id=-1) == [generate_batch(model, [r], eos_id=-1)[0] for r in reqs]
+    assert [len(x) for x in generate_batch(model, reqs, eos_id=-1)] == [2, 60]

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from pipeline.serving.openai_api import (ApiError, Choice, apply_stop, completion_body, logprobs_body,
-                                         parse_completion_request, stream_events)
+                                         parse_completion_request, stream_chunk,
+                                         usage_body)
 
 
 def parse(**body):
@@ -87,10 +88,12 @@ def test_stop_completion_and_stream_bodies():
     body = completion_body("cmpl-1", "m", 3, [Choice("ab", "length", 2), Choice("c", "stop", 1)], 5)
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["conduit_version"] == 3
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    events = list(stream_events("cmpl-1", "m", 3, 1, ["a", "b"], "length"))
+    events = [stream_chunk("cmpl-1", "m", 3, 7, 1, "a"), stream_chunk("cmpl-1", "m", 3, 7, 1, "", "length",
+                                                                      usage_body(5, 3))]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events]
-    assert [c["choices"][0]["text"] for c in chunks] == ["a", "b", ""]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
+    assert "usage" not in chunks[0] and chunks[1]["usage"] == body["usage"] and chunks[0]["created"] == 7
     assert all(e.endswith("\n\n") and c["choices"][0]["index"] == 1 for e, c in zip(events, chunks))
 
 
