@@ -343,8 +343,10 @@ def explicit_attention(
     v_BGSV: torch.Tensor,
     attn_mask: torch.Tensor | None,
     dropout_p: float,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(QK^T / sqrt(K) + mask) V written out; returns (out_BHTV, pre-dropout weights_BHTS).
+    """softmax(QK^T * scale + mask) V written out, scale 1/sqrt(K) unless given; returns (out_BHTV,
+    pre-dropout weights_BHTS).
 
     K is the query/key width (q's last dimension); values may be of another width V (MLA). Query head h
     reads key/value head h // (H / G).
@@ -352,7 +354,8 @@ def explicit_attention(
     group = q_BHTK.shape[1] // k_BGSK.shape[1]
     k_BHSK = k_BGSK.repeat_interleave(group, dim=1)
     v_BHSV = v_BGSV.repeat_interleave(group, dim=1)
-    scores_BHTS = (q_BHTK @ k_BHSK.transpose(-2, -1)).float() / math.sqrt(q_BHTK.shape[-1])
+    scores_BHTS = (q_BHTK @ k_BHSK.transpose(-2, -1)).float()
+    scores_BHTS = scores_BHTS / math.sqrt(q_BHTK.shape[-1]) if scale is None else scores_BHTS * scale
     T, S = scores_BHTS.shape[-2:]
     if attn_mask is None:
         causal_TS = torch.ones(T, S, dtype=torch.bool, device=scores_BHTS.device).tril()

@@ -22,6 +22,7 @@ NORM_POSITIONS = ("pre", "post")
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_AUX_LOSS_SCOPES = ("batch", "sequence")
+ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")  # models.positions.RopeScaling
 # Optional sizes: None (derived) or an int >= 1.
 _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
@@ -78,7 +79,19 @@ class ModelConfig:
 
     pos_encoding: str = "rope"
     rope_base: float = 10000.0
-    rope_scaling: float = 1.0  # linear position interpolation: RoPE sees position / rope_scaling
+    # Context extension (models.positions.RopeScaling): rope_scaling is the factor s (1 = none),
+    # rope_scaling_type the method: linear (position interpolation: RoPE sees position / s), ntk,
+    # dynamic, yarn or llama3. dynamic, yarn and llama3 need rope_original_max_seq_len, the context
+    # the model was trained at; the yarn_* and llama3_* fields are those methods' parameters.
+    rope_scaling: float = 1.0
+    rope_scaling_type: str = "linear"
+    rope_original_max_seq_len: int | None = None
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float | None = None  # DeepSeek's mscale and mscale_all_dim (both or neither)
+    rope_yarn_mscale_all_dim: float | None = None
+    rope_llama3_low_freq_factor: float = 1.0
+    rope_llama3_high_freq_factor: float = 4.0
 
     ffn: str = "swiglu"
     norm: str = "rmsnorm"
@@ -205,6 +218,7 @@ class ModelConfig:
                 f"num_kv_heads ({kv}) must divide n_heads ({self.n_heads}); allowed: None or "
                 f"{[h for h in range(1, self.n_heads + 1) if self.n_heads % h == 0]}"
             )
+        self._check_rope_scaling()
         if self.pos_encoding == "sinusoidal" and self.d_model % 2 != 0:
             raise ValueError(f"pos_encoding 'sinusoidal' needs an even d_model, got {self.d_model}")
         if self.num_experts > 0 and self.moe_top_k > self.num_experts:
@@ -335,6 +349,50 @@ class ModelConfig:
     def resolved_ssm_dt_rank(self) -> int:
         """Rank of Mamba's delta projection (ceil(d_model / 16) when ssm_dt_rank is None)."""
         return math.ceil(self.d_model / 16) if self.ssm_dt_rank is None else self.ssm_dt_rank
+
+    def _check_rope_scaling(self) -> None:
+        _check_choice("rope_scaling_type", self.rope_scaling_type, ROPE_SCALING_TYPES)
+        kind, s = self.rope_scaling_type, self.rope_scaling
+        if kind != "linear" and self.pos_encoding != "rope":
+            raise ValueError(f"rope_scaling_type {kind!r} scales RoPE; pos_encoding is {self.pos_encoding!r}")
+        if kind != "linear" and s < 1.0:
+            raise ValueError(f"rope_scaling={s} must be >= 1 with rope_scaling_type {kind!r} (it extends the context)")
+        L = self.rope_original_max_seq_len
+        if kind in ("dynamic", "yarn", "llama3") and L is None:
+            raise ValueError(f"rope_scaling_type {kind!r} needs rope_original_max_seq_len, the context the model "
+                             f"was trained at")
+        if L is not None and not (isinstance(L, int) and 1 <= L <= self.max_seq_len):
+            raise ValueError(f"rope_original_max_seq_len must be an int in 1..max_seq_len ({self.max_seq_len}), got {L!r}")
+        for name in ("rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_llama3_low_freq_factor",
+                     "rope_llama3_high_freq_factor"):
+            _check_float(name, getattr(self, name))
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.rope_yarn_beta_fast <= self.rope_yarn_beta_slow:
+            raise ValueError(f"rope_yarn_beta_fast ({self.rope_yarn_beta_fast}) must be > rope_yarn_beta_slow "
+                             f"({self.rope_yarn_beta_slow})")
+        if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
+            raise ValueError(f"rope_llama3_high_freq_factor ({self.rope_llama3_high_freq_factor}) must be > "
+                             f"rope_llama3_low_freq_factor ({self.rope_llama3_low_freq_factor})")
+        mscales = (self.rope_yarn_mscale, self.rope_yarn_mscale_all_dim)
+        if any(m is not None for m in mscales):
+            if kind != "yarn" or any(m is None for m in mscales):
+                raise ValueError("rope_yarn_mscale and rope_yarn_mscale_all_dim go together, with rope_scaling_type "
+                                 f"'yarn' (got {mscales}, {kind!r})")
+            for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+                _check_float(name, getattr(self, name))
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def rope(self):
+        """The context-extension method and its parameters (``models.positions.RopeScaling``)."""
+        from models.positions import RopeScaling
+
+        return RopeScaling(self.rope_scaling_type, self.rope_scaling, self.rope_original_max_seq_len,
+                           self.rope_yarn_beta_fast, self.rope_yarn_beta_slow, self.rope_yarn_mscale,
+                           self.rope_yarn_mscale_all_dim, self.rope_llama3_low_freq_factor,
+                           self.rope_llama3_high_freq_factor)
 
     # ------------------------------------------------------------------ (de)serialisation
 

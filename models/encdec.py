@@ -201,7 +201,7 @@ class EncoderDecoderLM(nn.Module):
 
     def _rope(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         cfg = self.cfg
-        return rope_cos_sin(positions_BT, cfg.rope_head_dim, cfg.rope_base, cfg.rope_scaling) \
+        return rope_cos_sin(positions_BT, cfg.rope_head_dim, cfg.rope_base, cfg.rope) \
             if cfg.pos_encoding == "rope" else None
 
     def encode(self, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> EncoderState:

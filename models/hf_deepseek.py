@@ -33,7 +33,7 @@ What maps how:
 - layer kinds: DeepseekV2 makes layer i MoE iff i >= first_k_dense_replace, which is Conduit's
   moe_first_dense_layers with moe_every=1; a dense model is first_k_dense_replace = num_hidden_layers.
 - attention: num_key_value_heads = num_attention_heads (the expanded keys are per head); the softmax
-  scale (qk_nope + qk_rope)^-0.5 is DeepseekV2's with rope_type default or linear (no YaRN mscale).
+  scale (qk_nope + qk_rope)^-0.5 is DeepseekV2's, times mscale(factor, mscale_all_dim)^2 under YaRN with DeepSeek's mscale.
 """
 
 from __future__ import annotations

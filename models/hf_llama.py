@@ -104,11 +104,80 @@ def our_name(name: str) -> str:
     raise ValueError(f"unexpected tensor {name!r} in Hugging Face checkpoint")
 
 
+def rope_parameters(cfg: ModelConfig) -> tuple[dict, int]:
+    """transformers' ``rope_parameters`` for ``cfg``'s RoPE scaling, and ``max_position_embeddings``.
+
+    linear, yarn and llama3 are transformers' types of those names; NTK-aware scaling is the default
+    type with its raised base (the same frequencies); dynamic NTK is transformers' ``dynamic``, which
+    scales past ``max_position_embeddings``, so that is the original context there (an import gives
+    back ``max_seq_len = factor x original``).
+    """
+    rs, base = cfg.rope, cfg.rope_base
+    if rs.factor == 1.0 and rs.kind != "yarn" or cfg.pos_encoding != "rope":
+        return {"rope_type": "default", "rope_theta": base}, cfg.max_seq_len
+    if rs.kind == "linear":
+        return {"rope_type": "linear", "rope_theta": base, "factor": rs.factor}, cfg.max_seq_len
+    if rs.kind == "ntk":
+        d = cfg.rope_head_dim
+        return {"rope_type": "default", "rope_theta": base * rs.factor ** (d / (d - 2))}, cfg.max_seq_len
+    if rs.kind == "dynamic":
+        return {"rope_type": "dynamic", "rope_theta": base, "factor": rs.factor}, rs.original_max_seq_len
+    if rs.kind == "yarn":
+        out = {"rope_type": "yarn", "rope_theta": base, "factor": rs.factor, "beta_fast": rs.beta_fast,
+               "beta_slow": rs.beta_slow, "original_max_position_embeddings": rs.original_max_seq_len}
+        if rs.mscale is not None:
+            out.update(mscale=rs.mscale, mscale_all_dim=rs.mscale_all_dim)
+        return out, cfg.max_seq_len
+    return {"rope_type": "llama3", "rope_theta": base, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_seq_len
+            }, cfg.max_seq_len
+
+
+def rope_fields(hf: dict) -> dict:
+    """The ModelConfig fields of a config.json's RoPE (``rope_parameters``, or the older ``rope_scaling``
+    with ``type`` or ``rope_type``) and ``max_position_embeddings``.
+
+    Raises:
+        ValueError: a rope type Conduit does not compute (longrope, ...), or YaRN with
+            ``attention_factor`` or ``truncate: false``, naming it.
+    """
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    max_positions = hf["max_position_embeddings"]
+    out = dict(rope_base=base, max_seq_len=max_positions)
+    if kind == "default":
+        return out
+    if kind not in ("linear", "dynamic", "yarn", "llama3"):
+        raise ValueError(f"rope_type must be one of default, linear, dynamic, yarn, llama3; got {kind!r}")
+    factor = float(rope["factor"]) if rope.get("factor") is not None else None
+    out.update(rope_scaling_type=kind)
+    if kind == "linear":
+        return {**out, "rope_scaling": factor}
+    if kind == "dynamic":  # transformers scales past max_position_embeddings: that is the original context
+        return {**out, "rope_scaling": factor, "rope_original_max_seq_len": max_positions,
+                "max_seq_len": int(round(factor * max_positions))}
+    original = int(rope.get("original_max_position_embeddings") or max_positions)
+    out.update(rope_original_max_seq_len=original)
+    if kind == "llama3":
+        return {**out, "rope_scaling": factor, "rope_llama3_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_llama3_high_freq_factor": float(rope["high_freq_factor"])}
+    if rope.get("attention_factor") is not None:
+        raise ValueError("rope_parameters.attention_factor (YaRN's temperature given outright) is not supported; "
+                         "Conduit derives it from factor (and mscale, mscale_all_dim)")
+    if rope.get("truncate", True) is False:
+        raise ValueError("rope_parameters.truncate=false (YaRN without rounding its band edges) is not supported")
+    out.update(rope_scaling=factor if factor is not None else max_positions / original,
+               rope_yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+               rope_yarn_beta_slow=float(rope.get("beta_slow") or 1.0))
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        out.update(rope_yarn_mscale=float(rope["mscale"]), rope_yarn_mscale_all_dim=float(rope["mscale_all_dim"]))
+    return out
+
+
 def common_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The config.json keys every Llama-like class (Llama, Mixtral, DeepseekV2) reads alike."""
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
-    if cfg.rope_scaling != 1.0:
-        rope = {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": cfg.rope_scaling}
+    rope, max_positions = rope_parameters(cfg)
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -117,9 +186,9 @@ def common_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "num_key_value_heads": cfg.resolved_num_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_base,
+        "rope_theta": rope["rope_theta"],
         "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
@@ -157,20 +226,14 @@ def common_fields(hf: dict, check_head_dim: bool = True) -> dict:
         raise ValueError(f"hidden_act must be 'silu', got {hf['hidden_act']!r}")
     if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
         raise ValueError("attention_bias / mlp_bias are not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear"):
-        raise ValueError(f"rope_type must be 'default' or 'linear', got {rope_type!r}")
     return dict(
         vocab_size=hf["vocab_size"],
         d_model=d,
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        max_seq_len=hf["max_position_embeddings"],
         norm_eps=hf["rms_norm_eps"],
-        rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=float(rope.get("factor", 1.0)) if rope_type == "linear" else 1.0,
+        **rope_fields(hf),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
         attn_dropout=float(hf.get("attention_dropout", 0.0)),
@@ -194,7 +257,7 @@ def architecture(cfg: ModelConfig) -> tuple:
     (d_ff=None and d_ff=192 can be equal)."""
     return (
         cfg.arch, cfg.attention, cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.resolved_num_kv_heads,
-        cfg.max_seq_len, cfg.norm_eps, cfg.rope_base, cfg.rope_scaling, cfg.tie_embeddings, cfg.num_experts,
+        cfg.max_seq_len, cfg.norm_eps, cfg.rope_base, cfg.rope, cfg.tie_embeddings, cfg.num_experts,
         cfg.moe_top_k if cfg.num_experts else None,
         cfg.resolved_moe_d_ff if cfg.num_experts else cfg.resolved_d_ff,
         cfg.moe_shared_experts if cfg.num_experts else None, cfg.moe_renormalize if cfg.num_experts else None,

@@ -38,7 +38,7 @@ from torch import nn
 from models.attention import KVCache, explicit_attention
 from models.config import ModelConfig
 from models.norms import RMSNorm
-from models.positions import apply_rope
+from models.positions import apply_rope, yarn_softmax_scale
 
 MLA_LATENT_NORM_EPS = 1e-6
 
@@ -67,6 +67,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.v_dim = cfg.resolved_v_head_dim
         self.attn_dropout = cfg.attn_dropout
         D, H, Q = cfg.d_model, cfg.n_heads, self.nope_dim + self.rope_dim
+        # 1/sqrt(N + P), as the paper; DeepSeek's YaRN multiplies it by mscale(s, mscale_all_dim)^2.
+        mscale2 = yarn_softmax_scale(cfg.rope)
+        self.softmax_scale = None if mscale2 == 1.0 else Q ** -0.5 * mscale2
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * Q, bias=cfg.bias)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
@@ -133,11 +136,13 @@ class MultiHeadLatentAttention(nn.Module):
         dropout_p = self.attn_dropout if self.training else 0.0
 
         if return_attention:
-            out_BHTV, weights_BHTS = explicit_attention(q_BHTQ, k_BHSQ, v_BHSV, attn_mask, dropout_p)
+            out_BHTV, weights_BHTS = explicit_attention(q_BHTQ, k_BHSQ, v_BHSV, attn_mask, dropout_p,
+                                                        self.softmax_scale)
         else:
-            # SDPA scales by 1/sqrt(q's width) = 1/sqrt(N + P), as the paper does.
+            # SDPA scales by 1/sqrt(q's width) = 1/sqrt(N + P) unless told (softmax_scale).
             out_BHTV = F.scaled_dot_product_attention(
-                q_BHTQ, k_BHSQ, v_BHSV, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None
+                q_BHTQ, k_BHSQ, v_BHSV, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None,
+                scale=self.softmax_scale,
             )
             weights_BHTS = None
         y_BTD = self.o_proj(out_BHTV.transpose(1, 2).reshape(B, T, H * self.v_dim))

@@ -181,7 +181,7 @@ class Transformer(nn.Module):
         x_BTD = self.emb_dropout(x_BTD)
 
         rope = (
-            rope_cos_sin(positions_BT, cfg.rope_head_dim, cfg.rope_base, cfg.rope_scaling)
+            rope_cos_sin(positions_BT, cfg.rope_head_dim, cfg.rope_base, cfg.rope)
             if cfg.pos_encoding == "rope"
             else None
         )

@@ -24,6 +24,17 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
     return model.eval()
 
 
+def random_model(make_cfg, seed: int = 0, **kw) -> Transformer:
+    """Random weights everywhere, norms included, so a mis-mapped tensor cannot hide (export tests)."""
+    torch.manual_seed(seed)
+    model = Transformer(make_cfg(**kw))
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
 @pytest.fixture
 def make_cfg():
     return tiny_config

@@ -10,18 +10,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MixtralForCausalLM
 
 from models import Transformer
+from tests.models.conftest import random_model
 from models.export import load_hf, load_safetensors, read_config, save_hf, save_safetensors
 
 
-def _random_model(make_cfg, seed=0, **kw) -> Transformer:
-    """Random weights everywhere, norms included, so a mis-mapped tensor cannot hide."""
-    torch.manual_seed(seed)
-    model = Transformer(make_cfg(**kw))
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.eval()
+_random_model = random_model
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForC
                           DeepseekV3ForCausalLM)
 
 from models import Transformer
+from tests.models.conftest import random_model
 from models.export import load_hf, save_hf
 from models.generate import generate
 from models.positions import apply_rope, rope_cos_sin
@@ -18,15 +19,7 @@ from models.positions import apply_rope, rope_cos_sin
 MLA = dict(attention="mla", kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
 
 
-def _random_model(make_cfg, seed=0, **kw) -> Transformer:
-    """Random weights everywhere, norms included, so a mis-mapped tensor cannot hide."""
-    torch.manual_seed(seed)
-    model = Transformer(make_cfg(**kw))
-    model.init_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.eval()
+_random_model = random_model
 
 
 def test_mla_layer_is_the_paper_formula_written_out(make_cfg):
