@@ -237,6 +237,10 @@ class EvalSection:
     lambada_path: str | None = "lambada/lambada_openai_test.jsonl"
     max_text_tokens: int = 8192  # per benchmark text set (split evenly over its files)
     lambada_max_examples: int = 300
+    # Held-out bits per byte at each of these context lengths (tokens; e.g. the trained length and 2x,
+    # 4x it, each at most the model's max_seq_len), loss by position in the longest, and a picture of
+    # both (pipeline.evaluation.context_length). []: not measured.
+    context_lengths: list[int] = field(default_factory=list)
     attention_sentence: str = "The old man looked at the sea and said nothing."
     # Where the scoring runs. auto: a GPU when the Ray cluster has one (the task then holds one GPU),
     # else CPU with eval.cpus logical CPUs and eval.threads torch threads (null: eval.cpus).
@@ -634,6 +638,14 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         cfg.tokenize.seq_len <= mc.max_seq_len,
         f"tokenize.seq_len={cfg.tokenize.seq_len} exceeds the model's max_seq_len={mc.max_seq_len}",
     )
+    lengths = cfg.eval.context_lengths
+    need(all(isinstance(L, int) and not isinstance(L, bool) and L >= 2 for L in lengths),
+         f"eval.context_lengths={lengths} must be whole numbers >= 2")
+    need(all(L <= mc.max_seq_len for L in lengths),
+         f"eval.context_lengths {[L for L in lengths if L > mc.max_seq_len]} exceed the model's "
+         f"max_seq_len={mc.max_seq_len}")
+    need(not lengths or bool(cfg.eval.heldout_paths),
+         "eval.context_lengths scores the held-out text: set eval.heldout_paths")
     # The layout limits, each written once in pipeline.config.limits (the training code relies on them);
     # checked in this order, so that each one may assume the ones before it.
     within(limits.layout_sizes(p.num_workers, p.ep_size, tr.micro_batch_size_per_rank))

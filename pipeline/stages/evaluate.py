@@ -28,7 +28,7 @@ import torch
 from models.export import load_safetensors
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import span_corruption
-from pipeline.evaluation import denoising, lambada, plots, references, routing, text_metrics, word_order
+from pipeline.evaluation import context_length, denoising, lambada, plots, references, routing, text_metrics, word_order
 from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
 from pipeline.inference.generator import TextGenerator
 from pipeline.data.token_blocks import TokenBlocks
@@ -142,6 +142,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     model = model.to("cpu")  # pictures and samples: small, and sampling draws from a CPU generator
     sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
     log_pictures(cfg, model, sp, stats, tracker)
+    if cfg.eval.context_lengths and not family(model.cfg).seq2seq:
+        tracker.log_figure(context_length.context_figure(metrics, cfg.tokenize.seq_len), "plots/context_length.png")
     samples = TextGenerator(model, sp).generate(
         cfg.eval.prompts, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature
     )
@@ -182,6 +184,11 @@ def _score(cfg: RunConfig, model: torch.nn.Module, evaluated: np.ndarray, batch_
     sp = load_sentencepiece(str(inputs["tokenizer"].path / TOKENIZER_FILE))
     metrics.update(order)
     metrics.update(benchmark_metrics(cfg, model, sp, on_scored=one_more_set_scored, batch_size=batch_size))
+    if cfg.eval.context_lengths:
+        files = text_metrics.resolve_files(cfg.data_root(), cfg.eval.heldout_paths, "eval.heldout_paths")
+        encoded = text_metrics.encode_files(sp, files, cfg.eval.max_text_tokens)
+        metrics.update(context_length.context_metrics(model, encoded, cfg.eval.context_lengths, batch_size))
+        one_more_set_scored()
     stats = routing.routing_stats(model, evaluated, batch_size) if model.cfg.num_experts else None
     if stats is not None:
         metrics.update(routing.routing_metrics(stats))

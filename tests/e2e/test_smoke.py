@@ -143,6 +143,23 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     assert profile["documents"]["train"] == tokens.manifest["counts"]["splits"]["train"]["documents"] > 0
 
 
+def test_evaluate_scores_the_held_out_text_by_context_length(smoke):
+    """smoke.yaml's eval.context_lengths [32, 64, 128] (trained at 64): the stage's window of 64 gives its
+    held-out bits per byte again; the trained model's loss falls with the context a token has; the
+    picture is in MLflow."""
+    cfg, result, _, _ = smoke
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    assert metrics["context_bits_per_byte_64"] == pytest.approx(metrics["heldout_bits_per_byte"], rel=1e-9)
+    assert {f"context_bits_per_byte_{L}" for L in (32, 128)} <= set(metrics)
+    assert metrics["kv_cache_bytes_128"] == 2 * metrics["kv_cache_bytes_64"] > 0
+    assert metrics["context_loss_pos_0_1"] > metrics["context_loss_pos_32_64"]  # context helps a trained model
+    c = tracking.client(result.tracking_uri)
+    parent = c.get_run(result.run_id)
+    runs = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{result.run_id}'")
+    (run,) = [r for r in runs if r.data.tags["conduit.stage"] == "evaluate"]
+    assert "plots/context_length.png" in [a.path for a in c.list_artifacts(run.info.run_id, "plots")]
+
+
 def test_registered_model_generates_text(smoke):
     cfg, result, _, _ = smoke
     c = tracking.client(result.tracking_uri)

@@ -98,6 +98,11 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("eval.lambada_max_examples=0", r"eval\.lambada_max_examples=0 must be >= 1"),
     ("eval.attention_sentence=''", r"eval\.attention_sentence='' must be non-empty"),
     ("cluster.num_cpus=0", r"cluster\.num_cpus=0 must be >= 1"),
+    ("eval.context_lengths=[1]", r"eval\.context_lengths=\[1\] must be whole numbers >= 2"),
+    ("eval.context_lengths=[64,999999]", r"eval\.context_lengths \[999999\] exceed the model's max_seq_len=128"),
+    ("eval.context_lengths=[64] eval.heldout_paths=[]", r"eval\.context_lengths scores the held-out text"),
+    ("model.rope_scaling_type=yarn model.rope_scaling=4", r"model: rope_scaling_type 'yarn' needs "
+                                                          r"rope_original_max_seq_len"),
 ])
 def test_bad_values_name_the_field(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -167,3 +167,32 @@ def test_evaluation_device_precision_and_resources(model):
             low, _ = text_metrics.summed_nll(model, blocks[:, :-1], blocks[:, 1:], batch_size=3)
     assert plain == pytest.approx(direct, rel=1e-6)
     assert low != plain and low == pytest.approx(plain, rel=2e-2)
+
+
+def test_context_lengths_score_the_same_text_and_positions_add_up(model, sp, data_root):
+    from pipeline.evaluation import context_length
+
+    files = text_metrics.resolve_files(data_root, ["gutenberg/heldout/*.txt"], "eval.heldout_paths")
+    encoded = text_metrics.encode_files(sp, files, 2048)
+    m = context_length.context_metrics(model, encoded, [16, 32, 64], batch_size=4)
+    # one length is the stage's usual window: the same windows, the same number
+    direct = text_metrics.text_metrics(model, encoded, 32, batch_size=4)
+    assert m["context_bits_per_byte_32"] == pytest.approx(direct["bits_per_byte"], rel=1e-12)
+    assert m["context_loss_32"] == pytest.approx(direct["loss"], rel=1e-12)
+    # every length scores every byte: bits per byte = loss x tokens / bytes, the same tokens each time
+    for L in (16, 32, 64):
+        assert m[f"context_bits_per_byte_{L}"] == pytest.approx(
+            m[f"context_loss_{L}"] * direct["tokens"] / math.log(2) / encoded.n_bytes, rel=1e-9)
+        assert m[f"kv_cache_bytes_{L}"] == 2 * 2 * model.cfg.n_layers * model.cfg.d_model * L  # bf16 k and v
+    # the position buckets of the longest window, weighted by their targets, give back its loss
+    nll_L, count_L = context_length.loss_by_position(model, *text_metrics.windows(encoded.ids, 64), 4)
+    assert nll_L.sum() / count_L.sum() == pytest.approx(m["context_loss_64"], rel=1e-5)
+    buckets = context_length.position_buckets(64)
+    assert buckets == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64)]
+    for lo, hi in buckets:
+        assert m[f"context_loss_pos_{lo}_{hi}"] == pytest.approx(nll_L[lo:hi].sum() / count_L[lo:hi].sum(), rel=1e-9)
+    fig = context_length.context_figure(m, trained_length=32)
+    fig.savefig(io.BytesIO(), format="png")
+    assert len(fig.axes) == 2
+    with pytest.raises(ValueError, match=r"eval.context_lengths \[128\] exceed the model's max_seq_len=64"):
+        context_length.context_metrics(model, encoded, [32, 128], batch_size=4)
