@@ -28,6 +28,27 @@ _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_r
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
 
 
+# What a run that continues a model's weights (a context extension, pipeline train.init_from) may set
+# differently: the context and its RoPE scaling, and options of training that no weight depends on.
+CONTINUABLE_FIELDS = ("max_seq_len", "rope_scaling", "rope_scaling_type", "rope_original_max_seq_len",
+                      "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
+                      "rope_llama3_low_freq_factor", "rope_llama3_high_freq_factor", "dropout", "attn_dropout",
+                      "init_std", "moe_capacity_factor", "moe_aux_loss_coef", "moe_aux_loss_scope", "moe_z_loss_coef",
+                      "moe_expert_impl", "moe_bias_update_rate", "denoise_noise_density", "denoise_mean_span_length")
+
+
+def continuation_problems(parent: "ModelConfig", child: "ModelConfig") -> list[str]:
+    """Why ``child`` cannot start from ``parent``'s weights: each field outside ``CONTINUABLE_FIELDS``
+    that differs, as ``name: parent value -> child value`` (empty when it can)."""
+    problems = [f"{f.name}: {getattr(parent, f.name)!r} -> {getattr(child, f.name)!r}"
+                for f in dataclasses.fields(parent)
+                if f.name not in CONTINUABLE_FIELDS and getattr(parent, f.name) != getattr(child, f.name)]
+    if parent.max_seq_len != child.max_seq_len and parent.pos_encoding == "learned":
+        problems.append(f"max_seq_len: {parent.max_seq_len} -> {child.max_seq_len} with learned positions (a table "
+                        "of max_seq_len rows; RoPE extends, a learned table does not)")
+    return problems
+
+
 def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
     """SwiGLU hidden size: int(8/3 * d) rounded up to a multiple of `multiple_of`.
 

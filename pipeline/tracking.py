@@ -324,6 +324,22 @@ def download_model(uri: str, model_ref: str, dst: str | Path) -> Path:
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_ref, dst_path=str(dst)))
 
 
+def download_weights(uri: str, model_ref: str, dst: str | Path) -> Path:
+    """Download a registered Conduit model into ``dst`` and return its weights file (the ``weights``
+    artifact its ``MLmodel`` names).
+
+    Raises:
+        KeyError: the model has no ``weights`` artifact (not a Conduit model).
+    """
+    from mlflow.models import Model
+
+    local = download_model(uri, model_ref, dst)
+    artifacts = Model.load(str(local)).flavors["python_function"].get("artifacts", {})
+    if "weights" not in artifacts:
+        raise KeyError(f"{model_ref} has no 'weights' artifact: not a Conduit model")
+    return local / artifacts["weights"]["path"]
+
+
 def load_registered_model(uri: str, model_ref: str):
     """Load ``models:/NAME@alias`` (or ``models:/NAME/3``) as a pyfunc model."""
     with _fluent_uri(uri):

@@ -61,6 +61,8 @@ def version_tags(cfg: RunConfig, inputs: dict, metrics: dict[str, float], hf_not
         "conduit.config_hash": content_hash("run_config", 1, hash_view(cfg), {}),
         "conduit.code_version": code_version(),
         "conduit.hf_export": f"artifacts/{HF_DIR}" if hf_note is None else f"not exported: {hf_note}",
+        # a continued model (train.init_from, a context extension): the version it started from
+        **inputs["train"].manifest["counts"].get("init_from", {}),
         **{f"metric.{k}": repr(float(v)) for k, v in metrics.items()},
     }
 

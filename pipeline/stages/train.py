@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from models.export import load_safetensors
+from pipeline import tracking
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
 from pipeline.store.contracts import read_train_metrics, read_train_starts
@@ -120,6 +122,39 @@ def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None
              f"{kept} checkpoints x {CHECKPOINT_BYTES_PER_PARAM} B x {params:,} parameters")]
 
 
+def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
+    """The weights ``train.init_from`` names (a registered version), checked against this run, and the
+    lineage tags that name it.
+
+    Raises:
+        LookupError: no such version.
+        ValueError: its architecture differs from ``model`` beyond the context and RoPE scaling, or it was
+            trained with another tokenizer than this run's, each named.
+    """
+    import tempfile
+
+    from models.config import continuation_problems
+
+    ref = cfg.train.init_from
+    name, version = ref.removeprefix("models:/").rsplit("/", 1)
+    uri = cfg.tracking_uri()
+    info = tracking.get_version(uri, name, int(version))  # LookupError naming it
+    tokenizer = tokens.manifest["inputs"].get("tokenizer")
+    if info.tags.get("conduit.tokenizer_hash") != tokenizer:
+        raise ValueError(f"train.init_from={ref}: that version was trained with tokenizer artifact "
+                         f"{info.tags.get('conduit.tokenizer_hash')}, this run tokenizes with {tokenizer}; "
+                         "continue it on the data and tokenizer settings of its own run")
+    with tempfile.TemporaryDirectory(prefix="conduit-init-") as tmp:
+        parent = load_safetensors(str(tracking.download_weights(uri, ref, tmp)))
+    problems = continuation_problems(parent.cfg, cfg.model_config())
+    if problems:
+        raise ValueError(f"train.init_from={ref}: model differs from that version's beyond the context and RoPE "
+                         f"scaling: {'; '.join(problems)}")
+    tags = {"conduit.init_from": ref, "conduit.init_from_run": info.run_id or "",
+            "conduit.init_from_train_hash": info.tags.get("conduit.train_hash", "")}
+    return parent.state_dict(), tags
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
@@ -137,6 +172,11 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
                       "checkpoints": f"{storage}/{name}"})
     tracker.log_input_dataset(**training_dataset(cfg, inputs["tokenize"]))
+    init_state, lineage = None, {}
+    if cfg.train.init_from:
+        state, lineage = parent_state(cfg, inputs["tokenize"])
+        tracker.set_tags(lineage)
+        init_state = ray.put(state)  # every worker, on any node, reads it from the object store
     trainer = TorchTrainer(
         main,
         train_loop_config={
@@ -148,6 +188,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             "precision": precision,
             # Fault tests widen a moment to SIGKILL a worker in.
             "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
+            "init_state": init_state,
         },
         torch_config=TorchConfig(backend=backend_for(device)),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
@@ -176,6 +217,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "device": device,
         "precision": precision,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        **({"init_from": lineage} if lineage else {}),
     }
 
 

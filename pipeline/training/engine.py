@@ -142,9 +142,10 @@ def skip_inference_shm_op() -> None:
 
 
 def build_engine(model_cfg: ModelConfig, train: TrainSection, optim: OptimizerSection, dims: ParallelDims, *,
-                 precision: str, device: torch.device, seed: int):
-    """Build the model (the same initial weights on every rank), parallelize it, then the optimizer,
-    schedule and engine (at ``engine_zero_stage``: stage 0 where ZeRO would partition over one rank).
+                 precision: str, device: torch.device, seed: int, init_state: dict | None = None):
+    """Build the model (the same initial weights on every rank: ``init_state``, a parent model's state
+    dict (train.init_from), or a seeded initialisation), parallelize it, then the optimizer, schedule
+    and engine (at ``engine_zero_stage``: stage 0 where ZeRO would partition over one rank).
 
     Returns:
         (engine, scheduler).
@@ -158,6 +159,8 @@ def build_engine(model_cfg: ModelConfig, train: TrainSection, optim: OptimizerSe
         skip_inference_shm_op()
     seed_everything(seed)
     model = build_model(model_cfg, device=device)
+    if init_state is not None:
+        model.load_state_dict(init_state)  # strict: the stage checked the architectures match
     parallelize(model, train, dims, dist.get_rank())  # expert parallelism, checkpointing, compile
     ep = dims.ep_size > 1
     optimizer, scheduler = make_optimizer(model, optim, train.steps, model_cfg.d_model, expert_parallel=ep)

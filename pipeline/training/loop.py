@@ -130,8 +130,13 @@ def _setup(config: dict) -> _Rank:
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len)
+    init_state = None
+    if config.get("init_state") is not None:  # train.init_from: the parent's weights, in Ray's object store
+        import ray
+
+        init_state = ray.get(config["init_state"])
     engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=config["precision"], device=device,
-                                     seed=cfg.run.seed)
+                                     seed=cfg.run.seed, init_state=init_state)
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
     layout = {"world_size": world, "ep_size": dims.ep_size,
               "zero_stage": engine_zero_stage(t, dims, config["precision"])}

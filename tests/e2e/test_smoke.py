@@ -450,3 +450,43 @@ def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[s
         torch.set_num_threads(threads)
     losses = {f"moe_{key}": sum(float(s[key]) for s in stats) / len(stats) for key in ("load_balance_loss", "z_loss")}
     return total.tolist(), losses
+
+
+def test_a_context_extension_continues_the_registered_model_into_a_new_version(smoke, tmp_path):
+    """configs/smoke_extend.yaml from the smoke run's registered version: the data stages it can reuse
+    are reused, tokenize runs at 128, training starts from that version's weights (its first loss is
+    the parent's level, not a random model's), evaluate scores up to 256, and the new version names its
+    parent and exports YaRN in its HF config."""
+    import json
+
+    from models.export import load_hf
+    from pipeline.store.contracts import HF_DIR
+
+    dense_cfg, dense, _, _ = smoke
+    parent = tracking.version_by_alias(dense.tracking_uri, dense_cfg.register.model_name, "challenger")
+    ref = f"models:/{dense_cfg.register.model_name}/{parent.version}"
+    cfg = load_config(ROOT / "configs" / "smoke_extend.yaml",
+                      [f"run.workdir={dense_cfg.run.workdir}", f"train.init_from={ref}"])
+    result = run_pipeline(cfg, echo=lambda line: None)
+    for stage in ("shard", "tokenizer"):
+        assert result.artifacts[stage].hash == dense.artifacts[stage].hash  # reused
+    assert result.artifacts["tokenize"].hash != dense.artifacts["tokenize"].hash
+    train = result.artifacts["train"].manifest["counts"]
+    assert train["init_from"]["conduit.init_from"] == ref
+    assert train["init_from"]["conduit.init_from_train_hash"] == dense.artifacts["train"].hash
+    parent_train = dense.artifacts["train"].manifest["counts"]
+    assert train["first_loss"] < parent_train["first_loss"] - 1.0  # it started trained
+    metrics = result.artifacts["evaluate"].manifest["counts"]
+    assert {f"context_bits_per_byte_{L}" for L in (64, 128, 256)} <= set(metrics)
+    child = tracking.version_by_alias(result.tracking_uri, cfg.register.model_name, "challenger")
+    assert child.tags["conduit.init_from"] == ref and child.tags["conduit.train_hash"] == result.artifacts["train"].hash
+    hf_dir = tracking.download_model(result.tracking_uri, f"models:/{cfg.register.model_name}/{child.version}",
+                                     tmp_path) / "artifacts" / HF_DIR
+    rope = json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    assert load_hf(hf_dir).cfg.rope == cfg.model_config().rope
+    # a version whose architecture differs is refused before any worker starts, naming the field
+    wider = load_config(ROOT / "configs" / "smoke_extend.yaml",
+                        [f"run.workdir={dense_cfg.run.workdir}", f"train.init_from={ref}", "model.d_model=96"])
+    with pytest.raises(Exception, match=r"d_model: 64 -> 96"):
+        run_pipeline(wider, echo=lambda line: None)
