@@ -71,6 +71,7 @@ bench: install
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/moe.py --preset cpu_medium --no-full-path --result-name moe_cpu_medium
 	$(PY) benchmarks/router_balance.py
+	$(PY) benchmarks/long_context.py
 	$(PY) benchmarks/full_path_profile.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/mamba_speed.py

@@ -6,7 +6,7 @@ tables, and its targets with the measured median, range and PASS/BELOW. Under a 
 stands its cause: the result's own ``notes`` (``{check name: text}``), an entry of ``KNOWN_CAUSES``,
 or, when the target lies inside the measured range, that noise decides it.
 
-A result file may carry ``checks``: ``[{"name", "measured" (a number or a summary with median, min
+A result file may carry a ``summary`` (text printed under its tables) and ``checks``: ``[{"name", "measured" (a number or a summary with median, min
 and max), "target" (or null), "op" (">=", ">", "<=", "<"), "format" ("ratio" or "percent")}]``. Files
 without them (the older formats of peak, train_throughput, tokenize and gpu_check, some without a
 ``machine`` entry or with a plain string there) get their checks from the issue's targets here.
@@ -31,7 +31,7 @@ from benchmarks.common import RESULTS_DIR, ROOT, machine
 EXPECTED = {"peak": "`benchmarks/peak.py`", "train_throughput": "`benchmarks/train_throughput.py`",
             "tokenize": "`benchmarks/tokenize_throughput.py`", "moe": "`benchmarks/moe.py`",
             "full_path_profile": "`benchmarks/full_path_profile.py`", "train_step": "`benchmarks/train_step.py`",
-            "router_balance": "`benchmarks/router_balance.py`",
+            "router_balance": "`benchmarks/router_balance.py`", "long_context": "`benchmarks/long_context.py`",
             "pipeline": "`benchmarks/pipeline.py`", "gpu_check": "`benchmarks/gpu_check.sh` on a machine with a GPU"}
 # Causes found for results below target (issue 8 asks for each to be reported, not hidden).
 KNOWN_CAUSES = {
@@ -377,6 +377,8 @@ def section(name: str, data: dict, header_machine: Any) -> list[str]:
         out += TABLES[kind_of(name)](data)
     elif isinstance(data.get("rows"), list):
         out += rows_table(data)
+    if isinstance(data.get("summary"), str):  # what the numbers show, in the benchmark's own words
+        out += ([] if out[-1] == "" else [""]) + [data["summary"], ""]
     notes = data.get("notes") or {}
     return out + checks_section(checks, notes if isinstance(notes, dict) else {})
 

@@ -113,3 +113,11 @@ def test_ratios_with_goals_and_summary_cells(tmp_path):
         "",
         "- BELOW: a/b. Cause: Not yet known (no note in the result file, none recorded in report.py).",
     ]
+
+
+def test_a_summary_is_printed_under_its_table(tmp_path):
+    write(tmp_path, "told", {"machine": MACHINE, "rows": [{"method": "yarn", "bpb_64": "2.0192"}],
+                             "summary": "YaRN keeps the high frequencies.", "checks": []})
+    lines = build_report(load_results(tmp_path)).splitlines()
+    section = lines[lines.index("## told") + 4:]
+    assert section[:5] == ["| method | bpb_64 |", "|---|---|", "| yarn | 2.0192 |", "", "YaRN keeps the high frequencies."]
