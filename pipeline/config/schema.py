@@ -139,7 +139,8 @@ class TrainSection:
     # The LM head and the cross-entropy a chunk of this many tokens at a time, never holding the whole
     # logits (models.loss.linear_cross_entropy); 0: the whole logits at once.
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    # Continue a registered version instead of starting from random weights: models:/NAME/VERSION. Its
+    # Continue a model instead of starting from random weights: a registered version (models:/NAME/VERSION)
+    # or a finished train artifact under run.artifact_root (train:HASH). Its
     # architecture must be model's, but for the context (max_seq_len) and the RoPE scaling, which a
     # context extension changes; its tokenizer must be this run's (the same tokenizer artifact).
     init_from: str | None = None
@@ -610,9 +611,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
         need(value >= 1, f"tokenize.{name}={value} must be >= 1")
     need(cfg.tokenize.ray_data_min_bytes >= 0, f"tokenize.ray_data_min_bytes={cfg.tokenize.ray_data_min_bytes} must be >= 0")
     need(tr.steps >= 1, f"train.steps={tr.steps} must be >= 1")
-    need(tr.init_from is None or re.fullmatch(r"models:/[^/@]+/\d+", tr.init_from) is not None,
+    need(tr.init_from is None or re.fullmatch(r"models:/[^/@]+/\d+|train:[0-9a-f]+", tr.init_from) is not None,
          f"train.init_from={tr.init_from!r} must be models:/NAME/VERSION (a registered version; an alias moves, "
-         "a version does not)")
+         "a version does not) or train:HASH (a finished train artifact under run.artifact_root)")
     op, va, ck = cfg.optimizer, cfg.validation, cfg.checkpoint
     need(op.lr is None or op.lr > 0, f"optimizer.lr={op.lr} must be > 0 (or null for the schedule's default)")
     need(0.0 <= tr.label_smoothing < 1.0, f"train.label_smoothing={tr.label_smoothing} must be in [0, 1)")

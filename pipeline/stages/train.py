@@ -123,35 +123,50 @@ def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None
 
 
 def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
-    """The weights ``train.init_from`` names (a registered version), checked against this run, and the
-    lineage tags that name it.
+    """The weights ``train.init_from`` names (a registered version ``models:/NAME/VERSION``, or a
+    finished train artifact ``train:HASH`` under this run's artifact root), checked against this run,
+    and the lineage tags that name it.
 
     Raises:
-        LookupError: no such version.
+        LookupError: no such version or artifact.
         ValueError: its architecture differs from ``model`` beyond the context and RoPE scaling, or it was
             trained with another tokenizer than this run's, each named.
     """
     import tempfile
 
     from models.config import continuation_problems
+    from pipeline.store.backends import store_for
+    from pipeline.store.contracts import WEIGHTS_FILE
 
     ref = cfg.train.init_from
-    name, version = ref.removeprefix("models:/").rsplit("/", 1)
-    uri = cfg.tracking_uri()
-    info = tracking.get_version(uri, name, int(version))  # LookupError naming it
     tokenizer = tokens.manifest["inputs"].get("tokenizer")
-    if info.tags.get("conduit.tokenizer_hash") != tokenizer:
-        raise ValueError(f"train.init_from={ref}: that version was trained with tokenizer artifact "
-                         f"{info.tags.get('conduit.tokenizer_hash')}, this run tokenizes with {tokenizer}; "
-                         "continue it on the data and tokenizer settings of its own run")
-    with tempfile.TemporaryDirectory(prefix="conduit-init-") as tmp:
-        parent = load_safetensors(str(tracking.download_weights(uri, ref, tmp)))
+    if ref.startswith("train:"):
+        store, train_hash = store_for(cfg.artifact_root()), ref.removeprefix("train:")
+        if not store.is_complete("train", train_hash):
+            raise LookupError(f"train.init_from={ref}: no finished train artifact {train_hash} under "
+                              f"{cfg.artifact_root()}")
+        parent_art = store.fetch(store.load("train", train_hash))
+        parent_tokens = store.load("tokenize", parent_art.manifest["inputs"]["tokenize"])
+        their_tokenizer = parent_tokens.manifest["inputs"].get("tokenizer")
+        parent = load_safetensors(str(Path(parent_art.path) / WEIGHTS_FILE))
+        tags = {"conduit.init_from": ref, "conduit.init_from_train_hash": train_hash}
+    else:
+        name, version = ref.removeprefix("models:/").rsplit("/", 1)
+        uri = cfg.tracking_uri()
+        info = tracking.get_version(uri, name, int(version))  # LookupError naming it
+        their_tokenizer = info.tags.get("conduit.tokenizer_hash")
+        with tempfile.TemporaryDirectory(prefix="conduit-init-") as tmp:
+            parent = load_safetensors(str(tracking.download_weights(uri, ref, tmp)))
+        tags = {"conduit.init_from": ref, "conduit.init_from_run": info.run_id or "",
+                "conduit.init_from_train_hash": info.tags.get("conduit.train_hash", "")}
+    if their_tokenizer != tokenizer:
+        raise ValueError(f"train.init_from={ref}: that model was trained with tokenizer artifact {their_tokenizer}, "
+                         f"this run tokenizes with {tokenizer}; continue it on the data and tokenizer settings of "
+                         "its own run")
     problems = continuation_problems(parent.cfg, cfg.model_config())
     if problems:
-        raise ValueError(f"train.init_from={ref}: model differs from that version's beyond the context and RoPE "
+        raise ValueError(f"train.init_from={ref}: model differs from that model's beyond the context and RoPE "
                          f"scaling: {'; '.join(problems)}")
-    tags = {"conduit.init_from": ref, "conduit.init_from_run": info.run_id or "",
-            "conduit.init_from_train_hash": info.tags.get("conduit.train_hash", "")}
     return parent.state_dict(), tags
 
 

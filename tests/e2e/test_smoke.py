@@ -485,6 +485,18 @@ def test_a_context_extension_continues_the_registered_model_into_a_new_version(s
     rope = json.loads((hf_dir / "config.json").read_text())["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
     assert load_hf(hf_dir).cfg.rope == cfg.model_config().rope
+    # a finished train artifact by its hash gives the same weights and names itself
+    import torch
+
+    from pipeline.stages.train import parent_state
+
+    by_hash = load_config(ROOT / "configs" / "smoke_extend.yaml",
+                          [f"run.workdir={dense_cfg.run.workdir}", f"train.init_from=train:{dense.artifacts['train'].hash}"])
+    state, tags = parent_state(by_hash, result.artifacts["tokenize"])
+    registered, _ = parent_state(cfg, result.artifacts["tokenize"])
+    assert state.keys() == registered.keys() and all(torch.equal(state[k], registered[k]) for k in state)
+    assert tags == {"conduit.init_from": f"train:{dense.artifacts['train'].hash}",
+                    "conduit.init_from_train_hash": dense.artifacts["train"].hash}
     # a version whose architecture differs is refused before any worker starts, naming the field
     wider = load_config(ROOT / "configs" / "smoke_extend.yaml",
                         [f"run.workdir={dense_cfg.run.workdir}", f"train.init_from={ref}", "model.d_model=96"])

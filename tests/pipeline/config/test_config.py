@@ -101,6 +101,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("eval.context_lengths=[1]", r"eval\.context_lengths=\[1\] must be whole numbers >= 2"),
     ("eval.context_lengths=[64,999999]", r"eval\.context_lengths \[999999\] exceed the model's max_seq_len=128"),
     ("eval.context_lengths=[64] eval.heldout_paths=[]", r"eval\.context_lengths scores the held-out text"),
+    ("train.init_from=models:/m@champion", r"train\.init_from='models:/m@champion' must be models:/NAME/VERSION"),
     ("model.rope_scaling_type=yarn model.rope_scaling=4", r"model: rope_scaling_type 'yarn' needs "
                                                           r"rope_original_max_seq_len"),
 ])
