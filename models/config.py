@@ -163,6 +163,10 @@ class ModelConfig:
     ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
     ssm_expand: int = 2  # inner width = ssm_expand * d_model
     ssm_dt_rank: int | None = None  # rank of the delta projection; None = ceil(d_model / 16)
+    # Mamba-2 (arch mamba2, models/mamba2.py) also reads ssm_state_size, ssm_conv_kernel and ssm_expand.
+    ssm_head_dim: int = 16  # P: the inner width splits into ssm_expand * d_model / P heads, one decay each
+    ssm_n_groups: int = 1  # G: groups of B and C, each shared by heads / G heads
+    ssm_chunk_size: int = 64  # Q: tokens per chunk of the chunked scan (a speed setting: any Q, the same function)
 
     # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its
     # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
@@ -365,6 +369,11 @@ class ModelConfig:
     def ssm_d_inner(self) -> int:
         """Mamba's inner width ssm_expand * d_model."""
         return self.ssm_expand * self.d_model
+
+    @property
+    def ssm_heads(self) -> int:
+        """Mamba-2's heads: ssm_expand * d_model / ssm_head_dim."""
+        return self.ssm_d_inner // self.ssm_head_dim
 
     @property
     def resolved_ssm_dt_rank(self) -> int:

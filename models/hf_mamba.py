@@ -5,7 +5,9 @@ A Mamba model (the family in `models.families.mamba`) exports as MambaForCausalL
 conv1d keeps its (E, 1, K) weight, A_log and D are stored as they are.
 
 HF's MambaConfig has no context length; ours travels in config.json as `max_position_embeddings`
-(an extra key HF keeps and ignores) and is required on import.
+(an extra key HF keeps and ignores). A config.json without one, as transformers writes it, loads with
+``SSM_CONTEXT``: a state-space model has no position limit, so the context is only how long a
+sequence Conduit lets it read (and it sizes nothing).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
+
+SSM_CONTEXT = 65536  # the context of an imported Mamba / Mamba-2 model whose config.json names none
 
 _FIXED = {
     "tok_embeddings.weight": "backbone.embeddings.weight",
@@ -35,25 +39,48 @@ def mamba_unsupported_options(cfg: ModelConfig) -> list[str]:
     return []
 
 
-def mamba_hf_name(name: str) -> str:
-    """Our parameter name -> HF MambaForCausalLM checkpoint name."""
-    if name in _FIXED:
-        return _FIXED[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m is None or m.group(2) not in _LAYER_PARTS:
-        raise ValueError(f"no Hugging Face Mamba name for parameter {name!r}")
-    return f"backbone.{name}"
-
-
-def mamba_our_name(hf_name: str) -> str:
-    """HF MambaForCausalLM checkpoint name -> our parameter name (inverse of `mamba_hf_name`)."""
+def renamer(layer_parts: tuple[str, ...], title: str):
+    """The name maps of a Mamba-like checkpoint: ours -> HF's (``backbone.`` before each layer's part
+    and the embeddings and final norm of ``_FIXED``) and its inverse, each raising ValueError on a name
+    outside ``layer_parts``."""
     inverse = {v: k for k, v in _FIXED.items()}
-    if hf_name in inverse:
-        return inverse[hf_name]
-    m = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", hf_name)
-    if m is None or m.group(2) not in _LAYER_PARTS:
-        raise ValueError(f"unexpected tensor {hf_name!r} in Hugging Face Mamba checkpoint")
-    return hf_name.removeprefix("backbone.")
+
+    def hf_name(name: str) -> str:
+        if name in _FIXED:
+            return _FIXED[name]
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m is None or m.group(2) not in layer_parts:
+            raise ValueError(f"no Hugging Face {title} name for parameter {name!r}")
+        return f"backbone.{name}"
+
+    def our_name(hf: str) -> str:
+        if hf in inverse:
+            return inverse[hf]
+        m = re.fullmatch(r"backbone\.layers\.(\d+)\.(.+)", hf)
+        if m is None or m.group(2) not in layer_parts:
+            raise ValueError(f"unexpected tensor {hf!r} in Hugging Face {title} checkpoint")
+        return hf.removeprefix("backbone.")
+
+    return hf_name, our_name
+
+
+mamba_hf_name, mamba_our_name = renamer(_LAYER_PARTS, "Mamba")
+
+
+def check_ssm_config(hf: dict) -> int:
+    """What Conduit's Mamba and Mamba-2 both need of a config.json; returns its (whole) ``expand``.
+
+    Raises:
+        ValueError: a conv without bias, another activation or a fractional expand, naming the key.
+    """
+    if not hf.get("use_conv_bias", True):
+        raise ValueError("use_conv_bias=False is not supported (Conduit's convolution has a bias)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {hf['hidden_act']!r}")
+    expand = hf.get("expand", 2)
+    if int(expand) != expand:
+        raise ValueError(f"expand must be a whole number, got {expand!r}")
+    return int(expand)
 
 
 def mamba_hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -86,17 +113,9 @@ def mamba_config_from_hf(hf: dict) -> ModelConfig:
 
     Raises:
         ValueError: naming the key when the checkpoint uses something our Mamba does not compute
-            (conv without bias, another activation, a fractional expand) or lacks max_position_embeddings.
+            (conv without bias, another activation, a fractional expand).
     """
-    if not hf.get("use_conv_bias", True):
-        raise ValueError("use_conv_bias=False is not supported (our Mamba's convolution has a bias)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {hf['hidden_act']!r}")
-    d, expand = hf["hidden_size"], hf.get("expand", 2)
-    if int(expand) != expand:
-        raise ValueError(f"expand must be a whole number, got {expand!r}")
-    if "max_position_embeddings" not in hf:
-        raise ValueError("config.json has no max_position_embeddings: add the context length to load a Mamba model")
+    d, expand = hf["hidden_size"], check_ssm_config(hf)
     rank = hf.get("time_step_rank", "auto")
     return ModelConfig(
         arch="mamba",
@@ -104,7 +123,7 @@ def mamba_config_from_hf(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"],
         d_model=d,
         n_layers=hf["num_hidden_layers"],
-        max_seq_len=hf["max_position_embeddings"],
+        max_seq_len=hf.get("max_position_embeddings", SSM_CONTEXT),
         ssm_state_size=hf.get("state_size", 16),
         ssm_expand=int(expand),
         ssm_conv_kernel=hf.get("conv_kernel", 4),

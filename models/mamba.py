@@ -330,16 +330,19 @@ class MambaLM(nn.Module):
         cfg: the model config.
     """
 
+    BLOCK: type = None  # MambaBlock (set below); models.mamba2.Mamba2LM sets its own blocks and state
+    STATE: type = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         from models.families import family  # the table imports this module
 
-        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not MambaLM:
-            raise ValueError(f"MambaLM expects a ModelConfig with arch 'mamba', got {cfg!r}")
+        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not type(self):
+            raise ValueError(f"{type(self).__name__} expects a ModelConfig of its arch, got {cfg!r}")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.BLOCK(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()
@@ -420,4 +423,7 @@ class MambaLM(nn.Module):
         """An empty generation state on this model's device and dtype. Its size does not depend on
         the length, so max_len is only accepted for the Transformer's signature."""
         p = self.tok_embeddings.weight
-        return MambaState(self.cfg, batch_size, device=p.device, dtype=p.dtype)
+        return self.STATE(self.cfg, batch_size, device=p.device, dtype=p.dtype)
+
+
+MambaLM.BLOCK, MambaLM.STATE = MambaBlock, MambaState

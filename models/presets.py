@@ -2,8 +2,8 @@
 
 debug_* run a training step in well under a second on one CPU core; cpu_* are for laptop-scale runs;
 gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
-a Mixtral-style 8-expert top-2 model); debug_mamba is a Mamba model at debug_dense's width and depth,
-mamba one with cpu_small's width and parameter count (8 layers).
+a Mixtral-style 8-expert top-2 model); debug_mamba (debug_mamba2) is a Mamba (Mamba-2) model at debug_dense's
+width and depth, mamba (mamba2) one with cpu_small's width and about its parameter count (8 layers).
 
 cpu_mla_moe and mla_moe_32x_top4 pair multi-head latent attention with shared plus routed experts, as
 DeepSeek-V2 does (narrow routed experts, no top-k renormalisation, the first layer dense), so they export
@@ -59,6 +59,15 @@ PRESETS: dict[str, ModelConfig] = {
     # 853k non-embedding parameters), as Gu & Dao pair two Mamba blocks with one attention + MLP block.
     "mamba": ModelConfig(
         arch="mamba", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, pos_encoding="none"
+    ),
+    "debug_mamba2": ModelConfig(
+        arch="mamba2", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none",
+        ssm_head_dim=16, ssm_chunk_size=16,
+    ),
+    # Mamba-2 at cpu_small's width, 8 layers like mamba (a Mamba-2 block holds about half a Transformer block).
+    "mamba2": ModelConfig(
+        arch="mamba2", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, pos_encoding="none",
+        ssm_head_dim=32, ssm_chunk_size=64,
     ),
     "debug_mamba": ModelConfig(
         arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none"

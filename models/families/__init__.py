@@ -14,11 +14,11 @@ Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families import decoder, encdec, mamba
+from models.families import decoder, encdec, mamba, mamba2
 from models.families.attention import ATTENTION_KINDS, attention_kind
 from models.families.spec import AttentionKind, Family, HFFormat
 
-FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, encdec.FAMILY)}
+FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, mamba2.FAMILY, encdec.FAMILY)}
 
 
 def family(cfg: ModelConfig) -> Family:
@@ -52,8 +52,9 @@ def check_family(cfg: ModelConfig, defaults: dict) -> None:
         for name, entry in table.items():
             if name == current:
                 continue
+            own = table[current].fields
             for f in entry.fields:
-                if getattr(cfg, f) != defaults[f]:
+                if f not in own and getattr(cfg, f) != defaults[f]:
                     raise ValueError(f"{f} is an option of {owner} {name!r}; with {owner} {current!r} leave it at "
                                      f"{defaults[f]!r}, got {getattr(cfg, f)!r}")
     family(cfg).check(cfg)

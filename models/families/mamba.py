@@ -20,11 +20,10 @@ from models.families.spec import Family
 from models.mamba import MambaLM
 
 
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    D, V, E, N = cfg.d_model, cfg.vocab_size, cfg.ssm_d_inner, cfg.ssm_state_size
-    R, K = cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
-    layer = (D + D * 2 * E + E * K + E + E * (R + 2 * N) + R * E + E + E * N + E + E * D
-             + ((2 * E + D) if cfg.bias else 0))
+def stack_counts(cfg: ModelConfig, layer: int) -> dict[str, int]:
+    """The parameter counts of an SSM language model of ``layer`` parameters per block: the blocks,
+    the final norm and the embedding (and untied head); every parameter is active."""
+    D, V = cfg.d_model, cfg.vocab_size
     embedding = V * D * (1 if cfg.tie_embeddings else 2)
     non_embedding = cfg.n_layers * layer + D
     total = embedding + non_embedding
@@ -32,16 +31,33 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             "active_non_embedding": non_embedding}
 
 
+def stack_flops(cfg: ModelConfig, counts: dict[str, int], mixing: int) -> dict[str, int]:
+    """6 x the matmul parameters (head included) + 3 x the sequence mixing's forward FLOPs per token."""
+    n = counts["active_non_embedding"] + cfg.vocab_size * cfg.d_model
+    return {"total": 6 * n + 3 * mixing, "forward": 2 * n + mixing}
+
+
+def require_ssm(cfg: ModelConfig, title: str, presets: str) -> None:
+    """No attention, positions or experts: what every SSM family refuses, naming the field."""
+    require(cfg, {"attention": "mha", "pos_encoding": "none", "norm": "rmsnorm", "norm_position": "pre",
+                  "num_experts": 0, "attn_dropout": 0.0},
+            why=f" ({title} has no attention, positions or experts)", hint=f"; the presets {presets} set it")
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    D, E, N = cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size
+    R, K = cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
+    layer = (D + D * 2 * E + E * K + E + E * (R + 2 * N) + R * E + E + E * N + E + E * D
+             + ((2 * E + D) if cfg.bias else 0))
+    return stack_counts(cfg, layer)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
-    n = param_counts(cfg)["active_non_embedding"] + cfg.vocab_size * cfg.d_model
-    scan = 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size
-    return {"total": 6 * n + 3 * scan, "forward": 2 * n + scan}
+    return stack_flops(cfg, param_counts(cfg), 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size)
 
 
 def _check(cfg: ModelConfig) -> None:
-    require(cfg, {"attention": "mha", "pos_encoding": "none", "norm": "rmsnorm", "norm_position": "pre",
-                  "num_experts": 0, "attn_dropout": 0.0},
-            why=" (Mamba has no attention, positions or experts)", hint="; the presets debug_mamba and mamba set it")
+    require_ssm(cfg, "Mamba", "debug_mamba and mamba")
 
 
 FAMILY = Family(

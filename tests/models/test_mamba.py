@@ -200,13 +200,6 @@ def test_hf_import_logits_equal_theirs(tmp_path):
         torch.testing.assert_close(ours(x).logits, hf(x, use_cache=False).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_hf_import_needs_a_context_length(tmp_path):
-    hf = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4))
-    hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        load_hf(tmp_path)
-
-
 @pytest.mark.parametrize("chunk", [1, 4, 7, 64])
 def test_scan_gradients_equal_autograd_through_the_recurrence(chunk):
     """The hand-written backward against autograd of `reference_scan`, in float64, every input
