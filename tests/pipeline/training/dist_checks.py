@@ -62,6 +62,9 @@ MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_co
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
 MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
                     ssm_state_size=4)
+# Mamba-2 with 2 groups of B and C and chunks of 3 tokens (the 8-token blocks are not a multiple).
+MAMBA2 = ModelConfig(arch="mamba2", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
+                     ssm_state_size=4, ssm_head_dim=8, ssm_n_groups=2, ssm_chunk_size=3)
 # An encoder-decoder in the paper's layout; its 9-token blocks become 8-token encoder inputs and 6-token
 # decoder targets (3 noise tokens in 2 spans), corrupted by the run seed and the step.
 ENCDEC = ModelConfig(arch="encoder_decoder", vocab_size=97, d_model=32, n_layers=2, n_encoder_layers=1, n_heads=4,
@@ -355,6 +358,8 @@ def main(out_dir: str) -> None:
         "mla_zero3": (MLA, {"zero_stage": 3}), "mla_moe_shared_zero2": (MLA_MOE, {"zero_stage": 2}),
         "mamba_zero1": (MAMBA, {"zero_stage": 1}), "mamba_zero3": (MAMBA, {"zero_stage": 3}),
         "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
+        "mamba2_zero1": (MAMBA2, {"zero_stage": 1}), "mamba2_zero3": (MAMBA2, {"zero_stage": 3}),
+        "mamba2_zero1_activation_ckpt": (MAMBA2, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_v3_bias_zero1": (MOE_V3, {"zero_stage": 1}), "moe_v3_bias_zero2": (MOE_V3, {"zero_stage": 2}),
     }
     for case, (model_cfg, fields) in variants.items():

@@ -22,7 +22,7 @@ def grads(model_name: str, checkpointed: bool) -> tuple[float, dict]:
 
 
 def test_checkpointing_gives_identical_gradients_dense_moe_and_mamba():
-    for name in ("debug_dense", "debug_moe", "debug_mamba"):
+    for name in ("debug_dense", "debug_moe", "debug_mamba", "debug_mamba2"):
         loss_a, a = grads(name, False)
         loss_b, b = grads(name, True)
         assert loss_a == loss_b
