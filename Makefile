@@ -75,6 +75,7 @@ bench: install
 	$(PY) benchmarks/full_path_profile.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/mamba_speed.py
+	$(PY) benchmarks/mamba2_speed.py
 	$(PY) benchmarks/encdec_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/pipeline.py --storage
