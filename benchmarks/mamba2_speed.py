@@ -1,13 +1,15 @@
-"""Mamba-2 against the Transformer and Mamba-1 of about the same parameter count, on this CPU (issue 37).
+"""Mamba-2 and a hybrid against the Transformer and Mamba-1 of about the same parameter count, on this CPU (issue 37).
 
 The Transformer is cpu_small (d 128, 4 layers, 4 heads, SwiGLU, RoPE); Mamba-1 is the preset ``mamba``
-and Mamba-2 the preset ``mamba2`` (d 128, 8 layers each, about cpu_small's parameters). One process,
+and Mamba-2 the preset ``mamba2`` (d 128, 8 layers each, about cpu_small's parameters); the hybrid is the
+preset ``hybrid`` (d 128, Mamba-2, Mamba-2, attention, Mamba-2, each with cpu_small's SwiGLU). One process,
 ``--threads`` threads, fp32, AdamW, random tokens, sequences of ``--seq-len`` tokens:
 
 1. Training tokens/s, interleaved in rounds (``--repeats``; a busy neighbour slows all alike), median
    and range. Target: Mamba-2 >= 0.5x the Transformer's (Mamba-1 stands at about 0.09x).
 2. Generation (batch 1, greedy, eval mode): milliseconds per new token after a context of each
-   ``--contexts`` length. The Transformer's KV cache grows with the context; the SSMs' state does not.
+   ``--contexts`` length, in the same rounds (median). The Transformer's KV cache grows with the context; the SSMs' state does not;
+   the hybrid's grows in its one attention layer of four.
 
 Prints tables and writes ``benchmarks/results/mamba2.json``.
 
@@ -30,7 +32,7 @@ from benchmarks.common import write_result  # noqa: E402
 from models import build_model  # noqa: E402
 from models.accounting import param_counts  # noqa: E402
 
-MODELS = {"transformer": "cpu_small", "mamba": "mamba", "mamba2": "mamba2"}
+MODELS = {"transformer": "cpu_small", "mamba": "mamba", "mamba2": "mamba2", "hybrid": "hybrid"}
 TARGET = 0.5  # Mamba-2 / Transformer training tokens/s
 
 
@@ -71,10 +73,10 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed steps per measurement (Mamba-1: 1)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=128)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     longest = max(args.contexts) + args.decode_tokens
@@ -84,13 +86,17 @@ def main() -> int:
         models[name] = build_model(preset, max_seq_len=max(longest, args.seq_len))
     params = {n: param_counts(m.cfg)["total"] for n, m in models.items()}
     rates: dict[str, list[float]] = {n: [] for n in models}
+    decodes: dict[str, dict[str, list[float]]] = {n: {str(c): [] for c in args.contexts} for n in models}
     for r in range(args.repeats):
         for name, model in models.items():
             steps = 1 if name == "mamba" else args.steps
             rates[name].append(train_rate(model, args.batch, args.seq_len, steps))
-            print(f"  round {r + 1}: {name:>11} {rates[name][-1]:,.0f} tokens/s", flush=True)
-    decode = {n: {str(c): decode_ms(m, c, args.decode_tokens) for c in args.contexts} for n, m in models.items()}
-    ratios = {n: [a / b for a, b in zip(rates[n], rates["transformer"])] for n in ("mamba", "mamba2")}
+            for c in args.contexts:
+                decodes[name][str(c)].append(decode_ms(model, c, args.decode_tokens))
+            print(f"  round {r + 1}: {name:>11} {rates[name][-1]:,.0f} tokens/s, ms/token "
+                  + " ".join(f"{decodes[name][str(c)][-1]:.2f}@{c}" for c in args.contexts), flush=True)
+    decode = {n: {c: statistics.median(v) for c, v in d.items()} for n, d in decodes.items()}
+    ratios = {n: [a / b for a, b in zip(rates[n], rates["transformer"])] for n in ("mamba", "mamba2", "hybrid")}
     rows = [{"model": n, "preset": MODELS[n], "parameters": params[n],
              "train_tokens_per_s": statistics.median(rates[n]),
              **{f"decode_ms_per_token_ctx{c}": decode[n][str(c)] for c in args.contexts}} for n in models]
@@ -106,8 +112,13 @@ def main() -> int:
         {"name": "Mamba-1 / Transformer training tokens/s", "target": None, "op": ">=",
          "measured": {"median": statistics.median(ratios["mamba"]), "min": min(ratios["mamba"]),
                       "max": max(ratios["mamba"]), "values": ratios["mamba"]}},
+        {"name": "Hybrid / Transformer training tokens/s", "target": None, "op": ">=",
+         "measured": {"median": statistics.median(ratios["hybrid"]), "min": min(ratios["hybrid"]),
+                      "max": max(ratios["hybrid"]), "values": ratios["hybrid"]}},
         {"name": f"Mamba-2 decode ms/token, context {hi} / {lo}", "target": None, "op": "<=",
          "measured": decode["mamba2"][str(hi)] / decode["mamba2"][str(lo)]},
+        {"name": f"Hybrid (1 attention layer of 4) decode ms/token, context {hi} / {lo}", "target": None, "op": "<=",
+         "measured": decode["hybrid"][str(hi)] / decode["hybrid"][str(lo)]},
         {"name": f"Transformer decode ms/token, context {hi} / {lo}", "target": None, "op": "<=",
          "measured": decode["transformer"][str(hi)] / decode["transformer"][str(lo)]},
     ]
@@ -117,10 +128,12 @@ def main() -> int:
               + ("" if c["target"] is None else f" (target {c['op']} {c['target']})"))
     path = write_result("mamba2", {
         "config": vars(args), "rows": rows, "checks": checks, "train_tokens_per_s_runs": rates,
+        "decode_ms_per_token_runs": decodes,
         "summary": ("Training at sequence length {L}, batch {B}, {T} threads, fp32. Mamba-2's chunked scan is matmuls "
                     "(a masked product inside each chunk, a short scan over chunks), Mamba-1's an elementwise scan over "
                     "every token. Generation: the SSMs' cost per token does not grow with the context, the "
-                    "Transformer's (its KV cache) does.").format(L=args.seq_len, B=args.batch, T=args.threads),
+                    "Transformer's (its KV cache) does, and the hybrid's only in its one attention layer of four."
+                    ).format(L=args.seq_len, B=args.batch, T=args.threads),
     })
     print(f"wrote {path}")
     return 0

@@ -28,6 +28,11 @@ attention term the selective scan's 9 * E * N FLOPs per token and layer forward 
 3.3.2, which counts 9 B L D N for the scan), times 3 for forward + backward. Unlike attention it does not
 grow with T.
 
+Mamba-2 (arch 'mamba2'): 6 * N, and per token and layer the chunked scan's forward 2 Q H (N + P) (the
+within-chunk scores and their product with the inputs over the whole Q x Q block) + 4 H P N (the chunk
+states in and out), times 3. Hybrid (arch 'hybrid'): 6 * N, the attention term over its attention
+layers only, and the Mamba-2 term over its Mamba-2 layers.
+
 Encoder-decoder (arch 'encoder_decoder'): N and the attention term per token of either stack, with the
 source and target streams taken as equally long (S = T = seq_len): half the FLOPs of one source token
 through the encoder plus one target token through the decoder, whose attention term counts self- and
@@ -39,7 +44,8 @@ KV-cache bytes per token (`kv_cache_bytes_per_token`), what `models.attention.KV
 generated or prompt token, over all layers:
     mha / gqa / mqa:  L * 2 * G * K * bytes       (a key and a value for each of G key/value heads)
     mla:              L * (R + P) * bytes          (the latent c_KV and the one shared RoPE key)
-with G num_kv_heads (H for MHA, 1 for MQA), R kv_lora_rank, P qk_rope_head_dim.
+with G num_kv_heads (H for MHA, 1 for MQA), R kv_lora_rank, P qk_rope_head_dim; L counts a hybrid's
+attention layers only. What an SSM layer keeps does not grow with the length: `state_bytes_per_sequence`.
 """
 
 from __future__ import annotations
@@ -94,3 +100,16 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     if bytes_per_element < 1:
         raise ValueError(f"bytes_per_element must be >= 1, got {bytes_per_element}")
     return family(cfg).kv_cache_bytes_per_token(cfg, bytes_per_element)
+
+
+def state_bytes_per_sequence(cfg: ModelConfig, bytes_per_element: int = 2) -> int:
+    """Bytes of generation state a sequence holds whatever its length: the SSM layers' last K - 1 conv
+    inputs (in the model's dtype, ``bytes_per_element``) and their state (fp32); 0 for a Transformer.
+    Mamba: L ((K - 1) E b + 4 E N); Mamba-2: L ((K - 1)(E + 2 G N) b + 4 H P N); a hybrid: its Mamba-2 layers'.
+
+    Raises:
+        ValueError: if bytes_per_element < 1.
+    """
+    if bytes_per_element < 1:
+        raise ValueError(f"bytes_per_element must be >= 1, got {bytes_per_element}")
+    return family(cfg).state_bytes_per_sequence(cfg, bytes_per_element)

@@ -21,6 +21,25 @@ from models.moe import MoEFeedForward
 from models.norms import build_norm
 
 
+def build_ffn(cfg: ModelConfig, is_moe: bool) -> nn.Module:
+    """A layer's feed-forward: MoE experts, or the dense FFN of ``cfg.ffn`` and ``cfg.resolved_d_ff``."""
+    return MoEFeedForward(cfg) if is_moe else FeedForward(cfg.d_model, cfg.resolved_d_ff, cfg.ffn, cfg.bias)
+
+
+@torch.no_grad()
+def init_ffn(ffn: nn.Module, std: float, resid_std: float, generator: torch.Generator | None) -> None:
+    """Redraw a feed-forward's residual projections (w2 of the dense FFN, every expert's and shared
+    expert's) ~ normal(0, resid_std), and zero a sigmoid router's score bias (after ``init_base``)."""
+    ffns = [ffn] if isinstance(ffn, FeedForward) else []
+    if isinstance(ffn, MoEFeedForward):
+        ffn.experts.reset_parameters(std, resid_std, generator)
+        ffns = list(ffn.shared_experts)
+        if ffn.score_bias is not None:
+            ffn.score_bias.zero_()
+    for dense in ffns:
+        nn.init.normal_(dense.w2.weight, 0.0, resid_std, generator=generator)
+
+
 class TransformerBlock(nn.Module):
     """Attention (multi-head or multi-head latent, `cfg.attention`) + (dense or MoE) feed-forward.
 
@@ -39,9 +58,7 @@ class TransformerBlock(nn.Module):
 
         self.attn: nn.Module = attention_kind(cfg).build(cfg)
         self.ffn_norm = build_norm(cfg)
-        self.ffn: nn.Module = (
-            MoEFeedForward(cfg) if self.is_moe else FeedForward(cfg.d_model, cfg.resolved_d_ff, cfg.ffn, cfg.bias)
-        )
+        self.ffn: nn.Module = build_ffn(cfg, self.is_moe)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -51,8 +68,10 @@ class TransformerBlock(nn.Module):
         attn_mask: torch.Tensor | None,
         kv_cache: KVCache | None,
         return_attention: bool,
+        mask_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict | None]:
-        """Apply the block.
+        """Apply the block. ``mask_BT`` (the new tokens' padding mask) is for blocks that read it
+        (``models.hybrid``'s Mamba-2 layers); attention reads ``attn_mask``.
 
         Returns:
             (x_BTD, attention weights (B, H, T, S) or None, MoE aux loss or None, MoE stats or None).

@@ -167,6 +167,10 @@ class ModelConfig:
     ssm_head_dim: int = 16  # P: the inner width splits into ssm_expand * d_model / P heads, one decay each
     ssm_n_groups: int = 1  # G: groups of B and C, each shared by heads / G heads
     ssm_chunk_size: int = 64  # Q: tokens per chunk of the chunked scan (a speed setting: any Q, the same function)
+    # "hybrid" (models/hybrid.py, as Jamba, Bamba, Nemotron-H and Granite 4.0): one letter per layer, "A" an
+    # attention layer (the attention, position and MoE fields above) or "M" a Mamba-2 layer (the ssm_* fields),
+    # each followed by the feed-forward (dense, or MoE by moe_every / moe_first_dense_layers), e.g. "MMMA" * 2.
+    hybrid_layers: str = ""
 
     # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its
     # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both

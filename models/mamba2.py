@@ -40,10 +40,12 @@ from models.norms import RMSNorm
 class Mamba2State(MambaState):
     """What generation keeps per layer: ``conv_LBEK`` (L, B, E + 2 G N, K - 1), the conv's previous
     inputs, and ``ssm_LBEN`` (L, B, H, P, N), the state, fp32. (The names are ``MambaState``'s, whose
-    row operations, ``gather_rows`` and ``put_row``, work on any shape.)"""
+    row operations, ``gather_rows`` and ``put_row``, work on any shape.) A hybrid model's state has a
+    layer for each of its ``n_layers`` Mamba-2 layers (default: ``cfg.n_layers``)."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        L, K = cfg.n_layers, cfg.ssm_conv_kernel
+    def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype,
+                 n_layers: int | None = None) -> None:
+        L, K = cfg.n_layers if n_layers is None else n_layers, cfg.ssm_conv_kernel
         conv_dim = cfg.ssm_d_inner + 2 * cfg.ssm_n_groups * cfg.ssm_state_size
         self.conv_LBEK = torch.zeros(L, batch_size, conv_dim, K - 1, device=device, dtype=dtype)
         self.ssm_LBEN = torch.zeros(L, batch_size, cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size,
@@ -171,7 +173,11 @@ class Mamba2Mixer(nn.Module):
         padded = torch.cat([past, xBC_BCT], dim=2)
         if state is not None:
             state.conv_LBEK[layer_idx] = padded[:, :, -(K - 1):] if K > 1 else padded[:, :, :0]
-        xBC_BTC = F.silu(self.conv1d(padded)).transpose(1, 2)
+        if T == 1:  # one token: the conv's one output is a weighted sum (a conv call costs several times more)
+            conv_BC = (padded * self.conv1d.weight[:, 0, :]).sum(-1) + self.conv1d.bias
+            xBC_BTC = F.silu(conv_BC).unsqueeze(1)
+        else:
+            xBC_BTC = F.silu(self.conv1d(padded)).transpose(1, 2)
         if mask_BT is not None:
             xBC_BTC = xBC_BTC * mask_BT.unsqueeze(-1).to(xBC_BTC.dtype)
         x_BTE, B_BTG, C_BTG = xBC_BTC.split([E, G * N, G * N], dim=-1)

@@ -3,7 +3,8 @@
 debug_* run a training step in well under a second on one CPU core; cpu_* are for laptop-scale runs;
 gpt_125m, llama_1b and moe_8x_top2 are GPU sizes (GPT-3 Small, a Llama-3.2-1B-like shape with GQA, and
 a Mixtral-style 8-expert top-2 model); debug_mamba (debug_mamba2) is a Mamba (Mamba-2) model at debug_dense's
-width and depth, mamba (mamba2) one with cpu_small's width and about its parameter count (8 layers).
+width and depth, mamba (mamba2) one with cpu_small's width and about its parameter count (8 layers);
+debug_hybrid and hybrid mix attention and Mamba-2 layers at the same widths.
 
 cpu_mla_moe and mla_moe_32x_top4 pair multi-head latent attention with shared plus routed experts, as
 DeepSeek-V2 does (narrow routed experts, no top-k renormalisation, the first layer dense), so they export
@@ -68,6 +69,17 @@ PRESETS: dict[str, ModelConfig] = {
     "mamba2": ModelConfig(
         arch="mamba2", vocab_size=512, d_model=128, n_layers=8, max_seq_len=256, pos_encoding="none",
         ssm_head_dim=32, ssm_chunk_size=64,
+    ),
+    # Hybrids: debug_hybrid at debug_mamba2's width, two attention layers among four; hybrid at cpu_small's
+    # width and about its parameter count, one attention layer among four (Jamba and Granite 4.0 lean
+    # further to Mamba: one in eight, one in ten).
+    "debug_hybrid": ModelConfig(
+        arch="hybrid", vocab_size=512, d_model=64, n_layers=4, n_heads=4, max_seq_len=128, hybrid_layers="MAMA",
+        ssm_head_dim=16, ssm_chunk_size=16,
+    ),
+    "hybrid": ModelConfig(
+        arch="hybrid", vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256,
+        hybrid_layers="MMAM", ssm_head_dim=32, ssm_chunk_size=64,
     ),
     "debug_mamba": ModelConfig(
         arch="mamba", vocab_size=512, d_model=64, n_layers=2, max_seq_len=128, pos_encoding="none"

@@ -28,11 +28,9 @@ import torch
 from torch import nn
 
 from models.attention import KVCache, build_attention_mask
-from models.block import TransformerBlock
+from models.block import TransformerBlock, init_ffn
 from models.config import ModelConfig
-from models.ffn import FeedForward
 from models.head import LMHead, head_output
-from models.moe import MoEFeedForward
 from models.norms import LayerNorm, RMSNorm, build_norm
 from models.positions import alibi_slopes, rope_cos_sin, sinusoidal_table
 
@@ -107,14 +105,7 @@ class Transformer(nn.Module):
         init_base(self, std, generator)
         for block in self.layers:
             nn.init.normal_(block.attn.o_proj.weight, 0.0, resid_std, generator=generator)
-            ffns = [block.ffn] if isinstance(block.ffn, FeedForward) else []
-            if isinstance(block.ffn, MoEFeedForward):
-                block.ffn.experts.reset_parameters(std, resid_std, generator)
-                ffns = list(block.ffn.shared_experts)
-                if block.ffn.score_bias is not None:
-                    block.ffn.score_bias.zero_()
-            for ffn in ffns:
-                nn.init.normal_(ffn.w2.weight, 0.0, resid_std, generator=generator)
+            init_ffn(block.ffn, std, resid_std, generator)
 
     def forward(
         self,
@@ -192,7 +183,8 @@ class Transformer(nn.Module):
         moe_stats: list[dict[str, torch.Tensor]] = []
         attentions: list[torch.Tensor] | None = [] if return_attention else None
         for block in self.layers:
-            x_BTD, weights_BHTS, aux, stats = block(x_BTD, rope, attn_mask, kv_cache, return_attention)
+            x_BTD, weights_BHTS, aux, stats = block(x_BTD, rope, attn_mask, kv_cache, return_attention,
+                                                   attention_mask_BT)
             if attentions is not None:
                 attentions.append(weights_BHTS)
             if aux is not None:

@@ -8,17 +8,19 @@ table of their own (`models.families.attention`). Everything else asks the table
 and one line below.
 
 Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or mla attention),
-``mamba`` (Mamba) and ``encoder_decoder`` (the encoder-decoder Transformer).
+``mamba`` (Mamba), ``mamba2`` (Mamba-2), ``hybrid`` (attention and Mamba-2 layers in one stack) and
+``encoder_decoder`` (the encoder-decoder Transformer).
 """
 
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families import decoder, encdec, mamba, mamba2
+from models.families import decoder, encdec, hybrid, mamba, mamba2
 from models.families.attention import ATTENTION_KINDS, attention_kind
 from models.families.spec import AttentionKind, Family, HFFormat
 
-FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, mamba2.FAMILY, encdec.FAMILY)}
+FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, mamba2.FAMILY, hybrid.FAMILY,
+                                                   encdec.FAMILY)}
 
 
 def family(cfg: ModelConfig) -> Family:

@@ -8,7 +8,8 @@ Accounting: per layer a norm, in_proj (D -> 2E), the depthwise conv (E x K and i
 (E -> R + 2N), dt_proj (R -> E with bias), A_log (E x N), D (E) and out_proj (E -> D). FLOPs: 6 N for
 the projections and the convolution, and in place of attention the selective scan's 9 E N per token and
 layer forward (Gu & Dao, section 3.3.2), times 3 for forward + backward; it does not grow with T. The
-generation state is fixed-size (`models.mamba.MambaState`): nothing is cached per token.
+generation state is fixed-size (`models.mamba.MambaState`): nothing is cached per token; per layer and
+sequence it holds (K - 1) E conv inputs in the model's dtype and E N fp32 state values.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ FAMILY = Family(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=lambda cfg, bytes_per_element: 0,
+    state_bytes_per_sequence=lambda cfg, bytes_per_element: cfg.n_layers * (
+        cfg.ssm_d_inner * (cfg.ssm_conv_kernel - 1) * bytes_per_element + cfg.ssm_d_inner * cfg.ssm_state_size * 4),
     hf_format=lambda cfg: hf_mamba.FORMAT,
     hf_formats=(hf_mamba.FORMAT,),
     draws_attention=False,

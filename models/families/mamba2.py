@@ -9,7 +9,8 @@ conv (C x K and its bias), dt_bias, A_log and D (H each), the gated norm (E) and
 FLOPs, forward per token and layer, of the chunked algorithm as computed (Q = ssm_chunk_size): the
 within-chunk scores C B^T and their product with the inputs, 2 Q H (N + P) (the whole Q x Q block,
 masked half included), and the chunk states in and out, 4 H P N; times 3 for forward + backward. It does
-not grow with T. The generation state is fixed-size (`models.mamba2.Mamba2State`).
+not grow with T. The generation state is fixed-size (`models.mamba2.Mamba2State`): per layer and sequence
+(K - 1)(E + 2 G N) conv inputs in the model's dtype and H P N fp32 state values (`state_bytes`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,38 @@ from models.families.spec import Family
 from models.mamba2 import Mamba2LM
 
 
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
+def mixer_params(cfg: ModelConfig) -> int:
+    """One Mamba-2 mixer's parameters (its block's norm not included)."""
     D, E, N, K = cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.ssm_conv_kernel
     H, G = cfg.ssm_heads, cfg.ssm_n_groups
     conv = E + 2 * G * N
-    layer = D + D * (E + conv + H) + conv * K + conv + 3 * H + E + E * D + (((E + conv + H) + D) if cfg.bias else 0)
-    return stack_counts(cfg, layer)
+    return D * (E + conv + H) + conv * K + conv + 3 * H + E + E * D + (((E + conv + H) + D) if cfg.bias else 0)
+
+
+def mixing_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of one mixer's chunked scan (module docstring), beyond its projections."""
+    H, P, N, Q = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_chunk_size
+    return 2 * Q * H * (N + P) + 4 * H * P * N
+
+
+def state_bytes(cfg: ModelConfig, bytes_per_element: int) -> int:
+    """One mixer's generation state per sequence: the conv's last K - 1 inputs (E + 2 G N wide, in the
+    model's dtype) and the (H, P, N) state in fp32."""
+    conv = cfg.ssm_d_inner + 2 * cfg.ssm_n_groups * cfg.ssm_state_size
+    ssm = cfg.ssm_heads * cfg.ssm_head_dim * cfg.ssm_state_size
+    return conv * (cfg.ssm_conv_kernel - 1) * bytes_per_element + ssm * 4
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    return stack_counts(cfg, cfg.d_model + mixer_params(cfg))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
-    H, P, N, Q = cfg.ssm_heads, cfg.ssm_head_dim, cfg.ssm_state_size, cfg.ssm_chunk_size
-    return stack_flops(cfg, param_counts(cfg), cfg.n_layers * (2 * Q * H * (N + P) + 4 * H * P * N))
+    return stack_flops(cfg, param_counts(cfg), cfg.n_layers * mixing_flops(cfg))
 
 
-def _check(cfg: ModelConfig) -> None:
-    require_ssm(cfg, "Mamba-2", "debug_mamba2 and mamba2")
+def check_sizes(cfg: ModelConfig) -> None:
+    """Mamba-2's own sizes: whole, positive, and dividing as the heads and groups need (naming the field)."""
     for name in ("ssm_head_dim", "ssm_n_groups", "ssm_chunk_size"):
         if not isinstance(getattr(cfg, name), int) or isinstance(getattr(cfg, name), bool) or getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be an int >= 1, got {getattr(cfg, name)!r}")
@@ -47,6 +65,11 @@ def _check(cfg: ModelConfig) -> None:
                          f"{cfg.ssm_d_inner} / ssm_head_dim {cfg.ssm_head_dim})")
 
 
+def _check(cfg: ModelConfig) -> None:
+    require_ssm(cfg, "Mamba-2", "debug_mamba2 and mamba2")
+    check_sizes(cfg)
+
+
 FAMILY = Family(
     arch="mamba2",
     title="Mamba-2",
@@ -56,6 +79,7 @@ FAMILY = Family(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=lambda cfg, bytes_per_element: 0,
+    state_bytes_per_sequence=lambda cfg, bytes_per_element: cfg.n_layers * state_bytes(cfg, bytes_per_element),
     hf_format=lambda cfg: hf_mamba2.FORMAT,
     hf_formats=(hf_mamba2.FORMAT,),
     draws_attention=False,

@@ -89,6 +89,8 @@ class Family:
         param_counts: total, active, embedding, non_embedding and active_non_embedding parameters.
         flops_per_token: training (total) and forward FLOPs per token at a sequence length.
         kv_cache_bytes_per_token: bytes the generation cache holds per token at a bytes-per-element.
+        state_bytes_per_sequence: bytes of generation state a sequence holds whatever its length (the
+            SSM layers' conv inputs and state), at a bytes-per-element for what is kept in the model's dtype.
         hf_format: the Hugging Face class a config of this family exports as.
         hf_formats: every Hugging Face format this family reads (``load_hf`` finds the family by them).
         seq2seq: inputs are an encoder's source and a decoder's target (span-corruption data,
@@ -109,4 +111,5 @@ class Family:
     hf_formats: tuple[HFFormat, ...]
     seq2seq: bool = False
     draws_attention: bool = True
+    state_bytes_per_sequence: Callable[["ModelConfig", int], int] = field(default=lambda cfg, bytes_per_element: 0)
     describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")

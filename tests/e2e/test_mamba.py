@@ -1,6 +1,6 @@
-"""configs/smoke_mamba.yaml and smoke_mamba2.yaml, shortened, through the six stages in-process on the
-session's Ray cluster: a Mamba (Mamba-2) model trained by 2 DeepSpeed workers, evaluated, registered with
-its Hugging Face export, and served by the registered version. Its data stages are smoke.yaml's (the same data and tokenizer): they
+"""configs/smoke_mamba.yaml, smoke_mamba2.yaml and smoke_hybrid.yaml, shortened, through the six stages
+in-process on the session's Ray cluster: a Mamba (Mamba-2, hybrid attention + Mamba-2) model trained by 2
+DeepSpeed workers, evaluated, registered with its Hugging Face export, and served by the registered version. Its data stages are smoke.yaml's (the same data and tokenizer): they
 are found cached in the session smoke run's artifact root (tests/smoke_run.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("arch, config, hf_class", [("mamba", "smoke_mamba.yaml", "MambaForCausalLM"),
-                                                    ("mamba2", "smoke_mamba2.yaml", "Mamba2ForCausalLM")])
+                                                    ("mamba2", "smoke_mamba2.yaml", "Mamba2ForCausalLM"),
+                                                    ("hybrid", "smoke_hybrid.yaml", "GraniteMoeHybridForCausalLM")])
 def test_mamba_smoke_trains_registers_exports_and_serves(tmp_path, smoke, smoke_artifact_root, arch, config, hf_class):
     import transformers
 

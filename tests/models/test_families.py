@@ -20,12 +20,14 @@ def test_each_entry_names_real_fields_and_every_preset_has_one():
     for table in (FAMILIES, ATTENTION_KINDS):
         for name, entry in table.items():
             assert set(entry.fields) <= FIELDS, name
-    # A field belongs to one attention kind, or to families: Mamba and Mamba-2 share the sizes both read.
+    # A field belongs to one attention kind, or to families: Mamba, Mamba-2 and the hybrid share the sizes
+    # they read.
     kinds = [f for e in ATTENTION_KINDS.values() for f in e.fields]
     families = {f for e in FAMILIES.values() for f in e.fields}
     assert len(kinds) == len(set(kinds)) and not families & set(kinds), "a field belongs to one attention kind"
     shared = {f for f in families if sum(f in e.fields for e in FAMILIES.values()) > 1}
-    assert shared == {"ssm_state_size", "ssm_conv_kernel", "ssm_expand"}
+    assert shared == {"ssm_state_size", "ssm_conv_kernel", "ssm_expand", "ssm_head_dim", "ssm_n_groups",
+                      "ssm_chunk_size"}
     assert {family(cfg).arch for cfg in PRESETS.values()} == set(FAMILIES)
     for cfg in PRESETS.values():
         assert type(build_model(cfg, device="meta")) is family(cfg).model_class
@@ -64,8 +66,8 @@ def test_a_family_added_to_the_table_is_asked_for_everything(monkeypatch):
     assert hf_unsupported_options(cfg) == ["toy=1 (no such transformers class)"]
     assert hf_format_of_model_type("toy") == (toy, toy_format)
     monkeypatch.delitem(FAMILIES, "toy")
-    with pytest.raises(ValueError, match=r"arch must be one of \['decoder', 'mamba', 'mamba2', 'encoder_decoder'\], got 'toy'"):
+    with pytest.raises(ValueError, match=r"arch must be one of \['decoder', 'mamba', 'mamba2', 'hybrid', 'encoder_decoder'\], got 'toy'"):
         ModelConfig(arch="toy")
     with pytest.raises(ValueError, match=r"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'deepseek_v3', 'mamba', "
-                                         r"'mamba2', 'marian', 'bart', got 'toy'"):
+                                         r"'mamba2', 'granitemoehybrid', 'marian', 'bart', got 'toy'"):
         hf_format_of_model_type("toy")

@@ -41,7 +41,7 @@ def test_model_arch_mamba_from_yaml_and_overrides():
     # A Transformer preset's RoPE under arch mamba would be silently unused: refused, naming the field.
     with pytest.raises(ConfigError, match=r"model: pos_encoding must be 'none' when arch is 'mamba'.*debug_mamba"):
         load_config(None, ["model.arch=mamba"]).model_config()
-    with pytest.raises(ConfigError, match=r"model: arch must be one of \['decoder', 'mamba', 'mamba2', 'encoder_decoder'\], got 'rnn'"):
+    with pytest.raises(ConfigError, match=r"model: arch must be one of \['decoder', 'mamba', 'mamba2', 'hybrid', 'encoder_decoder'\], got 'rnn'"):
         load_config(None, ["model.arch=rnn"]).model_config()
 
 

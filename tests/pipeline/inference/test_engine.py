@@ -21,6 +21,7 @@ MODELS = {
     "mla": lambda: build_model("cpu_mla_moe", max_seq_len=64, d_model=64, n_layers=2, moe_d_ff=64),
     "mamba": lambda: build_model("debug_mamba", max_seq_len=64),
     "mamba2": lambda: build_model("debug_mamba2", max_seq_len=64, ssm_n_groups=2),
+    "hybrid": lambda: build_model("debug_hybrid", max_seq_len=64, ssm_n_groups=2, num_kv_heads=2),
 }
 
 
@@ -69,7 +70,7 @@ def test_rows_joining_and_leaving_a_running_batch_get_what_they_get_alone(kind):
     assert not engine.busy and engine._cache is None  # empty again: nothing held
 
 
-@pytest.mark.parametrize("kind", ["dense", "mla", "mamba", "mamba2"])
+@pytest.mark.parametrize("kind", ["dense", "mla", "mamba", "mamba2", "hybrid"])
 def test_short_rows_join_in_the_free_slot_of_a_running_batch_without_a_copy(kind):
     torch.manual_seed(3)
     model = MODELS[kind]().eval()

@@ -65,6 +65,12 @@ MAMBA = ModelConfig(arch="mamba", pos_encoding="none", vocab_size=97, d_model=32
 # Mamba-2 with 2 groups of B and C and chunks of 3 tokens (the 8-token blocks are not a multiple).
 MAMBA2 = ModelConfig(arch="mamba2", pos_encoding="none", vocab_size=97, d_model=32, n_layers=2, max_seq_len=16,
                      ssm_state_size=4, ssm_head_dim=8, ssm_n_groups=2, ssm_chunk_size=3)
+# A hybrid: Mamba-2, attention (GQA), Mamba-2; its MoE twin has experts in the middle layer's feed-forward
+# (z-loss only, as MOE: the balance loss depends on how the batch is split).
+HYBRID = ModelConfig(arch="hybrid", vocab_size=97, d_model=32, n_layers=3, n_heads=4, num_kv_heads=2, max_seq_len=16,
+                     hybrid_layers="MAM", ssm_state_size=4, ssm_head_dim=8, ssm_n_groups=2, ssm_chunk_size=3)
+HYBRID_MOE = dataclasses.replace(HYBRID, num_experts=4, moe_top_k=2, moe_every=2, moe_aux_loss_coef=0.0,
+                                 moe_z_loss_coef=0.01)
 # An encoder-decoder in the paper's layout; its 9-token blocks become 8-token encoder inputs and 6-token
 # decoder targets (3 noise tokens in 2 spans), corrupted by the run seed and the step.
 ENCDEC = ModelConfig(arch="encoder_decoder", vocab_size=97, d_model=32, n_layers=2, n_encoder_layers=1, n_heads=4,
@@ -360,6 +366,8 @@ def main(out_dir: str) -> None:
         "mamba_zero2_activation_ckpt": (MAMBA, {"zero_stage": 2, "activation_checkpointing": True}),
         "mamba2_zero1": (MAMBA2, {"zero_stage": 1}), "mamba2_zero3": (MAMBA2, {"zero_stage": 3}),
         "mamba2_zero1_activation_ckpt": (MAMBA2, {"zero_stage": 1, "activation_checkpointing": True}),
+        "hybrid_moe_zero1": (HYBRID_MOE, {"zero_stage": 1}), "hybrid_zero3": (HYBRID, {"zero_stage": 3}),
+        "hybrid_zero1_activation_ckpt": (HYBRID, {"zero_stage": 1, "activation_checkpointing": True}),
         "moe_v3_bias_zero1": (MOE_V3, {"zero_stage": 1}), "moe_v3_bias_zero2": (MOE_V3, {"zero_stage": 2}),
     }
     for case, (model_cfg, fields) in variants.items():

@@ -11,7 +11,8 @@ from pipeline.training.parallelize import apply_activation_checkpointing
 
 def grads(model_name: str, checkpointed: bool) -> tuple[float, dict]:
     torch.manual_seed(0)
-    model = build_model(model_name, n_layers=3, max_seq_len=32)
+    pattern = {"hybrid_layers": "MAM"} if "hybrid" in model_name else {}
+    model = build_model(model_name, n_layers=3, max_seq_len=32, **pattern)
     if checkpointed:
         apply_activation_checkpointing(model)
     x = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -22,7 +23,7 @@ def grads(model_name: str, checkpointed: bool) -> tuple[float, dict]:
 
 
 def test_checkpointing_gives_identical_gradients_dense_moe_and_mamba():
-    for name in ("debug_dense", "debug_moe", "debug_mamba", "debug_mamba2"):
+    for name in ("debug_dense", "debug_moe", "debug_mamba", "debug_mamba2", "debug_hybrid"):
         loss_a, a = grads(name, False)
         loss_b, b = grads(name, True)
         assert loss_a == loss_b
