@@ -252,11 +252,13 @@ def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Arti
 
 def run_pipeline(cfg: RunConfig, *, only: str | None = None, until: str | None = None,
                  force: tuple[str, ...] = (), dry_run: bool = False, echo: Callable[[str], None] = print,
-                 stages: dict[str, Stage] = STAGES) -> PipelineResult:
+                 stages: dict[str, Stage] = STAGES, nest: Nesting | None = None) -> PipelineResult:
     """Run (or, with ``dry_run``, just plan) the pipeline for ``cfg``.
 
     Args:
         stages: the stage table in dependency order; the pipeline's six by default.
+        nest: the pipeline as part of something larger (a sweep's trial): its MLflow run nested under
+            another, with more tags and params, and the train stage's extra Ray Train callbacks.
 
     Raises:
         ConfigError: bad stage names or missing inputs for ``only``.
@@ -277,14 +279,32 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, until: str | None =
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
         check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run])
-        return _run_stages(cfg, plan, uri, echo, stages)
+        return _run_stages(cfg, plan, uri, echo, stages, nest or Nesting())
     finally:
         if started_ray:
             ray.shutdown()
 
 
+@dataclass(frozen=True)
+class Nesting:
+    """What a pipeline run that is part of something larger (a sweep's trial) adds to a plain one.
+
+    Attributes:
+        run_id: an MLflow run, already started, to be the pipeline's run (None: start one).
+        parent_run_id: the MLflow run the pipeline's run is nested under (None: top level).
+        tags, params: more tags and params for the pipeline's MLflow run.
+        train_callbacks: Ray Train callbacks the train stage hands its trainer (a sweep's report to Tune).
+    """
+
+    run_id: str | None = None
+    parent_run_id: str | None = None
+    tags: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    train_callbacks: tuple = ()
+
+
 def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[str], None],
-                stages: dict[str, Stage]) -> PipelineResult:
+                stages: dict[str, Stage], nest: Nesting) -> PipelineResult:
     cfg.workdir().mkdir(parents=True, exist_ok=True)
     local_store = uri.startswith("sqlite:")
     exp_id = tracking.ensure_experiment(
@@ -295,14 +315,17 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
         echo(line)
     # Inside `ray job submit` the parent run is named after the job, so the two find each other.
     job_id = ray_job_submission_id()
-    parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, tags={
-        "conduit.ray_job_id": job_id or "local", "conduit.config_name": cfg.run.name,
-        "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()),
-    })
+    tags = {"conduit.ray_job_id": job_id or "local", "conduit.config_name": cfg.run.name,
+            "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()), **nest.tags}
+    if nest.run_id:
+        parent = nest.run_id
+        tracking.StageTracker(uri, parent).set_tags(tags)
+    else:
+        parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, parent_id=nest.parent_run_id, tags=tags)
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
     store = store_for(cfg.artifact_root())
     try:
-        tracking.StageTracker(uri, parent).log_params(flatten(cfg.to_dict()))
+        tracking.StageTracker(uri, parent).log_params({**flatten(cfg.to_dict()), **nest.params})
         for item in plan:
             stage = stages[item.stage]
             if not item.run and item.cached:
@@ -318,7 +341,7 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 if not item.forced and store.is_complete(item.stage, item.hash) and \
                         _use_cached(store, item, result, echo):
                     continue  # the driver this one waited for finished it
-                _run_one(cfg, store, item, stage, result, uri, exp_id, parent, echo)
+                _run_one(cfg, store, item, stage, result, uri, exp_id, parent, echo, nest.train_callbacks)
             finally:
                 lock.release()
         tracking.StageTracker(uri, parent).set_tags(
@@ -360,7 +383,7 @@ def _use_cached(store, item: PlanItem, result: PipelineResult, echo: Callable[[s
 
 
 def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: PipelineResult, uri: str, exp_id: str,
-             parent: str, echo: Callable[[str], None]) -> None:
+             parent: str, echo: Callable[[str], None], train_callbacks: tuple = ()) -> None:
     """Run one stage as a Ray task under its own nested MLflow run (the caller holds its lock)."""
     import ray
 
@@ -370,7 +393,7 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
         "conduit.stage": item.stage, "conduit.hash": item.hash,
         **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
     })
-    tracker = tracking.StageTracker(uri, child)
+    tracker = tracking.StageTracker(uri, child, train_callbacks if item.stage == "train" else ())
     store.clear(item.stage, item.hash)  # forced, damaged, or left unsealed by an earlier attempt
     if item.forced and stage.discard_state is not None:
         stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
@@ -378,6 +401,8 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
     res = stage.task_resources(cfg, inputs)
     ref = ray.remote(_stage_task).options(
         num_cpus=res.cpus, num_gpus=res.gpus, name=f"conduit.{item.stage}",
+        # never inside a caller's placement group (a sweep trial's, which holds no CPU for its stages)
+        scheduling_strategy="DEFAULT",
         resources={r: STAGE_RESOURCE_SHARE for r in cfg.cluster.stage_resources},
     ).remote(stage, cfg.to_dict(), item.hash, inputs, tracker)
     try:

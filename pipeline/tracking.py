@@ -142,10 +142,13 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 
 @dataclass(frozen=True)
 class StageTracker:
-    """A picklable handle on one MLflow run, usable from any process (Ray tasks, Train workers)."""
+    """A picklable handle on one MLflow run, usable from any process (Ray tasks, Train workers), and
+    where else its stage reports progress: ``train_callbacks``, Ray Train callbacks of the train
+    stage's trainer (a sweep trial's report to Ray Tune; ``pipeline.sweep``)."""
 
     uri: str
     run_id: str
+    train_callbacks: tuple = ()
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]

@@ -89,3 +89,32 @@ def test_every_documented_pipeline_command_validates(where, config, overrides):
         section, rest = item.split(".", 1)
         field = rest.split("=", 1)[0]
         assert hasattr(getattr(cfg, section), field), (where, item)
+
+
+def documented_sweeps() -> list[tuple[str, str, list[str]]]:
+    """``(where, sweep file, overrides)`` for every ``jobs.sweep`` command in the docs."""
+    found = []
+    for doc in DOCS:
+        for block in _shell_blocks(doc.read_text(encoding="utf-8")):
+            for words in _commands(block):
+                if "jobs.sweep" in words:
+                    rest = words[words.index("jobs.sweep") + 1:]
+                    files = [w for w in rest if w.endswith(".yaml")]
+                    found.append((f"{doc.relative_to(ROOT)}: {shlex.join(words)[:90]}", files[0],
+                                  [w for w in rest if OVERRIDE.match(w)]))
+    return found
+
+
+SWEEPS = documented_sweeps()
+
+
+def test_the_docs_show_sweep_commands():
+    assert sum(w.startswith("README.md") for w, _, _ in SWEEPS) >= 1 and len(SWEEPS) >= 3, SWEEPS
+
+
+@pytest.mark.parametrize("where,path,overrides", SWEEPS, ids=[w for w, _, _ in SWEEPS])
+def test_every_documented_sweep_command_loads(where, path, overrides):
+    from pipeline.sweep.spec import load_sweep
+
+    spec = load_sweep(ROOT / path, overrides)
+    assert spec.trials, where

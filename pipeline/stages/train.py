@@ -204,6 +204,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             # Fault tests widen a moment to SIGKILL a worker in.
             "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
             "init_state": init_state,
+            # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
+            "report_validation": bool(getattr(tracker, "train_callbacks", ())),
         },
         torch_config=TorchConfig(backend=backend_for(device)),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
@@ -213,6 +215,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            callbacks=list(getattr(tracker, "train_callbacks", ())),
         ),
     )
     result = trainer.fit()

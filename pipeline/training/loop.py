@@ -221,6 +221,10 @@ def _validate(run: _Rank, done: int) -> float | None:
                                dist.all_reduce, run.corruption, run.cfg.train.loss_chunk_tokens)
     run.val_losses.append(val_loss)
     run.stopped = stop_early(run.val_losses, va.early_stop_patience)
+    if run.config.get("report_validation"):  # every rank, at the same step (Ray Train's report is collective)
+        import ray.train
+
+        ray.train.report({"step": done, "val_loss": val_loss})
     return val_loss
 
 

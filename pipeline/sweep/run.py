@@ -1,0 +1,353 @@
+"""Run a sweep (``pipeline.sweep.spec``) with Ray Tune: the trials are pipelines that share every cached stage.
+
+Order of work:
+
+1. The data stages (shard, tokenizer, tokenize) of each distinct data config among the trials run once,
+   here, before any trial: the trials find them cached.
+2. Ray Tune runs the trials, ``max_concurrent`` at a time (and as many as the cluster's CPUs allow:
+   a trial holds none itself, its train stage's Ray Train workers hold theirs). Each trial is the
+   pipeline up to evaluate for its config, in an MLflow run nested under the sweep's (its stage runs
+   under it). Inside, Ray Train runs the training as in any pipeline; with ``val_loss`` as the metric,
+   each validation loss goes from the train workers to Tune (``ValidationToTune``, Ray's documented
+   route for Train inside Tune), where ASHA may stop the trial.
+3. A stopped trial ends as "stopped at step N" with its last validation loss, on its MLflow run (KILLED)
+   and in the summary; its train artifact is never sealed (training did not finish), and a rerun
+   of the sweep does not run it again. A failed trial is retried ``checkpoint.max_failures`` times
+   (resuming from its checkpoints), then reported as failed; the others go on.
+4. The summary: a table of the trials, a picture of the metric against each swept field, and with
+   ``register: best`` the best finished trial's model registered (its register stage, tagged with
+   the sweep's run id).
+
+A killed sweep driver, run again with the same command, restores Tune's experiment
+(``<workdir>/sweeps/<name>``): finished and stopped trials stay as they ended, unfinished ones run again and
+resume from their checkpoints (their finished stages are cached), and no trial is added.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline import tracking
+from pipeline.config import config_from_dict
+from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
+from pipeline.sweep.spec import SweepSpec
+
+FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+
+
+@dataclass
+class TrialOutcome:
+    """How one trial ended: ``status`` (finished, stopped or failed), the last step and validation loss
+    it reported, the sweep's metric, its MLflow run and, for a failure, the error."""
+
+    index: int
+    values: dict
+    status: str = FAILED
+    step: int | None = None
+    val_loss: float | None = None
+    metric: float | None = None
+    run_id: str | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.status == STOPPED:
+            return f"stopped at step {self.step}"
+        return self.status
+
+
+@dataclass
+class SweepResult:
+    """The sweep's MLflow run, each trial's outcome (in trial order) and the best finished trial."""
+
+    run_id: str
+    tracking_uri: str
+    trials: list[TrialOutcome] = field(default_factory=list)
+    best: TrialOutcome | None = None
+    registered: dict | None = None
+
+
+def _validation_to_tune():
+    """A Ray Train callback (made inside a Tune trial) that hands Tune the reports that carry a
+    validation loss, and no other (checkpoint reports carry only a step)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class ValidationToTune(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and "val_loss" in metrics[0]:
+                self._training_actor_item_queue.put({"step": metrics[0]["step"], "val_loss": metrics[0]["val_loss"]})
+
+    return ValidationToTune()
+
+
+def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, experiment_id: str, metric: str,
+           sweep_name: str) -> None:
+    """One trial, in a Tune trial's process: its pipeline up to evaluate, in its own MLflow run."""
+    from ray import tune
+
+    t = trials[config["trial"]]
+    cfg = config_from_dict(t["cfg"], source=f"<sweep {sweep_name} {t['name']}>")
+    run_id = tracking.start_run(uri, experiment_id, t["name"], parent_id=sweep_run_id, tags={
+        "conduit.sweep_run_id": sweep_run_id, "conduit.sweep_trial": t["name"], "conduit.sweep_status": "running"})
+    callbacks = (_validation_to_tune(),) if metric == "val_loss" else ()
+    nest = Nesting(run_id=run_id, params={f"sweep.{k}": v for k, v in t["values"].items()}, train_callbacks=callbacks)
+    tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": "running"})
+    result = run_pipeline(cfg, until="evaluate", echo=lambda line: print(f"{t['name']}: {line}", flush=True),
+                          nest=nest)
+    counts = result.artifacts["train"].manifest["counts"]
+    metrics = json.loads((result.artifacts["evaluate"].path / "metrics.json").read_text())["metrics"]
+    val_losses = {int(k): v for k, v in counts.get("val_losses", {}).items()}
+    last_val = val_losses[max(val_losses)] if val_losses else None
+    value = last_val if metric == "val_loss" else metrics.get(metric)
+    if value is None:
+        raise ValueError(f"sweep metric {metric!r} is not among the evaluate stage's metrics ({sorted(metrics)[:8]}...)")
+    tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": FINISHED, "conduit.sweep_metric": value})
+    tune.report({"step": counts["steps_trained"], "val_loss": last_val if last_val is not None else value,
+                 metric: value, "finished": True, "run_id": run_id})
+
+
+def _data_stages_once(spec: SweepSpec, echo: Callable[[str], None], sweep_run_id: str) -> None:
+    """The data stages of each distinct data config among the trials, once, before the trials."""
+    seen = set()
+    for trial in spec.trials:
+        cfg = resolve(trial.cfg)
+        data = ORDER[:ORDER.index("tokenize") + 1]
+        key = tuple((p.stage, p.hash) for p in make_plan(cfg, until="tokenize") if p.stage in data)
+        if key in seen:
+            continue
+        seen.add(key)
+        run_pipeline(cfg, until="tokenize", echo=lambda line: echo(f"data: {line}"),
+                     nest=Nesting(parent_run_id=sweep_run_id, tags={"conduit.sweep_run_id": sweep_run_id,
+                                                                   "conduit.sweep_role": "data stages"}))
+
+
+def _sweep_run(spec: SweepSpec, uri: str, experiment_id: str) -> str:
+    """The sweep's MLflow run: the one of an earlier attempt of this sweep (same name and trials), which
+    a rerun continues, or a new one."""
+    key = spec.fingerprint
+    found = tracking.search_runs(uri, experiment_id, f"tags.`conduit.sweep_key` = '{key}'")
+    if found:
+        return found[0][0]
+    run_id = tracking.start_run(uri, experiment_id, spec.name, tags={
+        "conduit.sweep": spec.name, "conduit.sweep_key": key, "conduit.sweep_file": str(spec.path),
+        "conduit.sweep_trials": len(spec.trials)})
+    tracker = tracking.StageTracker(uri, run_id)
+    tracker.log_params({"sweep.metric": spec.metric, "sweep.mode": spec.mode, "sweep.scheduler": spec.scheduler,
+                        "sweep.trials": len(spec.trials), "sweep.max_concurrent": spec.max_concurrent,
+                        **{f"space.{d.path}": f"{d.kind} {list(d.values)}" for d in spec.dimensions}})
+    return run_id
+
+
+def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResult:
+    """Run the sweep (module docstring) and return each trial's outcome and the best.
+
+    Raises:
+        ConfigError, TrackingUnavailable, ClusterError: as ``run_pipeline`` does, before any trial.
+    """
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    base = resolve(spec.trials[0].cfg)
+    uri = base.tracking_uri()
+    tracking.check_reachable(uri)
+    started_ray = connect_ray(base)
+    try:
+        base.workdir().mkdir(parents=True, exist_ok=True)
+        local_store = uri.startswith("sqlite:")
+        exp_id = tracking.ensure_experiment(uri, base.tracking.experiment, artifact_location=str(
+            base.workdir() / "mlartifacts") if local_store else None)
+        sweep_run = _sweep_run(spec, uri, exp_id)
+        echo(f"sweep {spec.name}: {len(spec.trials)} trials, MLflow run {sweep_run}"
+             + (f"; {len(spec.dropped)} invalid samples dropped" if spec.dropped else ""))
+        _data_stages_once(spec, echo, sweep_run)
+        trials = [{"name": t.name, "values": t.values, "cfg": resolve(t.cfg).to_dict()} for t in spec.trials]
+        trainable = tune.with_resources(
+            tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
+                                 metric=spec.metric, sweep_name=spec.name),
+            {"cpu": 0, "memory": 2**20})  # no CPU: its train stage's workers hold those (Tune needs a non-empty bundle)
+        # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial that trains to
+        # the end must go on to evaluate and report that it finished.
+        scheduler = (ASHAScheduler(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
+                                   reduction_factor=spec.reduction_factor)
+                     if spec.scheduler == "asha" else FIFOScheduler())
+        storage = str(base.workdir() / "sweeps")
+        path = f"{storage}/{spec.name}"
+        if tune.Tuner.can_restore(path):
+            echo(f"sweep {spec.name}: resuming the trials of {path}")
+            tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=False,
+                                       restart_errored=False)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"trial": tune.grid_search(list(range(len(trials))))},
+                tune_config=tune.TuneConfig(metric="val_loss" if spec.metric == "val_loss" else spec.metric,
+                                            mode=spec.mode, scheduler=scheduler,
+                                            max_concurrent_trials=spec.max_concurrent, reuse_actors=False),
+                run_config=tune.RunConfig(name=spec.name, storage_path=storage, verbose=0,
+                                          failure_config=tune.FailureConfig(max_failures=base.checkpoint.max_failures),
+                                          callbacks=[_outcomes_class()(uri, exp_id, sweep_run, echo)]),
+            )
+        grid = tuner.fit()
+        result = _summarise(spec, grid, uri, exp_id, sweep_run, echo)
+        if spec.register == "best" and result.best is not None:
+            result.registered = _register_best(spec, result, uri, sweep_run, echo)
+        tracking.end_run(uri, sweep_run)
+        return result
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _outcomes_class():
+    from ray.tune import Callback
+
+    class Outcomes(Callback):
+        """On the driver: each validation loss on the trial's MLflow run as the curve, and a trial that
+        ends without finishing (ASHA stopped it) marked so, its runs KILLED."""
+
+        def __init__(self, uri: str, experiment_id: str, sweep_run: str, echo: Callable[[str], None]) -> None:
+            self.uri, self.experiment_id, self.sweep_run, self.echo = uri, experiment_id, sweep_run, echo
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            last = trial.last_result or {}
+            if last.get("finished"):
+                self.echo(f"{_name(trial)}: finished at step {last.get('step')}, val_loss {last.get('val_loss')}")
+                return
+            self.echo(f"{_name(trial)}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')})")
+            _mark_stopped(self.uri, self.experiment_id, self.sweep_run, _name(trial), last)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.echo(f"{_name(trial)}: failed ({trial.error_file or 'see the log'})")
+            for run_id, _ in _trial_runs(self.uri, self.experiment_id, self.sweep_run, _name(trial), running=True):
+                tracking.StageTracker(self.uri, run_id).set_tags({"conduit.sweep_status": FAILED})
+                tracking.end_run(self.uri, run_id, "FAILED")
+
+    return Outcomes
+
+
+def _name(trial) -> str:
+    return f"trial_{trial.config['trial']:03d}"
+
+
+def _trial_runs(uri: str, experiment_id: str, sweep_run: str, name: str, running: bool) -> list:
+    query = f"tags.`conduit.sweep_run_id` = '{sweep_run}' and tags.`conduit.sweep_trial` = '{name}'"
+    if running:
+        query += " and attributes.status = 'RUNNING'"
+    return tracking.search_runs(uri, experiment_id, query)
+
+
+def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last: dict) -> None:
+    """A trial the scheduler stopped: its run and its running stage runs KILLED, tagged with the step and
+    the last validation loss."""
+    status = f"stopped at step {last.get('step')}"
+    for run_id, _ in _trial_runs(uri, experiment_id, sweep_run, name, running=False):
+        tracking.StageTracker(uri, run_id).set_tags({
+            "conduit.sweep_status": STOPPED, "conduit.sweep_stopped_at_step": last.get("step"),
+            "conduit.sweep_last_val_loss": last.get("val_loss"), "mlflow.note.content": f"{name}: {status} by ASHA"})
+        for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
+                                                                 f"tags.`mlflow.parentRunId` = '{run_id}'"):
+            tracking.StageTracker(uri, child).set_tags({"conduit.error": f"the sweep's scheduler {status}"})
+            tracking.end_run(uri, child, "KILLED")
+        tracking.end_run(uri, run_id, "KILLED")
+
+
+def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: str,
+               echo: Callable[[str], None]) -> SweepResult:
+    """Each trial's outcome, the best finished one, the table and the pictures on the sweep's run."""
+    outcomes = {t.index: TrialOutcome(t.index, t.values) for t in spec.trials}
+    for r in grid:
+        o = outcomes[r.config["trial"]]
+        last = r.metrics or {}
+        o.step, o.val_loss = last.get("step"), last.get("val_loss")
+        if r.error is not None:
+            o.status, o.error = FAILED, f"{type(r.error).__name__}: {r.error}"[:500]
+        elif last.get("finished"):
+            o.status, o.metric, o.run_id = FINISHED, last.get(spec.metric), last.get("run_id")
+        else:
+            o.status = STOPPED
+    trials = [outcomes[i] for i in sorted(outcomes)]
+    for o in trials:
+        if o.run_id is None:
+            runs = _trial_runs(uri, experiment_id, sweep_run, f"trial_{o.index:03d}", running=False)
+            o.run_id = runs[0][0] if runs else None
+    finished = [o for o in trials if o.status == FINISHED and o.metric is not None]
+    sign = 1 if spec.mode == "min" else -1
+    best = min(finished, key=lambda o: sign * o.metric) if finished else None
+    result = SweepResult(sweep_run, uri, trials, best)
+    tracker = tracking.StageTracker(uri, sweep_run)
+    table = {"trial": [f"trial_{o.index:03d}" for o in trials], "status": [o.label for o in trials],
+             "step": [o.step for o in trials], "val_loss": [o.val_loss for o in trials],
+             spec.metric: [o.metric for o in trials], "run_id": [o.run_id for o in trials],
+             **{d.path: [o.values.get(d.path) for o in trials] for d in spec.dimensions}}
+    tracker.log_table(table, "trials.json")
+    tracker.log_figure(metric_figure(spec, trials), "plots/metric_by_field.png")
+    tags = {"conduit.sweep_finished": len(finished),
+            "conduit.sweep_stopped": sum(o.status == STOPPED for o in trials),
+            "conduit.sweep_failed": sum(o.status == FAILED for o in trials)}
+    if best is not None:
+        tags.update({"conduit.sweep_best_trial": f"trial_{best.index:03d}", "conduit.sweep_best_metric": best.metric,
+                     "conduit.sweep_best_run": best.run_id or ""})
+        tracker.log_metrics({f"best_{spec.metric}": best.metric})
+    tracker.set_tags(tags)
+    for o in trials:
+        echo(f"trial_{o.index:03d} {o.label}: {spec.metric} "
+             f"{'-' if o.metric is None else f'{o.metric:.4f}'} "
+             + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in o.values.items()))
+    if best is not None:
+        echo(f"best: trial_{best.index:03d} ({spec.metric} {best.metric:.4f})")
+    return result
+
+
+def metric_figure(spec: SweepSpec, trials: list[TrialOutcome]):
+    """The metric (or, for a stopped trial, its last validation loss, hollow) against each swept field."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = spec.dimensions
+    fig, axes = plt.subplots(1, len(dims), figsize=(4.5 * len(dims), 3.6), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        for status, style in ((FINISHED, dict(marker="o")), (STOPPED, dict(marker="o", facecolors="none"))):
+            pts = [(o.values[d.path], o.metric if status == FINISHED else o.val_loss) for o in trials
+                   if o.status == status and (o.metric if status == FINISHED else o.val_loss) is not None]
+            if pts and all(isinstance(x, (int, float)) for x, _ in pts):
+                ax.scatter([x for x, _ in pts], [y for _, y in pts], edgecolors="C0", label=status, **style)
+            elif pts:
+                ax.scatter([str(x) for x, _ in pts], [y for _, y in pts], edgecolors="C0", label=status, **style)
+        if d.kind == "loguniform" or (d.kind in ("grid", "choice") and _log_spaced(d.values)):
+            ax.set_xscale("log")
+        ax.set_xlabel(d.path)
+        ax.set_ylabel(spec.metric)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"sweep {spec.name}: {spec.metric} by field (hollow: stopped early, last val_loss)")
+    fig.tight_layout()
+    return fig
+
+
+def _log_spaced(values) -> bool:
+    nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return len(nums) == len(values) and len(nums) > 2 and min(nums) > 0 and max(nums) / min(nums) >= 100 \
+        and not all(float(v).is_integer() for v in nums) and math.isfinite(max(nums))
+
+
+def _register_best(spec: SweepSpec, result: SweepResult, uri: str, sweep_run: str,
+                   echo: Callable[[str], None]) -> dict:
+    """Register the best trial's model: its pipeline again with register (every earlier stage cached),
+    the version tagged with the sweep's run id."""
+    cfg = resolve(spec.trials[result.best.index].cfg)
+    out = run_pipeline(cfg, echo=lambda line: echo(f"register best: {line}"),
+                       nest=Nesting(parent_run_id=sweep_run, tags={"conduit.sweep_run_id": sweep_run,
+                                                                  "conduit.sweep_role": "register the best trial"}))
+    counts = out.artifacts["register"].manifest["counts"]
+    version = counts.get("version")
+    if version is not None:
+        tracking.client(uri).set_model_version_tag(cfg.register.model_name, str(version), "conduit.sweep_run_id",
+                                                   sweep_run)
+    tracking.StageTracker(uri, sweep_run).set_tags({"conduit.sweep_registered": f"{cfg.register.model_name}/{version}"})
+    return {"model_name": cfg.register.model_name, "version": version}
+

@@ -1,0 +1,99 @@
+"""A small sweep end to end on the session's Ray cluster: four learning rates of the smoke pipeline, ASHA
+on the validation loss, one trial at a time. The data stages run once, before the trials (its own artifact
+root: the module does not wait for the session's smoke run); the trials nest in MLflow under the sweep's run; the trials that trail are stopped at a rung, honestly (their
+runs KILLED and tagged, no train artifact sealed), the best finished trial's model is registered with the
+sweep's run id, and running the sweep again resumes it without running a trial twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import tracking
+from pipeline.runner import make_plan, resolve
+from pipeline.store.backends import store_for
+from pipeline.sweep.run import FINISHED, STOPPED, run_sweep
+from pipeline.sweep.spec import load_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+# The first trial sets the bar at each rung; the two tiny rates trail it there and are stopped.
+RATES = [3e-3, 1e-6, 1e-2, 2e-6]
+
+
+def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"sweep": {
+        "name": "e2e_lr", "base": str(ROOT / "configs" / "smoke.yaml"),
+        "overrides": [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}",
+                      f"train.steps={STEPS}", "train.log_every=5", "validation.every=10", "validation.batches=1",
+                      "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]",
+                      "train.progress_bar=false", "register.model_name=conduit-sweep-e2e"],
+        "space": {"optimizer.lr": {"grid": RATES}},
+        "scheduler": "asha", "grace_steps": 10, "reduction_factor": 2, "max_concurrent": 1, "register": "best",
+    }}))
+    spec = load_sweep(path)
+    lines: list[str] = []
+    result = run_sweep(spec, echo=lines.append)
+    by_rate = {o.values["optimizer.lr"]: o for o in result.trials}
+
+    # The good rates finish; the tiny ones are stopped at a rung before the last step.
+    assert by_rate[3e-3].status == FINISHED and by_rate[1e-2].status == FINISHED, lines
+    for rate in (1e-6, 2e-6):
+        o = by_rate[rate]
+        assert o.status == STOPPED and o.step < STEPS and o.label == f"stopped at step {o.step}", (o, lines)
+        assert o.val_loss > max(by_rate[3e-3].val_loss, by_rate[1e-2].val_loss)
+    assert result.best.values["optimizer.lr"] in (3e-3, 1e-2)
+    assert result.best.metric == min(by_rate[3e-3].metric, by_rate[1e-2].metric)
+
+    # The data stages ran once, before the trials, under the sweep's run; never in a trial.
+    assert [ln for ln in lines if ": running" in ln and ln.startswith("data: ")] == \
+        [f"data: {n}: running ({h})" for n, h in ((p.stage, p.hash) for p in make_plan(resolve(spec.trials[0].cfg))
+                                                   if p.stage in ("shard", "tokenizer", "tokenize"))]
+    c = tracking.client(result.tracking_uri)
+    runs = {r.info.run_id: r for r in c.search_runs([c.get_run(result.run_id).info.experiment_id], max_results=500)}
+    sweep = runs[result.run_id]
+    data_runs = [r for r in runs.values() if r.data.tags.get("conduit.sweep_role") == "data stages"]
+    assert len(data_runs) == 1 and data_runs[0].data.tags["mlflow.parentRunId"] == result.run_id
+    trial_runs = {r.data.tags["conduit.sweep_trial"]: r for r in runs.values()
+                  if r.data.tags.get("mlflow.parentRunId") == result.run_id and "conduit.sweep_trial" in r.data.tags}
+    assert sorted(trial_runs) == [f"trial_{i:03d}" for i in range(4)]
+    stage_runs = {rid: r for rid, r in runs.items() if "conduit.stage" in r.data.tags}
+    for name, run in trial_runs.items():
+        stages = {r.data.tags["conduit.stage"]: r for r in stage_runs.values()
+                  if r.data.tags.get("mlflow.parentRunId") == run.info.run_id}
+        assert not {"shard", "tokenizer", "tokenize"} & set(stages), name  # cached: no stage run of theirs
+        o = by_rate[float(run.data.params["sweep.optimizer.lr"])]
+        if o.status == FINISHED:
+            assert run.info.status == "FINISHED" and set(stages) == {"train", "evaluate"}
+            assert run.data.tags["conduit.sweep_status"] == FINISHED
+            val = [m.value for m in c.get_metric_history(stages["train"].info.run_id, "val_loss")]
+            assert len(val) == STEPS // 10  # the validation curve, every 10 steps
+        else:  # stopped: KILLED, saying where and why, its training unsealed
+            assert run.info.status == "KILLED" and run.data.tags["conduit.sweep_status"] == STOPPED
+            assert int(run.data.tags["conduit.sweep_stopped_at_step"]) == o.step
+            assert stages["train"].info.status == "KILLED" and "evaluate" not in stages
+            cfg = resolve(spec.trials[o.index].cfg)
+            train_hash = next(p.hash for p in make_plan(cfg) if p.stage == "train")
+            assert not store_for(cfg.artifact_root()).is_complete("train", train_hash)
+
+    # The sweep's run: the table, the picture, the best, and the best model registered with the sweep's id.
+    table = json.loads(Path(c.download_artifacts(result.run_id, "trials.json", str(tmp_path))).read_text())
+    status = [row[table["columns"].index("status")] for row in table["data"]]  # MLflow's table layout
+    assert status.count("finished") == 2 and sum(s.startswith("stopped at step") for s in status) == 2
+    assert "plots/metric_by_field.png" in [a.path for a in c.list_artifacts(result.run_id, "plots")]
+    assert sweep.info.status == "FINISHED" and sweep.data.tags["conduit.sweep_best_trial"] == f"trial_{result.best.index:03d}"
+    assert result.registered["model_name"] == "conduit-sweep-e2e"
+    mv = c.get_model_version("conduit-sweep-e2e", str(result.registered["version"]))
+    assert mv.tags["conduit.sweep_run_id"] == result.run_id
+
+    # Run again: Tune's experiment is restored; no trial runs again (finished and stopped stay as they ended).
+    again = run_sweep(load_sweep(path), echo=lines.append)
+    assert [(o.status, o.step) for o in again.trials] == [(o.status, o.step) for o in result.trials]
+    after = c.search_runs([sweep.info.experiment_id], filter_string="tags.`conduit.sweep_trial` != ''", max_results=500)
+    assert len(after) == 4

@@ -1,0 +1,96 @@
+"""The sweep file: trials drawn once, reproducibly, from the space; everything wrong with it refused before
+any trial starts, naming the field and value."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError
+from pipeline.sweep.spec import load_sweep
+
+ROOT = Path(__file__).resolve().parents[3]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+
+
+def write(tmp_path: Path, **sweep) -> Path:
+    body = {"base": SMOKE, "overrides": ["validation.every=50"], **sweep}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"sweep": body}))
+    return path
+
+
+def test_the_shipped_sweep_loads_with_eight_log_spaced_rates():
+    spec = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml")
+    rates = [t.values["optimizer.lr"] for t in spec.trials]
+    assert len(rates) == 8 and rates == sorted(rates)
+    assert [t.cfg.optimizer.lr for t in spec.trials] == rates
+    assert all(t.cfg.train.steps == 150 and t.cfg.validation.every == 25 for t in spec.trials)
+    assert [t.cfg.run.name for t in spec.trials] == [f"smoke_lr-trial_{i:03d}" for i in range(8)]
+
+
+def test_grid_crossed_with_random_draws_reproducibly(tmp_path):
+    path = write(tmp_path, space={"optimizer.lr": {"loguniform": [1e-4, 1e-2]},
+                                  "model.n_layers": {"grid": [1, 2]},
+                                  "optimizer.weight_decay": {"uniform": [0.0, 0.2]}}, samples=3, seed=7)
+    spec = load_sweep(path)
+    assert len(spec.trials) == 2 * 3
+    assert [t.values["model.n_layers"] for t in spec.trials] == [1, 1, 1, 2, 2, 2]
+    for t in spec.trials:
+        assert 1e-4 <= t.values["optimizer.lr"] <= 1e-2 and 0.0 <= t.values["optimizer.weight_decay"] <= 0.2
+        assert t.cfg.optimizer.lr == t.values["optimizer.lr"] and t.cfg.model_config().n_layers == t.values["model.n_layers"]
+    again = load_sweep(path)
+    assert [t.values for t in again.trials] == [t.values for t in spec.trials]
+    assert again.fingerprint == spec.fingerprint
+    # log-uniform: the logs of the draws spread over [log 1e-4, log 1e-2], not bunched at the top
+    logs = [math.log10(t.values["optimizer.lr"]) for t in load_sweep(write(
+        tmp_path, space={"optimizer.lr": {"loguniform": [1e-4, 1e-2]}}, samples=200)).trials]
+    assert min(logs) < -3.5 and max(logs) > -2.5 and abs(sum(logs) / len(logs) + 3) < 0.15
+
+
+@pytest.mark.parametrize("space, message", [
+    ({"optimizer.lrr": {"grid": [1e-3]}}, r"space.optimizer.lrr: section optimizer has no field 'lrr'"),
+    ({"optimiser.lr": {"grid": [1e-3]}}, r"space.optimiser.lr: there is no config section 'optimiser'"),
+    ({"model.d_modle": {"grid": [64]}}, r"space.model.d_modle: section model has no field 'd_modle'"),
+    ({}, r"sweep.space is empty"),
+    ({"optimizer.lr": {"grid": []}}, r"space.optimizer.lr.grid must be a non-empty list"),
+    ({"optimizer.lr": {"loguniform": [0.0, 1e-2]}}, r"loguniform \[0.0, 0.01\] must have low < high and low > 0"),
+    ({"optimizer.lr": {"uniform": [0.1, 0.01]}}, r"uniform \[0.1, 0.01\] must have low < high"),
+    ({"optimizer.lr": {"normal": [0, 1]}}, r"space.optimizer.lr must be one of"),
+    ({"lr": {"grid": [1e-3]}}, r"space keys are config fields as section.field"),
+])
+def test_a_bad_space_is_refused_naming_the_field(tmp_path, space, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(write(tmp_path, space=space))
+
+
+def test_a_sample_that_makes_an_invalid_config_is_refused_before_any_trial(tmp_path):
+    space = {"model.n_heads": {"grid": [4, 3, 8]}}  # d_model 64 (debug_dense): 3 heads do not divide it
+    with pytest.raises(ConfigError, match=r"the sample model.n_heads=3 makes an invalid config: .*n_heads.*no trial "
+                                          r"has started"):
+        load_sweep(write(tmp_path, space=space))
+    spec = load_sweep(write(tmp_path, space=space, skip_invalid=True))  # asked for: the others run
+    assert [t.values["model.n_heads"] for t in spec.trials] == [4, 8]
+    assert [t.index for t in spec.trials] == [0, 1] and len(spec.dropped) == 1 and "model.n_heads=3" in spec.dropped[0]
+
+
+@pytest.mark.parametrize("sweep, message", [
+    (dict(metric="val_bits_per_byte"), r"asha prunes on the validation loss"),
+    (dict(overrides=["validation.every=0"]), r"metric val_loss needs validation during training: set validation.every"),
+    (dict(scheduler="hyperband"), r"sweep.scheduler must be one of \['asha', 'none'\], got 'hyperband'"),
+    (dict(max_concurrent=0), r"sweep.max_concurrent must be an int >= 1, got 0"),
+    (dict(trails=4), r"unknown sweep key\(s\) \['trails'\]"),
+    (dict(overrides=["validation.every=50", "train.stepz=5"]), r"stepz"),
+])
+def test_bad_sweep_settings_are_named(tmp_path, sweep, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(write(tmp_path, **{"space": {"optimizer.lr": {"grid": [1e-3]}}, **sweep}))
+
+
+def test_an_end_metric_without_pruning_is_accepted(tmp_path):
+    spec = load_sweep(write(tmp_path, space={"optimizer.lr": {"grid": [1e-3, 3e-3]}}, metric="val_bits_per_byte",
+                            scheduler="none", overrides=[]))
+    assert spec.metric == "val_bits_per_byte" and len(spec.trials) == 2
