@@ -1,7 +1,11 @@
-"""Submit a Conduit pipeline to a Ray cluster as a Ray job (the config is validated here first).
+"""Submit a Conduit pipeline, or a sweep, to a Ray cluster as a Ray job (the config is validated here first).
 
     python -m jobs.submit configs/smoke.yaml [section.field=value ...] [--address http://HOST:8265]
         [--tracking-uri URI] [--follow] [--only STAGE | --until STAGE] [--force STAGE] [--dry-run] [--keep-paths]
+    python -m jobs.submit configs/sweeps/smoke_lr.yaml [section.field=value ...] [--follow] ...
+
+A sweep file (one top-level key, ``sweep``) runs as ``jobs.sweep`` in the job, its trials drawn and
+checked here first; the overrides apply to every trial.
 
 Prints the job id on stdout. With --follow, streams the job's logs and exits 0 if it SUCCEEDED,
 1 if it FAILED or was STOPPED. A bad config exits 2 before anything is sent.
@@ -15,6 +19,7 @@ import sys
 from pipeline import cluster
 from pipeline.config import ConfigError, load_config
 from pipeline.runner import ORDER
+from pipeline.sweep.spec import is_sweep_file, load_sweep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,8 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sweep = is_sweep_file(args.config)
     try:
-        cfg = load_config(args.config, args.overrides)
+        if sweep:
+            if args.only or args.until or args.force:
+                raise ConfigError("--only, --until and --force are for a pipeline; a sweep's trials run up to "
+                                  "evaluate and its best is registered")
+            cfg = load_sweep(args.config, args.overrides).trials[0].cfg
+        else:
+            cfg = load_config(args.config, args.overrides)
         config_rel = cluster.repo_relative(args.config)
     except (ConfigError, cluster.ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -49,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 *[a for s in args.force for a in ("--force", s)],
                 *(["--dry-run"] if args.dry_run else [])]
     try:
-        spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args)
+        spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args,
+                                module="jobs.sweep" if sweep else "jobs.run")
         jc = cluster.client(args.address)
     except cluster.ClusterError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -211,8 +211,9 @@ def new_submission_id() -> str:
 
 
 def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
-             run_args: list[str] | None = None) -> JobSpec:
-    """The entrypoint ``python -m jobs.run CONFIG OVERRIDES ARGS`` and its runtime_env.
+             run_args: list[str] | None = None, module: str = "jobs.run") -> JobSpec:
+    """The entrypoint ``python -m jobs.run CONFIG OVERRIDES ARGS`` (``module``: ``jobs.sweep`` for a sweep
+    file) and its runtime_env.
 
     The submission id is chosen here and also passed as ``RAY_JOB_SUBMISSION_ID``: Ray does not put
     it in the driver's environment, and the runner names the MLflow parent run after that variable.
@@ -235,7 +236,7 @@ def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
             credentials.check_uri(f"the job's environment variable {name}", value)
         except credentials.CredentialsInUri as e:
             raise ClusterError(str(e)) from e
-    argv = ["python", "-m", "jobs.run", config_rel, *overrides, *(run_args or [])]
+    argv = ["python", "-m", module, config_rel, *overrides, *(run_args or [])]
     submission_id = new_submission_id()
     return JobSpec(
         submission_id=submission_id,

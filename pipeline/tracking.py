@@ -117,13 +117,34 @@ def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, floa
     return progress
 
 
+# The MLflow UI opens an experiment with this tag as a model-training experiment (runs, metrics, charts);
+# without it, MLflow 3 may take Conduit's for a GenAI one and show its runs under "Evaluations".
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def start_system_metrics(run_id: str, uri: str, every_s: float, node_id: str | None = None):
+    """MLflow's system metrics monitor (CPU, memory, disk, network and GPU use as ``system/...``
+    metrics of run ``run_id``, one sample every ``every_s`` seconds), started; call ``finish()`` on it
+    at the end. ``node_id`` goes into the names (several nodes logging to one run)."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=every_s, tracking_uri=uri, node_id=node_id)
+    monitor.start()
+    return monitor
+
+
 def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
-    """Return the id of experiment ``name``, creating it (with local artifacts where given) if needed."""
+    """Return the id of experiment ``name``, creating it (with local artifacts where given) if needed,
+    marked as a model-training experiment (``EXPERIMENT_KIND``; an earlier one is marked too)."""
     c = client(uri)
     exp = c.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    return c.create_experiment(name, artifact_location=artifact_location)
+    if exp is None:
+        exp_id = c.create_experiment(name, artifact_location=artifact_location, tags=dict([EXPERIMENT_KIND]))
+    else:
+        exp_id = exp.experiment_id
+        if exp.tags.get(EXPERIMENT_KIND[0]) is None:
+            c.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
+    return exp_id
 
 
 def start_run(uri: str, experiment_id: str, name: str, parent_id: str | None = None,

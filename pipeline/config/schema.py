@@ -279,6 +279,9 @@ class PromoteSection:
 class TrackingSection:
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db
     experiment: str = "conduit"
+    # Seconds between samples of each training node's CPU, memory, disk, network (and GPU) use, logged
+    # to the train run as MLflow's system metrics (system/...); 0: none.
+    system_metrics_every_s: float = 10.0
 
 
 @dataclass
@@ -637,6 +640,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     need(ck.max_failures >= 0, f"checkpoint.max_failures={ck.max_failures} must be >= 0")
     need(ck.every_s >= 0, f"checkpoint.every_s={ck.every_s} must be >= 0")
+    need(cfg.tracking.system_metrics_every_s >= 0,
+         f"tracking.system_metrics_every_s={cfg.tracking.system_metrics_every_s} must be >= 0 (0: none)")
     need(cfg.register.alias != "champion",
          "register.alias=champion would skip the promotion gates: the register stage sets a candidate alias "
          "(challenger by default), and jobs.promote moves champion after the gates in the promote section pass")

@@ -90,11 +90,9 @@ def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, exp
 
     t = trials[config["trial"]]
     cfg = config_from_dict(t["cfg"], source=f"<sweep {sweep_name} {t['name']}>")
-    run_id = tracking.start_run(uri, experiment_id, t["name"], parent_id=sweep_run_id, tags={
-        "conduit.sweep_run_id": sweep_run_id, "conduit.sweep_trial": t["name"], "conduit.sweep_status": "running"})
+    run_id = _trial_run(uri, experiment_id, sweep_run_id, t["name"])
     callbacks = (_validation_to_tune(),) if metric == "val_loss" else ()
     nest = Nesting(run_id=run_id, params={f"sweep.{k}": v for k, v in t["values"].items()}, train_callbacks=callbacks)
-    tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": "running"})
     result = run_pipeline(cfg, until="evaluate", echo=lambda line: print(f"{t['name']}: {line}", flush=True),
                           nest=nest)
     counts = result.artifacts["train"].manifest["counts"]
@@ -107,6 +105,26 @@ def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, exp
     tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": FINISHED, "conduit.sweep_metric": value})
     tune.report({"step": counts["steps_trained"], "val_loss": last_val if last_val is not None else value,
                  metric: value, "finished": True, "run_id": run_id})
+
+
+def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> str:
+    """The trial's MLflow run: the one an earlier attempt left (a killed sweep driver took the trial's
+    process along, or Tune restarts the trial after a failure, or Tune's saved state predates the
+    trial's end), RUNNING again under this process with the stage runs it left RUNNING marked FAILED;
+    else a new one. So a trial has one run, however often it starts."""
+    from pipeline.runner import DRIVER_TAG, driver_identity
+
+    for run_id, _ in _trial_runs(uri, experiment_id, sweep_run_id, name, running=False):
+        tracker = tracking.StageTracker(uri, run_id)
+        tracker.set_tags({DRIVER_TAG: json.dumps(driver_identity()), "conduit.sweep_status": "running"})
+        for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
+                                                                 f"tags.`mlflow.parentRunId` = '{run_id}'"):
+            tracking.StageTracker(uri, child).set_tags({"conduit.error": "the trial's process died during this stage"})
+            tracking.end_run(uri, child, "FAILED")
+        tracking.client(uri).update_run(run_id, status="RUNNING")
+        return run_id
+    return tracking.start_run(uri, experiment_id, name, parent_id=sweep_run_id, tags={
+        "conduit.sweep_run_id": sweep_run_id, "conduit.sweep_trial": name, "conduit.sweep_status": "running"})
 
 
 def _data_stages_once(spec: SweepSpec, echo: Callable[[str], None], sweep_run_id: str) -> None:
@@ -211,6 +229,9 @@ def _outcomes_class():
 
         def __init__(self, uri: str, experiment_id: str, sweep_run: str, echo: Callable[[str], None]) -> None:
             self.uri, self.experiment_id, self.sweep_run, self.echo = uri, experiment_id, sweep_run, echo
+
+        def __getstate__(self) -> dict:  # Tune saves its run config; the console (an open file) stays here
+            return {**self.__dict__, "echo": print}
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             last = trial.last_result or {}

@@ -133,6 +133,15 @@ def _dimension(where: str, path, spec) -> Dimension:
     return Dimension(path, kind, tuple(values))
 
 
+def is_sweep_file(path: str | Path) -> bool:
+    """Whether ``path`` is a sweep file (its one top-level key is ``sweep``) rather than a pipeline config."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False  # the pipeline config loader reports what is wrong with it
+    return isinstance(raw, dict) and set(raw) == {"sweep"}
+
+
 def _check_field(where: str, cfg: RunConfig, path: str) -> None:
     """Refuse a swept field the config does not have, naming it and the section's fields."""
     import dataclasses
@@ -245,4 +254,4 @@ def _with_trials(spec: SweepSpec) -> SweepSpec:
     return SweepSpec(**{**spec.__dict__, "trials": tuple(trials), "dropped": tuple(dropped)})
 
 
-__all__ = ["Dimension", "SweepSpec", "Trial", "load_sweep"]
+__all__ = ["Dimension", "SweepSpec", "Trial", "is_sweep_file", "load_sweep"]

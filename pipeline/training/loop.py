@@ -113,8 +113,31 @@ def main(config: dict) -> None:
     run.start_step, run.history, run.starts = restored.step, restored.history, restored.starts
     _prepare_validation(run)
     _start_tracking(run)
-    _train(run)
-    _export(run)
+    monitor = _system_metrics(run)
+    try:
+        _train(run)
+        _export(run)
+    finally:
+        if monitor is not None:
+            monitor.finish()
+
+
+def _system_metrics(run: _Rank):
+    """On each node's first worker: MLflow's system metrics monitor (CPU, memory, disk, network and GPU
+    use, ``system/...``) on the train run, a sample every ``tracking.system_metrics_every_s``; the
+    node's number in the names when there are several nodes. None when off, or on other workers."""
+    import ray.train
+
+    every = run.cfg.tracking.system_metrics_every_s
+    ctx = ray.train.get_context()
+    if not every or ctx.get_local_rank() != 0:
+        return None
+    from pipeline import tracking
+
+    tracker = run.config["tracker"]
+    several = run.world > ctx.get_local_world_size()
+    return tracking.start_system_metrics(tracker.run_id, tracker.uri, every,
+                                         node_id=f"node{ctx.get_node_rank()}" if several else None)
 
 
 def _setup(config: dict) -> _Rank:

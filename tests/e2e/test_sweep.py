@@ -97,3 +97,69 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path):
     assert [(o.status, o.step) for o in again.trials] == [(o.status, o.step) for o in result.trials]
     after = c.search_runs([sweep.info.experiment_id], filter_string="tags.`conduit.sweep_trial` != ''", max_results=500)
     assert len(after) == 4
+
+
+def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path):
+    """``jobs.sweep`` as a user runs it (its own embedded Ray), SIGKILLed once the second trial has two
+    checkpoints; the same command again finishes the sweep: the first trial is not trained again, the
+    second resumes from its checkpoints, no trial is added, and each trial has one MLflow run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from pipeline.stages.train import checkpoint_location
+    from pipeline.store.contracts import read_train_starts
+    from tests.pipeline.training.test_fault_tolerance import registered_checkpoints
+
+    work = tmp_path / "work"
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"sweep": {
+        "name": "killed", "base": str(ROOT / "configs" / "smoke.yaml"),
+        "overrides": [f"run.workdir={work}", f"run.artifact_root={tmp_path / 'artifacts'}", "train.steps=40",
+                      "train.log_every=5", "validation.every=20", "validation.batches=1", "checkpoint.every=10",
+                      "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4",
+                      "eval.context_lengths=[]", "eval.max_text_tokens=512", "eval.lambada_max_examples=16"],
+        "space": {"optimizer.lr": {"grid": [3e-3, 1e-2]}},
+        "scheduler": "none", "max_concurrent": 1,
+    }}))
+    spec = load_sweep(path)
+    cfgs = [resolve(t.cfg) for t in spec.trials]
+    hashes = [next(p.hash for p in make_plan(c) if p.stage == "train") for c in cfgs]
+    second = Path(checkpoint_location(cfgs[1], hashes[1])[0]) / checkpoint_location(cfgs[1], hashes[1])[1]
+
+    def start() -> subprocess.Popen:
+        log = open(tmp_path / f"driver-{time.monotonic_ns()}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "jobs.sweep", str(path)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    driver = start()
+    deadline = time.monotonic() + 900
+    while registered_checkpoints(second) < 2:
+        assert driver.poll() is None, "the sweep ended before the second trial had two checkpoints"
+        assert time.monotonic() < deadline, "no two checkpoints of the second trial within 15 minutes"
+        time.sleep(0.1)
+    ray_procs = psutil.Process(driver.pid).children(recursive=True)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    psutil.wait_procs(ray_procs, timeout=120)
+    assert start().wait(timeout=900) == 0, "the rerun failed: see its log in tmp_path"
+
+    store = store_for(cfgs[0].artifact_root())
+    for h in hashes:
+        assert store.is_complete("train", h)
+    starts = [read_train_starts(Path(cfgs[0].artifact_root()) / "train" / h) for h in hashes]
+    assert starts[0] == [0], starts  # the first not trained again
+    assert len(starts[1]) == 2 and starts[1][0] == 0 and starts[1][1] >= 20, starts  # resumed, not restarted
+    uri = cfgs[0].tracking_uri()
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(cfgs[0].tracking.experiment).experiment_id
+    sweeps = c.search_runs([exp], "tags.`conduit.sweep` = 'killed'")
+    assert len(sweeps) == 1 and sweeps[0].info.status == "FINISHED"  # the rerun continued the same sweep run
+    trials = c.search_runs([exp], "tags.`conduit.sweep_trial` != ''")
+    assert sorted(r.data.tags["conduit.sweep_trial"] for r in trials) == ["trial_000", "trial_001"]
+    assert {r.info.status for r in trials} == {"FINISHED"}
+    assert not c.search_runs([exp], "attributes.status = 'RUNNING'")

@@ -137,6 +137,21 @@ def test_job_spec_pins_locations_and_ships_the_repo_without_bulk(tmp_path, monke
     assert not {"HF_HUB_OFFLINE", "TORCH_EXTENSIONS_DIR"} & set(spec.runtime_env["env_vars"])
 
 
+def test_a_sweep_file_is_submitted_as_jobs_sweep_and_a_bad_one_sends_nothing(tmp_path, capsys):
+    from jobs import submit
+    from pipeline.sweep.spec import is_sweep_file
+
+    sweep = ROOT / "configs" / "sweeps" / "smoke_lr.yaml"
+    assert is_sweep_file(sweep) and not is_sweep_file(ROOT / "configs" / "smoke.yaml")
+    spec = cluster.job_spec("configs/sweeps/smoke_lr.yaml", ["train.steps=30"], {}, module="jobs.sweep")
+    assert spec.entrypoint == "python -m jobs.sweep configs/sweeps/smoke_lr.yaml train.steps=30"
+    # refused here, naming the field, before any cluster is asked (no address is even resolved)
+    assert submit.main([str(sweep), "optimizer.lrr=0.1", "--address", "http://127.0.0.1:9"]) == 2
+    assert "lrr" in capsys.readouterr().err
+    assert submit.main([str(sweep), "--only", "train", "--address", "http://127.0.0.1:9"]) == 2
+    assert "a sweep's trials run up to evaluate" in capsys.readouterr().err
+
+
 def test_repo_relative_refuses_configs_that_do_not_travel(tmp_path):
     assert cluster.repo_relative(ROOT / "configs" / "smoke.yaml") == "configs/smoke.yaml"
     with pytest.raises(cluster.ClusterError, match="outside the repository"):

@@ -61,3 +61,14 @@ def test_train_stage_records_its_tokens_as_an_mlflow_dataset(tmp_path):
     profile = json.loads(inp.dataset.profile)
     assert profile["source_paths"] == ["a/*.txt", "b.jsonl"] and profile["shard_hash"] == "shardhash"
     assert profile["documents"] == {"train": 7, "validation": 1} and profile["tokens"]["train"] == 250
+
+
+def test_the_experiment_opens_as_a_model_training_experiment(tmp_path):
+    uri = f"sqlite:///{tmp_path}/k.db"
+    c = tracking.client(uri)
+    exp = tracking.ensure_experiment(uri, "new", artifact_location=str(tmp_path / "art"))
+    assert c.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
+    older = c.create_experiment("older", artifact_location=str(tmp_path / "art2"))  # as an earlier Conduit made it
+    assert "mlflow.experimentKind" not in c.get_experiment(older).tags
+    assert tracking.ensure_experiment(uri, "older") == older
+    assert c.get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"
