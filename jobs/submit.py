@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 from pipeline import cluster
 from pipeline.config import ConfigError, load_config
@@ -60,15 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     run_args = [*(["--only", args.only] if args.only else []), *(["--until", args.until] if args.until else []),
                 *[a for s in args.force for a in ("--force", s)],
                 *(["--dry-run"] if args.dry_run else [])]
-    try:
-        spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args,
-                                module="jobs.sweep" if sweep else "jobs.run")
-        jc = cluster.client(args.address)
-    except cluster.ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    job_id = jc.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
-                           submission_id=spec.submission_id)
+    with tempfile.TemporaryDirectory(prefix="conduit_submit_") as tmp:
+        try:
+            package = _login_package(uri, tmp)
+            spec = cluster.job_spec(config_rel, [*args.overrides, *pinned], env_vars, run_args,
+                                    module="jobs.sweep" if sweep else "jobs.run", login_package=package)
+            jc = cluster.client(args.address)
+        except cluster.ClusterError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        job_id = jc.submit_job(entrypoint=spec.entrypoint, runtime_env=spec.runtime_env,
+                               submission_id=spec.submission_id)  # uploads the login package
     print(job_id, flush=True)
     print(f"submitted {spec.entrypoint!r} to {jc.get_address()}", file=sys.stderr)
     if not args.follow:
@@ -76,6 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     status = cluster.follow(jc, job_id)
     print(f"job {job_id}: {status}", file=sys.stderr)
     return cluster.exit_code(status)
+
+
+def _login_package(uri: str | None, folder: str):
+    """The job's MLflow login (``cluster.mlflow_login``) as a package under ``folder``, checked against
+    the server first; None when this shell has none.
+
+    Raises:
+        cluster.ClusterError: the server turns the login away (or its absence), naming what to set.
+    """
+    login = cluster.mlflow_login(uri)
+    if uri and uri.startswith(("http://", "https://")):
+        from pipeline import tracking
+
+        try:
+            tracking.check_login(uri, login)
+        except tracking.TrackingUnavailable as e:
+            raise cluster.ClusterError(str(e)) from e
+    if not login:
+        return None
+    from pipeline.credentials import job_login_package
+
+    return job_login_package(folder, login)
 
 
 if __name__ == "__main__":

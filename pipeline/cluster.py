@@ -102,6 +102,30 @@ def resolve_tracking_uri(uri: str | None, cfg: RunConfig) -> str | None:
             or read_env_file(env_file_path()).get("MLFLOW_TRACKING_URI"))
 
 
+def mlflow_login(uri: str | None) -> dict[str, str]:
+    """The MLflow login this submitter has for ``uri``: ``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD`` / ``MLFLOW_TRACKING_TOKEN`` from the environment and, when ``uri`` is
+    the env file's MLflow server (``infra/local/up --mlflow-auth``), the user and the password file
+    (``CONDUIT_MLFLOW_PASSWORD_FILE``) it names for what the environment leaves out.
+
+    Raises:
+        ClusterError: the env file names a password file that cannot be read.
+    """
+    login = {k: os.environ[k] for k in credentials.MLFLOW_LOGIN_VARS if os.environ.get(k)}
+    values = read_env_file(env_file_path())
+    if uri and uri == values.get("MLFLOW_TRACKING_URI"):
+        if "MLFLOW_TRACKING_USERNAME" in values:
+            login.setdefault("MLFLOW_TRACKING_USERNAME", values["MLFLOW_TRACKING_USERNAME"])
+        password_file = values.get("CONDUIT_MLFLOW_PASSWORD_FILE")
+        if password_file and "MLFLOW_TRACKING_PASSWORD" not in login:
+            try:
+                login["MLFLOW_TRACKING_PASSWORD"] = Path(password_file).read_text().strip()
+            except OSError as e:
+                raise ClusterError(f"{env_file_path()}: CONDUIT_MLFLOW_PASSWORD_FILE={password_file} cannot be "
+                                   f"read ({e.strerror})") from e
+    return login
+
+
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 
@@ -211,7 +235,7 @@ def new_submission_id() -> str:
 
 
 def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
-             run_args: list[str] | None = None, module: str = "jobs.run") -> JobSpec:
+             run_args: list[str] | None = None, module: str = "jobs.run", login_package: Path | None = None) -> JobSpec:
     """The entrypoint ``python -m jobs.run CONFIG OVERRIDES ARGS`` (``module``: ``jobs.sweep`` for a sweep
     file) and its runtime_env.
 
@@ -227,6 +251,9 @@ def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
         overrides: ``a.b=c`` strings, applied in order.
         env_vars: extra environment of the driver and every task (MLFLOW_TRACKING_URI, ...).
         run_args: extra ``jobs.run`` flags (``--only train``, ``--force evaluate``, ``--dry-run``).
+        login_package: ``credentials.job_login_package``'s folder, sent as ``py_modules`` (the MLflow
+            login: never in ``env_vars``, which ``ray job list`` shows); it must exist until the job
+            is submitted (Ray uploads it then).
 
     Raises:
         ClusterError: an env var's value carries a credential in a URI (``$MLFLOW_TRACKING_URI``).
@@ -236,14 +263,16 @@ def job_spec(config_rel: str, overrides: list[str], env_vars: dict[str, str],
             credentials.check_uri(f"the job's environment variable {name}", value)
         except credentials.CredentialsInUri as e:
             raise ClusterError(str(e)) from e
+        if name in credentials.MLFLOW_LOGIN_VARS:
+            raise ClusterError(f"{name} would be shown by `ray job list` and the dashboard as part of the job's "
+                               "runtime env; pass the MLflow login as login_package")
     argv = ["python", "-m", module, config_rel, *overrides, *(run_args or [])]
     submission_id = new_submission_id()
-    return JobSpec(
-        submission_id=submission_id,
-        entrypoint=shlex.join(argv),
-        runtime_env={"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES),
-                     "env_vars": {**env_vars, "RAY_JOB_SUBMISSION_ID": submission_id}},
-    )
+    runtime_env = {"working_dir": str(REPO_ROOT), "excludes": list(WORKING_DIR_EXCLUDES),
+                   "env_vars": {**env_vars, "RAY_JOB_SUBMISSION_ID": submission_id}}
+    if login_package is not None:
+        runtime_env["py_modules"] = [str(login_package)]
+    return JobSpec(submission_id=submission_id, entrypoint=shlex.join(argv), runtime_env=runtime_env)
 
 
 # ---- following a job ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from pipeline import tracking
+from pipeline.base import redact
 from pipeline.config import RunConfig
 
 TTY_STATUS_EVERY_S = 2.0  # how often the status line is redrawn on a terminal
@@ -198,6 +199,7 @@ class StageStatus:
     def _follow(self) -> None:
         every = TTY_STATUS_EVERY_S if self.console.tty else PLAIN_STATUS_EVERY_S
         first_seen: tuple[float, int] | None = None  # (time, step) when training was first seen going
+        unanswered_since: float | None = None  # when MLflow first failed to answer, while it does not
         while not self._stop:
             self._wake.wait(every)
             if self._wake.is_set():  # a new line: the stage changed (or the run ends)
@@ -209,26 +211,38 @@ class StageStatus:
             if stage is None or self._stop:
                 continue
             name, hash_, started = stage
+            waiting = None
             try:
                 progress = tracking.stage_progress(self.cfg.tracking_uri(), self.cfg.tracking.experiment, hash_)
+                unanswered_since = None
             except Exception as e:  # noqa: BLE001 - the display must never end the run; the log keeps why
                 print(f"status: could not read the {name} run's metrics: {e!r}", file=sys.stderr)
                 progress = None
+                unanswered_since = unanswered_since or time.monotonic()
+                waiting = time.monotonic() - unanswered_since
             if progress is not None and name == "train" and "step" in progress:
                 first_seen = first_seen or (time.monotonic(), int(progress["step"]))
             if self._stage is stage and not self._stop:
-                self.console.status(describe(name, time.monotonic() - started, progress, self.cfg, first_seen))
+                self.console.status(describe(name, time.monotonic() - started, progress, self.cfg, first_seen,
+                                             mlflow_unanswered_s=waiting))
 
 
-def describe(stage: str, elapsed_s: float, progress: dict[str, float] | None, cfg: RunConfig,
-             first_seen: tuple[float, int] | None = None) -> str:
-    """One status line: the stage, its time so far and what its MLflow run says of its progress.
+def describe(stage: str, elapsed_s: float, progress: dict | None, cfg: RunConfig,
+             first_seen: tuple[float, int] | None = None, mlflow_unanswered_s: float | None = None) -> str:
+    """One status line: the stage, its time so far and what its MLflow run says of its progress; while
+    it makes none, why (its ``phase``: starting workers, loading a checkpoint, restarting after a
+    failure), or that MLflow, where the progress is read, does not answer.
 
     Args:
-        progress: the stage run's latest metrics (``tracking.stage_progress``), or None.
+        progress: the stage run's latest metrics and phase (``tracking.stage_progress``), or None.
         first_seen: for train, when and at which step the driver first saw it log (for the ETA).
+        mlflow_unanswered_s: how long MLflow has not answered the status's reads, or None when it does.
     """
     parts = [f"{stage}: {_duration(elapsed_s)}"]
+    if mlflow_unanswered_s is not None:
+        parts.append(f"waiting for MLflow at {redact(cfg.tracking_uri())} (no answer for "
+                     f"{_duration(mlflow_unanswered_s)}; the stage goes on and its metrics follow when it is back)")
+        return ", ".join(parts)
     p = progress or {}
     if stage == "train" and "step" in p:
         step = int(p["step"])
@@ -244,6 +258,8 @@ def describe(stage: str, elapsed_s: float, progress: dict[str, float] | None, cf
         parts.append(f"{int(p['documents_tokenized']):,} documents tokenized")
     elif stage == "evaluate" and "sets_scored" in p:
         parts.append(f"{int(p['sets_scored'])} sets scored")
+    if p.get("phase") and p["phase"] != "training":
+        parts.append(str(p["phase"]))
     return ", ".join(parts)
 
 

@@ -14,6 +14,10 @@ Each store has a place for its secret outside the URI: S3 reads ``AWS_ACCESS_KEY
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -78,3 +82,59 @@ def check_uri(name: str, value: str | None) -> None:
     if what is not None:
         raise CredentialsInUri(f"{name} has credentials in its URI ({what}), which would reach MLflow params, logs or "
                          f"a Ray runtime env; {WHERE_INSTEAD}")
+
+
+# ---- an MLflow server's login, carried to a submitted job ------------------------------------------
+# The variables MLflow's client reads for a server that asks who is calling (basic auth or a bearer token).
+MLFLOW_LOGIN_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+# The Python package that carries them into a job (``job_login_package``); ``apply_job_login`` reads it.
+JOB_LOGIN_PACKAGE = "conduit_job_login"
+
+
+def job_login_package(folder: str | Path, login: dict[str, str]) -> Path:
+    """Write ``login`` as the package ``<folder>/conduit_job_login`` (a data file, mode 0600) for a job's
+    ``runtime_env`` ``py_modules``.
+
+    A job's ``env_vars`` are shown by ``ray job list``, ``ray list jobs --detail`` and the dashboard; a
+    ``py_modules`` package is shown only as its content-addressed ``gcs://_ray_pkg_<hash>.zip`` URI. Ray
+    puts it on the import path of the job's driver and of every task and actor the job starts (stage
+    tasks, Ray Train workers, Tune trials), where ``apply_job_login`` turns it back into MLflow's
+    variables before a client connects.
+    """
+    package = Path(folder) / JOB_LOGIN_PACKAGE
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""The MLflow login of a job submitted by Conduit\'s jobs.submit."""\n')
+    data = package / "login.json"
+    fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: v for k, v in login.items() if k in MLFLOW_LOGIN_VARS}, f)
+    return package
+
+
+def apply_job_login() -> list[str]:
+    """In a job's process: MLflow's login variables from ``conduit_job_login``, when the job was sent
+    with one. The submitter's login is the job's: it replaces whatever login the node's environment
+    has (a cluster may log its own processes in as a service user). Cheap after the first call.
+
+    Returns:
+        The names of the variables set by this call.
+    """
+    global _login_applied
+    if _login_applied:
+        return []
+    _login_applied = True
+    spec = importlib.util.find_spec(JOB_LOGIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    data = Path(next(iter(spec.submodule_search_locations))) / "login.json"
+    login = {k: v for k, v in json.loads(data.read_text()).items() if k in MLFLOW_LOGIN_VARS and v} \
+        if data.is_file() else {}
+    if not login:
+        return []
+    for key in MLFLOW_LOGIN_VARS:
+        os.environ.pop(key, None)
+    os.environ.update(login)
+    return sorted(login)
+
+
+_login_applied = False

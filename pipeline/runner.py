@@ -25,7 +25,7 @@ from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.serving.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
-from pipeline.store.backends import StorageError, Transfer, is_uri, join, store_for
+from pipeline.store.backends import StorageError, Transfer, is_uri, join, release_held, store_for
 
 
 class StageFailed(RuntimeError):
@@ -243,8 +243,11 @@ def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Arti
     published to the artifact store (``pipeline.store.backends``; in place for a local root)."""
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     store = store_for(cfg.artifact_root())
-    local_inputs = {k: a if k in stage.read_in_place else store.fetch(a) for k, a in inputs.items()}
-    store.publish(stage.execute(cfg, hash_, store.prepare_build(stage.name, hash_), local_inputs, tracker))
+    try:
+        local_inputs = {k: a if k in stage.read_in_place else store.fetch(a) for k, a in inputs.items()}
+        store.publish(stage.execute(cfg, hash_, store.prepare_build(stage.name, hash_), local_inputs, tracker))
+    finally:
+        release_held()  # this worker process may run other tasks: the node's cache may drop these copies now
     if is_uri(store.root):
         tracker.set_tags(store.transfer.as_tags())
     return store.transfer
@@ -439,9 +442,13 @@ def fail_runs_of_dead_drivers(uri: str, exp_id: str, cfg: RunConfig) -> list[str
         One line per parent run handled, for the console.
     """
     lines = []
-    query = (f"attributes.status = 'RUNNING' and tags.`conduit.config_name` = '{cfg.run.name}' "
-             f"and tags.`conduit.workdir` = '{cfg.workdir()}'")
-    for run_id, tags in tracking.search_runs(uri, exp_id, query):
+    # The name and workdir are compared here, not in the filter: MLflow's filter strings have no escape
+    # for a quote, and either may hold one (a run name "Bob's", a folder "it's").
+    mine = {"conduit.config_name": cfg.run.name, "conduit.workdir": str(cfg.workdir())}
+    for run_id, tags in tracking.search_runs(uri, exp_id, "attributes.status = 'RUNNING' and "
+                                                          "tags.`conduit.config_name` != ''"):
+        if any(tags.get(k) != v for k, v in mine.items()):
+            continue
         identity = json.loads(tags.get(DRIVER_TAG, "{}"))
         dead = driver_is_dead(identity) if identity else None
         if dead is None:

@@ -41,6 +41,7 @@ def _fluent_uri(uri: str):
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
     credentials.check_uri("the MLflow tracking URI", uri)
+    credentials.apply_job_login()
     names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
     saved_env = {k: os.environ.get(k) for k in names}
     saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
@@ -65,6 +66,7 @@ def client(uri: str) -> MlflowClient:
             database's environment variables instead), before anything connects or logs it.
     """
     credentials.check_uri("the MLflow tracking URI", uri)
+    credentials.apply_job_login()  # a job sent by jobs.submit with a login (credentials.job_login_package)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -94,6 +96,37 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
                                   "Nothing was run.")
 
 
+def check_login(uri: str, login: dict[str, str], timeout_s: float = 10.0) -> None:
+    """Refuse a login that an ``http(s)://`` MLflow server turns away (HTTP 401 or 403 to one cheap
+    authenticated request), before a job is sent with it. A server that does not answer from here is
+    not refused: a cluster may reach a server this machine cannot.
+
+    Raises:
+        TrackingUnavailable: naming the server, the answer and the variables to set, not the secret.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    headers, auth = {}, None
+    if login.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {login['MLFLOW_TRACKING_TOKEN']}"
+    elif login.get("MLFLOW_TRACKING_USERNAME") and login.get("MLFLOW_TRACKING_PASSWORD"):
+        auth = (login["MLFLOW_TRACKING_USERNAME"], login["MLFLOW_TRACKING_PASSWORD"])
+    try:
+        status = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
+                              headers=headers, auth=auth, timeout=timeout_s).status_code
+    except requests.RequestException:
+        return
+    if status in (401, 403):
+        who = (f"the user {login['MLFLOW_TRACKING_USERNAME']!r}" if auth else
+               "the token in MLFLOW_TRACKING_TOKEN" if headers else "a caller with no login")
+        raise TrackingUnavailable(
+            f"the MLflow server at {uri} turns away {who} (HTTP {status}); set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in this shell (infra/local/up --mlflow-auth "
+            "names the password's file as CONDUIT_MLFLOW_PASSWORD_FILE in its env file). Nothing was sent.")
+
+
 def search_runs(uri: str, experiment_id: str, filter_string: str) -> list[tuple[str, dict[str, str]]]:
     """``(run id, tags)`` of every run of the experiment that matches MLflow's ``filter_string``."""
     runs = client(uri).search_runs([experiment_id], filter_string=filter_string, max_results=1000)
@@ -102,7 +135,8 @@ def search_runs(uri: str, experiment_id: str, filter_string: str) -> list[tuple[
 
 def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, float] | None:
     """The latest metrics of the RUNNING stage run of artifact ``stage_hash`` (its ``conduit.hash``
-    tag), with ``step``: the latest step of its ``loss``, when it logs one. None before it exists."""
+    tag), with ``step``: the latest step of its ``loss``, when it logs one, and ``phase``: what the stage
+    says it is doing (its ``conduit.phase`` tag), when it says. None before it exists."""
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
@@ -111,7 +145,9 @@ def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, floa
                          filter_string=f"attributes.status = 'RUNNING' and tags.`conduit.hash` = '{stage_hash}'")
     if not runs:
         return None
-    progress = dict(runs[0].data.metrics)
+    progress: dict = dict(runs[0].data.metrics)
+    if runs[0].data.tags.get("conduit.phase"):
+        progress["phase"] = runs[0].data.tags["conduit.phase"]
     if "loss" in progress:
         progress["step"] = float(max(m.step for m in c.get_metric_history(runs[0].info.run_id, "loss")))
     return progress
@@ -128,6 +164,8 @@ def start_system_metrics(run_id: str, uri: str, every_s: float, node_id: str | N
     at the end. ``node_id`` goes into the names (several nodes logging to one run)."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+    credentials.check_uri("the MLflow tracking URI", uri)
+    credentials.apply_job_login()
     monitor = SystemMetricsMonitor(run_id, sampling_interval=every_s, tracking_uri=uri, node_id=node_id)
     monitor.start()
     return monitor
@@ -149,8 +187,9 @@ def ensure_experiment(uri: str, name: str, artifact_location: str | None = None)
 
 def start_run(uri: str, experiment_id: str, name: str, parent_id: str | None = None,
               tags: dict[str, str] | None = None) -> str:
-    """Create a run (nested under ``parent_id`` when given) and return its id."""
-    all_tags = {"mlflow.runName": name, **(tags or {})}
+    """Create a run (nested under ``parent_id`` when given) and return its id. Tag values are sent as
+    strings (a server's REST API refuses anything else; a local store would take them)."""
+    all_tags = {"mlflow.runName": name, **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id
     run = client(uri).create_run(experiment_id, tags=all_tags, run_name=name)
@@ -186,6 +225,10 @@ class StageTracker:
         """Metrics measured earlier: ``(name, value, timestamp ms, step)`` each, in one batch
         (what ``pipeline.training.outbox`` delivers)."""
         client(self.uri).log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in records])
+
+    def logged_steps(self, key: str) -> list[int]:
+        """The steps at which the run holds metric ``key``."""
+        return [m.step for m in client(self.uri).get_metric_history(self.run_id, key)]
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         client(self.uri).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -383,7 +426,7 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_reachable", "client", "download_model", "end_run",
+    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_model", "end_run",
     "ensure_experiment", "env_for_workers", "get_version", "load_registered_model", "log_and_register_model",
     "model_aliases", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
     "version_by_alias", "versions_with_tag",

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
+from pipeline.sweep.spec import is_sweep_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "infra" / "README.md"]
@@ -45,7 +46,7 @@ def pipeline_invocation(words: list[str]) -> tuple[str, list[str]] | None:
     """``(config, overrides)`` when ``words`` runs a pipeline, else None."""
     if "jobs.run" in words or "jobs.submit" in words:
         rest = words[words.index("jobs.run" if "jobs.run" in words else "jobs.submit") + 1:]
-        configs = [w for w in rest if w.endswith(".yaml")]
+        configs = [w for w in rest if w.endswith(".yaml") and not is_sweep_file(ROOT / w)]  # sweeps: below
         return (configs[0], [w for w in rest if OVERRIDE.match(w)]) if configs else None
     if words[:2] in (["make", "run"], ["make", "submit"]):
         named = dict(w.split("=", 1) for w in words[2:] if "=" in w and w.split("=", 1)[0].isupper())
@@ -97,9 +98,10 @@ def documented_sweeps() -> list[tuple[str, str, list[str]]]:
     for doc in DOCS:
         for block in _shell_blocks(doc.read_text(encoding="utf-8")):
             for words in _commands(block):
-                if "jobs.sweep" in words:
-                    rest = words[words.index("jobs.sweep") + 1:]
-                    files = [w for w in rest if w.endswith(".yaml")]
+                module = next((m for m in ("jobs.sweep", "jobs.submit") if m in words), None)
+                rest = words[words.index(module) + 1:] if module else []
+                files = [w for w in rest if w.endswith(".yaml") and is_sweep_file(ROOT / w)]
+                if files:
                     found.append((f"{doc.relative_to(ROOT)}: {shlex.join(words)[:90]}", files[0],
                                   [w for w in rest if OVERRIDE.match(w)]))
     return found

@@ -42,7 +42,7 @@ from pipeline.data.encode import SentencePieceEncoder, token_dtype
 from pipeline.data.packing import PackedShard, SplitWriter, pack
 from pipeline.store.contracts import SPLITS, TOKENIZER_FILE, SplitSizes, SplitTokens, TokenIndex, shard_files
 from pipeline.stages.stage import Resources, Stage
-from pipeline.store.backends import cluster_readable, on_this_node
+from pipeline.store.backends import cluster_readable, on_this_node, release_held
 from pipeline.tokenization.spm import load_sentencepiece
 
 
@@ -94,8 +94,10 @@ def pack_document_shard(source: str, filesystem, model: str | Artifact, add_bos:
         add_bos, threads, seq_len, batch_size: the tokenize section's.
         first_doc: the split-wide index of the shard's first document.
     """
-    path = model if isinstance(model, str) else str(on_this_node(model) / TOKENIZER_FILE)
-    encoder = SentencePieceEncoder(path, add_bos, threads)
+    folder = None if isinstance(model, str) else on_this_node(model)
+    encoder = SentencePieceEncoder(model if folder is None else str(folder / TOKENIZER_FILE), add_bos, threads)
+    if folder is not None:
+        release_held(folder)  # the model is in memory now; this task's worker goes on to other tasks
     stream, lengths, n_bytes = [], [], 0
     handle = filesystem.open_input_file(source) if filesystem is not None else source
     for rb in pq.ParquetFile(handle).iter_batches(batch_size=batch_size, columns=["text"]):

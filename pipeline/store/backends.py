@@ -17,7 +17,11 @@ node-local folders; this module is the one that moves bytes:
 
 The scratch folder is node-local: ``$CONDUIT_SCRATCH_DIR`` of the node's processes, else
 ``$XDG_CACHE_HOME/conduit/scratch`` (``~/.cache/conduit/scratch``). It is a cache: deleting it costs
-a download, never a result.
+a download, never a result. Its fetched and published copies are kept under ``$CONDUIT_SCRATCH_CACHE_GB``
+(default 20; 0: no bound) per node: whenever one is added, the copies used longest ago go first, but
+never one that a process of the node holds. ``fetch`` and ``publish`` hold what they return (a shared
+lock) until the process calls ``release_held`` (a stage task, when its stage is done) or exits (a
+training worker); a copy being fetched is never removed either.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from pipeline.base import is_uri
 from pipeline.store.artifacts import MANIFEST, Artifact, artifact_dir, is_complete, remove_unsealed, verify, write_json_atomic
 
 SCRATCH_ENV = "CONDUIT_SCRATCH_DIR"
+CACHE_LIMIT_ENV = "CONDUIT_SCRATCH_CACHE_GB"
+DEFAULT_CACHE_GB = 20.0
 CHUNK_BYTES = 8 << 20  # per read/write call when streaming to or from the store
 TRANSFER_THREADS = 8  # files of one artifact moved at once (object stores serve parallel requests well)
 
@@ -65,6 +71,22 @@ def scratch_root() -> Path:
         return Path(os.environ[SCRATCH_ENV]).expanduser().resolve()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "conduit" / "scratch"
+
+
+def cache_limit_bytes() -> int | None:
+    """This node's bound on its scratch cache (``$CONDUIT_SCRATCH_CACHE_GB``, default 20), None for none.
+
+    Raises:
+        StorageError: the variable is not a number >= 0.
+    """
+    raw = os.environ.get(CACHE_LIMIT_ENV, "").strip()
+    try:
+        gb = float(raw) if raw else DEFAULT_CACHE_GB
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0:
+        raise StorageError(f"${CACHE_LIMIT_ENV}={raw!r} must be a number of GB >= 0 (0: no bound)")
+    return None if gb == 0 else int(gb * 1e9)
 
 
 @dataclass
@@ -137,9 +159,10 @@ class ObjectStore:
         StorageError: pyarrow cannot parse the URI or has no filesystem for its scheme.
     """
 
-    def __init__(self, root: str, scratch: Path | None = None):
+    def __init__(self, root: str, scratch: Path | None = None, cache_limit: int | None | str = "env"):
         self.root = root
         self.scratch = scratch or scratch_root()
+        self.cache_limit = cache_limit  # bytes, None: unbounded; "env": $CONDUIT_SCRATCH_CACHE_GB where it runs
         self.transfer = Transfer()
         self._remote: _Remote | None = None
 
@@ -245,6 +268,8 @@ class ObjectStore:
                 shutil.rmtree(cached)
             cached.parent.mkdir(parents=True, exist_ok=True)
             os.replace(artifact.path, cached)
+            _hold(cached)
+        self.evict()
         return Artifact(stage=stage, hash=hash_, path=cached, manifest=artifact.manifest,
                         uri=self.location(stage, hash_))
 
@@ -259,6 +284,7 @@ class ObjectStore:
         cached = self._cache_dir(artifact.stage, artifact.hash)
         with _node_lock(cached):
             if _same_manifest(cached, artifact.manifest):
+                _hold(cached)
                 return Artifact(stage=artifact.stage, hash=artifact.hash, path=cached, manifest=artifact.manifest,
                                 uri=self.location(artifact.stage, artifact.hash))
             started = time.monotonic()
@@ -276,9 +302,17 @@ class ObjectStore:
                 raise
             write_json_atomic(tmp / MANIFEST, artifact.manifest)  # last: a manifest means a whole copy
             os.replace(tmp, cached)
+            _hold(cached)
             self.transfer.fetch_seconds += time.monotonic() - started
+        self.evict()
         return Artifact(stage=artifact.stage, hash=artifact.hash, path=cached, manifest=artifact.manifest,
                         uri=self.location(artifact.stage, artifact.hash))
+
+    def evict(self) -> list[Path]:
+        """Bring this node's cache under ``cache_limit``: the copies used longest ago first, skipping
+        those a process holds or is fetching. Returns the folders removed."""
+        limit = cache_limit_bytes() if self.cache_limit == "env" else self.cache_limit
+        return [] if limit is None else evict_cache(self.scratch / "cache", limit)
 
     def _fetch_file(self, artifact: Artifact, rel: str, want: dict, tmp: Path) -> int:
         """Download one file of ``artifact`` into ``tmp``, checked against its manifest record; returns its size."""
@@ -355,6 +389,75 @@ def _same_manifest(folder: Path, manifest: dict) -> bool:
         return False  # another build of this hash (a --force): fetch the store's
     return all((folder / rel).is_file() and (folder / rel).stat().st_size == want["bytes"]
                for rel, want in manifest["files"].items())
+
+
+def _use_file(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.use")
+
+
+_HELD: dict[Path, object] = {}  # this process's shared locks on cached copies, by folder
+
+
+def _hold(folder: Path) -> None:
+    """Hold ``folder`` (a cached copy) for this process: a shared lock on its ``.use`` file, whose time
+    is also its last use. Called with the folder's node lock held, so no eviction slips in between."""
+    use = _use_file(folder)
+    handle = open(use, "a")
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    os.utime(use)
+    old = _HELD.pop(folder, None)
+    _HELD[folder] = handle
+    if old is not None:
+        old.close()  # after the new lock is taken: the folder is never unheld in between
+
+
+def release_held(folder: Path | None = None) -> None:
+    """Let go of the cached copy at ``folder``, or of every one this process holds (a stage task, once
+    its stage is done)."""
+    for key in [folder] if folder is not None else list(_HELD):
+        handle = _HELD.pop(key, None)
+        if handle is not None:
+            handle.close()
+
+
+def evict_cache(cache: Path, limit: int) -> list[Path]:
+    """Remove whole cached copies under ``cache`` (``<stage>/<hash>`` folders), least recently used first,
+    until their bytes are at most ``limit``; a copy that a process holds (``_hold``) or is fetching
+    (its node lock) is skipped. Returns the folders removed."""
+    entries = []
+    for folder in (p for stage in (cache.iterdir() if cache.is_dir() else ()) if stage.is_dir()
+                   for p in stage.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            size = sum(int(f["bytes"]) for f in manifest.get("files", {}).values())
+        except (OSError, ValueError, KeyError, TypeError):
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        use = _use_file(folder)
+        last = use.stat().st_mtime if use.exists() else folder.stat().st_mtime
+        entries.append((last, size, folder))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, folder in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if _remove_unheld(folder):
+            total -= size
+            removed.append(folder)
+            print(f"scratch cache: removed {folder} ({size / 1e6:.1f} MB, least recently used) to stay under "
+                  f"{limit / 1e9:g} GB (${CACHE_LIMIT_ENV})", flush=True)
+    return removed
+
+
+def _remove_unheld(folder: Path) -> bool:
+    """Remove ``folder`` if no process of this node is fetching or holding it (both locks, not waiting)."""
+    with open(folder.with_name(f".{folder.name}.lock"), "a") as fetching, open(_use_file(folder), "a") as use:
+        for handle in (fetching, use):
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
 
 
 @contextmanager

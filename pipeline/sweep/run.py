@@ -114,9 +114,10 @@ def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> st
     else a new one. So a trial has one run, however often it starts."""
     from pipeline.runner import DRIVER_TAG, driver_identity
 
-    for run_id, _ in _trial_runs(uri, experiment_id, sweep_run_id, name, running=False):
+    for run_id, tags in _trial_runs(uri, experiment_id, sweep_run_id, name, running=False):
         tracker = tracking.StageTracker(uri, run_id)
-        tracker.set_tags({DRIVER_TAG: json.dumps(driver_identity()), "conduit.sweep_status": "running"})
+        tracker.set_tags({DRIVER_TAG: json.dumps(driver_identity()), "conduit.sweep_status": "running",
+                          "conduit.sweep_attempts": int(tags.get("conduit.sweep_attempts", "1")) + 1})
         for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
                                                                  f"tags.`mlflow.parentRunId` = '{run_id}'"):
             tracking.StageTracker(uri, child).set_tags({"conduit.error": "the trial's process died during this stage"})
@@ -124,7 +125,8 @@ def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> st
         tracking.client(uri).update_run(run_id, status="RUNNING")
         return run_id
     return tracking.start_run(uri, experiment_id, name, parent_id=sweep_run_id, tags={
-        "conduit.sweep_run_id": sweep_run_id, "conduit.sweep_trial": name, "conduit.sweep_status": "running"})
+        "conduit.sweep_run_id": sweep_run_id, "conduit.sweep_trial": name, "conduit.sweep_status": "running",
+        "conduit.sweep_attempts": 1})
 
 
 def _data_stages_once(spec: SweepSpec, echo: Callable[[str], None], sweep_run_id: str) -> None:
@@ -280,8 +282,11 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
                echo: Callable[[str], None]) -> SweepResult:
     """Each trial's outcome, the best finished one, the table and the pictures on the sweep's run."""
     outcomes = {t.index: TrialOutcome(t.index, t.values) for t in spec.trials}
-    for r in grid:
-        o = outcomes[r.config["trial"]]
+    # A trial that failed before it reported has no config in its result; Tune's own trial has it (the
+    # grid's results are its trials', in order).
+    tune_trials = grid._experiment_analysis.trials
+    for r, tune_trial in zip(grid, tune_trials):
+        o = outcomes[(r.config or tune_trial.config)["trial"]]
         last = r.metrics or {}
         o.step, o.val_loss = last.get("step"), last.get("val_loss")
         if r.error is not None:
@@ -295,6 +300,9 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
         if o.run_id is None:
             runs = _trial_runs(uri, experiment_id, sweep_run, f"trial_{o.index:03d}", running=False)
             o.run_id = runs[0][0] if runs else None
+        if o.status == FAILED and o.run_id is not None:
+            tracking.StageTracker(uri, o.run_id).set_tags({"conduit.error": o.error or "",
+                                                           "conduit.sweep_status": FAILED})
     finished = [o for o in trials if o.status == FINISHED and o.metric is not None]
     sign = 1 if spec.mode == "min" else -1
     best = min(finished, key=lambda o: sign * o.metric) if finished else None
@@ -344,7 +352,10 @@ def metric_figure(spec: SweepSpec, trials: list[TrialOutcome]):
             ax.set_xscale("log")
         ax.set_xlabel(d.path)
         ax.set_ylabel(spec.metric)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # no trial finished or reported a validation loss
+            ax.text(0.5, 0.5, "no trial has a value", transform=ax.transAxes, ha="center", va="center")
     fig.suptitle(f"sweep {spec.name}: {spec.metric} by field (hollow: stopped early, last val_loss)")
     fig.tight_layout()
     return fig

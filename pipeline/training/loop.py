@@ -106,20 +106,44 @@ class _Rank:
 def main(config: dict) -> None:
     if config["device"] == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported: its accelerator is fixed then
+    outbox = _rank0_outbox(config)
+    phase = (lambda text: outbox.set_tags({PHASE_TAG: text})) if outbox is not None else (lambda text: None)
+    cfg = config_from_dict(config["run_config"])
+    phase("building the model and DeepSpeed's engine" + (" (DeepSpeed compiles its CPU Adam op on a node's "
+                                                         "first run)" if cfg.train.offload_optimizer else ""))
     run = _setup(config)
-    restored = run.checkpoints.restore()
+    run.tracker = outbox
+    restored = run.checkpoints.restore(on_load=lambda where: phase(f"loading the checkpoint {Path(where).name}"))
     if restored.loader_state is not None:
         run.loader.load_state_dict(restored.loader_state)
     run.start_step, run.history, run.starts = restored.step, restored.history, restored.starts
+    if outbox is not None:  # the steps before the checkpoint, for a run that lacks them (a new driver's)
+        for entry in run.history:
+            outbox.log_metrics({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
     _prepare_validation(run)
     _start_tracking(run)
     monitor = _system_metrics(run)
+    phase(TRAINING_PHASE)
     try:
         _train(run)
+        phase("writing the model")
         _export(run)
     finally:
         if monitor is not None:
             monitor.finish()
+
+
+PHASE_TAG = "conduit.phase"  # on the train stage's run: what training is doing (the driver's status line)
+TRAINING_PHASE = "training"
+
+
+def _rank0_outbox(config: dict) -> Outbox | None:
+    """Rank 0's outbox to the stage's MLflow run (metrics, tags, phases), started before anything slow."""
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() != 0:
+        return None
+    return Outbox(config["tracker"], once_per_step="loss")  # a restart re-logs no step the run holds
 
 
 def _system_metrics(run: _Rank):
@@ -192,7 +216,6 @@ def _start_tracking(run: _Rank) -> None:
     run.cluster_peak = cluster_peak.item()
     run.moe_stats = MoEStats() if run.model_cfg.is_moe else None
     if run.rank == 0:
-        run.tracker = Outbox(run.config["tracker"])
         # repr: every digit, so that mfu = tokens_per_s * mfu.flops_per_token / mfu.peak_flops can be checked.
         run.tracker.set_tags({"mfu.peak_flops": repr(run.cluster_peak), "mfu.peak_source": peak_source,
                               "mfu.flops_per_token": run.flops_per_token,

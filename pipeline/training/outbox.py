@@ -8,6 +8,10 @@ stopped, network gone, a 5xx) the batch stays at the head of the queue and is re
 until it goes through; so a server that comes back receives every step, in order. ``close`` waits a
 bounded time for the rest and returns what could not be delivered (the caller still has it in
 ``train_metrics.json``).
+
+With ``once_per_step`` (a metric every logged step has, ``loss``), a step reaches the run once: the
+steps the run already holds when the outbox first delivers (an earlier attempt of the same training,
+restarted from a checkpoint, logged them; the restart recomputes them bit-exactly) are not sent again.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class MetricsSink(Protocol):
 
     def log_metric_records(self, records: list[tuple[str, float, int, int]]) -> None: ...
 
+    def logged_steps(self, key: str) -> list[int]: ...
+
     def set_tags(self, tags: dict) -> None: ...
 
 
@@ -50,14 +56,18 @@ class Outbox:
         max_retry_s: the longest wait between two attempts.
     """
 
-    def __init__(self, sink: MetricsSink, retry_s: float = 1.0, max_retry_s: float = 15.0):
+    def __init__(self, sink: MetricsSink, retry_s: float = 1.0, max_retry_s: float = 15.0,
+                 once_per_step: str | None = None):
         self._sink = sink
+        self._once_key = once_per_step
+        self._present: set[int] | None = None  # the steps the run held at the first delivery
         self._retry_s, self._max_retry_s = retry_s, max_retry_s
         self._queue: deque[_Item] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self.delivered_batches = 0
         self.failed_attempts = 0
+        self.skipped_records = 0  # with once_per_step: records of steps the run already held
         self._thread = threading.Thread(target=self._run, name="conduit-metrics-outbox", daemon=True)
         self._thread.start()
 
@@ -103,8 +113,15 @@ class Outbox:
     def _send(self, item: _Item) -> None:
         if item.tags is not None:
             self._sink.set_tags(item.tags)
-        else:
-            self._sink.log_metric_records(item.records)
+            return
+        records = item.records
+        if self._once_key is not None:
+            if self._present is None:  # asked once, as part of the first send (retried with it)
+                self._present = set(self._sink.logged_steps(self._once_key))
+            records = [r for r in records if r[3] not in self._present]
+            self.skipped_records += len(item.records) - len(records)
+        if records:
+            self._sink.log_metric_records(records)
 
     def _run(self) -> None:
         wait = self._retry_s

@@ -1,8 +1,10 @@
-"""A small sweep end to end on the session's Ray cluster: four learning rates of the smoke pipeline, ASHA
-on the validation loss, one trial at a time. The data stages run once, before the trials (its own artifact
-root: the module does not wait for the session's smoke run); the trials nest in MLflow under the sweep's run; the trials that trail are stopped at a rung, honestly (their
-runs KILLED and tagged, no train artifact sealed), the best finished trial's model is registered with the
-sweep's run id, and running the sweep again resumes it without running a trial twice."""
+"""Sweeps end to end. On the session's Ray: four learning rates of the smoke pipeline, ASHA on the
+validation loss, one trial at a time. The data stages run once, before the trials (an artifact root of
+its own: the module does not wait for the session's smoke run); the trials nest in MLflow under the
+sweep's run; those that trail are stopped at a rung, honestly (their runs KILLED and tagged, no train
+artifact sealed); the best finished trial's model is registered with the sweep's run id; running the
+sweep again resumes it without running a trial twice; then a sweep whose trials fail is retried and
+reported. As a user runs it: a killed ``jobs.sweep`` driver, run again, resumes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import yaml
 from pipeline import tracking
 from pipeline.runner import make_plan, resolve
 from pipeline.store.backends import store_for
-from pipeline.sweep.run import FINISHED, STOPPED, run_sweep
+from pipeline.sweep.run import FAILED, FINISHED, STOPPED, run_sweep
 from pipeline.sweep.spec import load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,14 +28,16 @@ STEPS = 30
 RATES = [3e-3, 1e-6, 1e-2, 2e-6]
 
 
-def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path):
+def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
+    """On the session's Ray (a sweep joins a running Ray as a pipeline does, and leaves it running)."""
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"sweep": {
         "name": "e2e_lr", "base": str(ROOT / "configs" / "smoke.yaml"),
         "overrides": [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}",
                       f"train.steps={STEPS}", "train.log_every=5", "validation.every=10", "validation.batches=1",
                       "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]",
-                      "train.progress_bar=false", "register.model_name=conduit-sweep-e2e"],
+                      "eval.max_text_tokens=512", "eval.lambada_max_examples=16", "train.progress_bar=false",
+                      "register.model_name=conduit-sweep-e2e"],
         "space": {"optimizer.lr": {"grid": RATES}},
         "scheduler": "asha", "grace_steps": 10, "reduction_factor": 2, "max_concurrent": 1, "register": "best",
     }}))
@@ -97,6 +101,35 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path):
     assert [(o.status, o.step) for o in again.trials] == [(o.status, o.step) for o in result.trials]
     after = c.search_runs([sweep.info.experiment_id], filter_string="tags.`conduit.sweep_trial` != ''", max_results=500)
     assert len(after) == 4
+    assert ray_cluster.is_initialized()  # the session's Ray is still up
+
+    # A sweep whose trials fail (each names a model to start from that does not exist: a real failure, at
+    # its train stage; the data stages are the sweep's above, cached): each is tried max_failures + 1
+    # times, then reported failed with its error, and the sweep goes on; a rerun tries neither again.
+    missing = ["train:00000000deadbeef", "train:00000000feedface"]
+    failing = tmp_path / "failing.yaml"
+    failing.write_text(yaml.safe_dump({"sweep": {
+        "name": "e2e_fail", "base": str(ROOT / "configs" / "smoke.yaml"),
+        "overrides": [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}",
+                      "checkpoint.max_failures=1", "parallel.num_workers=1"],
+        "space": {"train.init_from": {"grid": missing}},
+        "scheduler": "none", "max_concurrent": 1,
+    }}))
+    fail_lines: list[str] = []
+    failed = run_sweep(load_sweep(failing), echo=fail_lines.append)
+    assert [o.status for o in failed.trials] == [FAILED, FAILED] and failed.best is None, fail_lines
+    assert not [ln for ln in fail_lines if ": running" in ln and ln.startswith("data: ")]  # cached
+    for o, ref in zip(failed.trials, missing):
+        assert ref in o.error and "no finished train artifact" in o.error, o
+        assert f"trial_{o.index:03d}: failed" in "\n".join(fail_lines)
+        run = c.get_run(o.run_id)
+        assert run.info.status == "FAILED" and run.data.tags["conduit.sweep_status"] == FAILED
+        assert run.data.tags["conduit.sweep_attempts"] == "2"  # the first try and one retry (max_failures=1)
+        assert ref in run.data.tags["conduit.error"]
+    assert c.get_run(failed.run_id).data.tags["conduit.sweep_failed"] == "2"
+    again = run_sweep(load_sweep(failing), echo=fail_lines.append)
+    assert [o.status for o in again.trials] == [FAILED, FAILED]
+    assert [c.get_run(o.run_id).data.tags["conduit.sweep_attempts"] for o in failed.trials] == ["2", "2"]
 
 
 def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path):
@@ -163,3 +196,4 @@ def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path
     assert sorted(r.data.tags["conduit.sweep_trial"] for r in trials) == ["trial_000", "trial_001"]
     assert {r.info.status for r in trials} == {"FINISHED"}
     assert not c.search_runs([exp], "attributes.status = 'RUNNING'")
+

@@ -9,6 +9,7 @@ import stat
 import pytest
 import requests
 
+from pipeline import tracking
 from tests.infra.local_infra import ROOT
 from tests.servers import free_port, stop_tree, wait_http
 
@@ -39,5 +40,15 @@ def test_the_authenticated_mlflow_server_answers_401_without_credentials(tmp_pat
         admin = requests.get(search, auth=(svc.MLFLOW_ADMIN, password_file.read_text()), timeout=30)
         assert admin.status_code == 200, admin.text
         assert password_file.read_text() not in (tmp_path / "mlflow.log").read_text()
+
+        # jobs.submit's check before it sends a job with the shell's login (or none)
+        good = {"MLFLOW_TRACKING_USERNAME": svc.MLFLOW_ADMIN, "MLFLOW_TRACKING_PASSWORD": password_file.read_text()}
+        tracking.check_login(uri, good)
+        with pytest.raises(tracking.TrackingUnavailable, match=r"turns away a caller with no login \(HTTP 401\)"):
+            tracking.check_login(uri, {})
+        wrong = {**good, "MLFLOW_TRACKING_PASSWORD": "wrong-password"}
+        with pytest.raises(tracking.TrackingUnavailable, match=r"turns away the user 'admin' \(HTTP 401\)") as e:
+            tracking.check_login(uri, wrong)
+        assert "wrong-password" not in str(e.value)
     finally:
         stop_tree(proc)

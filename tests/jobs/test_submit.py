@@ -12,6 +12,7 @@ when a test fails.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import stat
 import subprocess
@@ -29,6 +30,7 @@ from pipeline import cluster
 from pipeline.config import load_config
 from pipeline.runner import ORDER
 from tests.infra.local_infra import RAY, ROOT, UP, clean_env, down, jobs_cli, run, up, wait_for
+from tests.servers import free_port, stop_tree, wait_http
 
 SMALL = ["train.steps=40", "eval.max_batches=4", "eval.max_text_tokens=2048", "eval.lambada_max_examples=50",
          "parallel.placement_strategy=STRICT_SPREAD", "cluster.shared_storage=true"]
@@ -55,9 +57,9 @@ class Services:
         where the cluster's token is."""
         return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
 
-    def cli(self, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def cli(self, module: str, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
         """A jobs CLI that finds the cluster through the env file, as a user's shell would."""
-        return jobs_cli(module, *args, timeout=timeout, CONDUIT_INFRA_ENV=str(self.state_dir / "env"))
+        return jobs_cli(module, *args, timeout=timeout, CONDUIT_INFRA_ENV=str(self.state_dir / "env"), **env)
 
     def job_ids(self) -> list[str]:
         listed = self.cli("status")
@@ -109,14 +111,55 @@ def services(tmp_path_factory):
         assert stopped.returncode == 0, stopped.stderr
 
 
+@dataclass
+class AuthMlflow:
+    """An MLflow server that asks for a login (MLflow's basic-auth app, as ``infra/local/up
+    --mlflow-auth`` starts it), beside the cluster: the cluster's nodes do not have its password."""
+
+    uri: str
+    login: dict[str, str]
+
+    @property
+    def api(self) -> str:
+        return self.uri + "/api/2.0/mlflow"
+
+    @property
+    def auth(self) -> tuple[str, str]:
+        return self.login["MLFLOW_TRACKING_USERNAME"], self.login["MLFLOW_TRACKING_PASSWORD"]
+
+
 @pytest.fixture(scope="module")
-def smoke_job(services):
-    """The smoke pipeline, submitted and followed; returns (job id, jobs.submit's output)."""
+def auth_mlflow(tmp_path_factory):
+    svc = infra_services()
+    state = tmp_path_factory.mktemp("auth_mlflow")
+    port = free_port()
+    proc = svc.start_mlflow(state, port, state / svc.TOKEN_FILE, auth=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{uri}/health", proc, state / "mlflow.log", timeout=300)
+        yield AuthMlflow(uri, {"MLFLOW_TRACKING_USERNAME": svc.MLFLOW_ADMIN,
+                               "MLFLOW_TRACKING_PASSWORD": (state / svc.MLFLOW_PASSWORD_FILE).read_text()})
+    finally:
+        stop_tree(proc)
+
+
+@pytest.fixture(scope="module")
+def smoke_job(services, auth_mlflow):
+    """The smoke pipeline, submitted and followed, logging to the MLflow server that asks for a login,
+    with that login in the submitting shell only; returns (job id, jobs.submit's output)."""
     done = services.cli("submit", "configs/smoke.yaml", *SMALL, f"run.workdir={services.workdir}",
-                        "--tracking-uri", services.env["MLFLOW_TRACKING_URI"], "--follow", timeout=900)
+                        "--tracking-uri", auth_mlflow.uri, "--follow", timeout=900, **auth_mlflow.login)
     job_id = done.stdout.splitlines()[0] if done.stdout else "(no job id printed)"
     assert done.returncode == 0, f"{job_id} did not succeed:\n{done.stdout[-5000:]}\n{done.stderr[-3000:]}"
     return job_id, done.stdout
+
+
+def infra_services():
+    """infra/local/services.py (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("infra_services", ROOT / "infra" / "local" / "services.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- without services ------------------------------------------------------------------------------
@@ -269,28 +312,50 @@ def test_smoke_job_succeeds_and_status_and_logs_say_so(services, smoke_job):
 
 
 @pytest.mark.slow
-def test_mlflow_server_holds_the_parent_run_named_after_the_job_its_stages_and_the_model(services, smoke_job):
+def test_mlflow_server_holds_the_parent_run_named_after_the_job_its_stages_and_the_model(auth_mlflow, smoke_job):
+    """The job logged in with the submitter's login, which reached its driver, its stage tasks and its
+    training workers on both nodes (the train run's per-step losses come from a worker)."""
     job_id, _ = smoke_job
-    api = services.mlflow
-    exp = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": "conduit"}, timeout=30).json()
+    api, auth = auth_mlflow.api, auth_mlflow.auth
+    exp = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": "conduit"}, timeout=30, auth=auth).json()
     exp_id = exp["experiment"]["experiment_id"]
-    parents = requests.post(f"{api}/runs/search", timeout=30, json={
+    parents = requests.post(f"{api}/runs/search", timeout=30, auth=auth, json={
         "experiment_ids": [exp_id], "filter": f"attributes.run_name = '{job_id}'"}).json().get("runs", [])
     assert len(parents) == 1, f"no parent run named {job_id}"
     parent = parents[0]
     assert parent["info"]["status"] == "FINISHED"
     assert {"key": "conduit.ray_job_id", "value": job_id} in parent["data"]["tags"]
-    children = requests.post(f"{api}/runs/search", timeout=30, json={
+    children = requests.post(f"{api}/runs/search", timeout=30, auth=auth, json={
         "experiment_ids": [exp_id], "filter": f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'"}).json()["runs"]
     by_stage = {c["info"]["run_name"]: c for c in children}
     assert sorted(by_stage) == sorted(ORDER)
     mv = requests.get(f"{api}/registered-models/alias", params={"name": "conduit-smoke", "alias": "challenger"},
-                      timeout=30).json()["model_version"]
+                      timeout=30, auth=auth).json()["model_version"]
     assert mv["run_id"] == by_stage["register"]["info"]["run_id"]
-    losses = requests.get(f"{api}/metrics/get-history", timeout=30, params={
+    losses = requests.get(f"{api}/metrics/get-history", timeout=30, auth=auth, params={
         "run_id": by_stage["train"]["info"]["run_id"], "metric_key": "loss"}).json()["metrics"]
     losses = [m["value"] for m in sorted(losses, key=lambda m: m["step"])]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_the_login_is_in_no_runtime_env_listing_or_log_and_a_missing_one_sends_nothing(services, auth_mlflow,
+                                                                                      smoke_job, tmp_path):
+    job_id, _ = smoke_job
+    password = auth_mlflow.login["MLFLOW_TRACKING_PASSWORD"]
+    listed = run([RAY, "job", "list", "--address", services.address], timeout=120, **services.auth)
+    assert listed.returncode == 0 and job_id in listed.stdout, listed.stderr
+    assert password not in listed.stdout and "conduit_job_login" not in listed.stdout
+    assert "_ray_pkg_" in listed.stdout  # the login package, by its content hash only
+    logs = services.cli("logs", job_id)
+    assert logs.returncode == 0 and password not in logs.stdout
+    before = services.job_ids()
+    refused = services.cli("submit", "configs/smoke.yaml", f"run.workdir={tmp_path}", "--tracking-uri",
+                           auth_mlflow.uri)
+    assert refused.returncode == 2, refused.stderr
+    assert f"the MLflow server at {auth_mlflow.uri} turns away a caller with no login (HTTP 401)" in refused.stderr
+    assert "MLFLOW_TRACKING_USERNAME" in refused.stderr
+    assert services.job_ids() == before
 
 
 @pytest.mark.slow
@@ -298,6 +363,27 @@ def test_training_workers_ran_on_both_nodes(services, smoke_job):
     workers = services.train_workers()
     assert len(workers) == 2, workers
     assert len({w["node_id"] for w in workers}) == 2, f"both workers on one node: {workers}"
+
+
+@pytest.mark.slow
+def test_a_sweep_job_logs_in_with_the_submitters_login_too(services, auth_mlflow, smoke_job):
+    """A sweep submitted the same way: its Tune trial and that trial's training worker log in too."""
+    done = services.cli("submit", "tests/jobs/sweep_login.yaml", f"run.workdir={services.workdir}",
+                        "cluster.shared_storage=true",
+                        "--tracking-uri", auth_mlflow.uri, "--follow", timeout=600, **auth_mlflow.login)
+    assert done.returncode == 0, f"{done.stdout[-5000:]}\n{done.stderr[-3000:]}"
+    api, auth = auth_mlflow.api, auth_mlflow.auth
+    exp_id = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": "conduit"}, timeout=30,
+                          auth=auth).json()["experiment"]["experiment_id"]
+    trials = requests.post(f"{api}/runs/search", timeout=30, auth=auth, json={
+        "experiment_ids": [exp_id], "filter": "tags.`conduit.sweep_trial` = 'trial_000'"}).json()["runs"]
+    assert len(trials) == 1 and trials[0]["info"]["status"] == "FINISHED", trials
+    stages = requests.post(f"{api}/runs/search", timeout=30, auth=auth, json={
+        "experiment_ids": [exp_id], "filter": f"tags.mlflow.parentRunId = '{trials[0]['info']['run_id']}'"}).json()
+    train = next(r for r in stages["runs"] if r["info"]["run_name"] == "train")
+    val = requests.get(f"{api}/metrics/get-history", timeout=30, auth=auth, params={
+        "run_id": train["info"]["run_id"], "metric_key": "val_loss"}).json()["metrics"]
+    assert sorted(m["step"] for m in val) == [3, 6]  # logged by the trial's training worker
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from pipeline import tracking
 from pipeline.config import load_config
 from pipeline.console import Console, describe, summary_lines
+from pipeline.stages.train import failure_phase
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +76,29 @@ def test_the_status_says_the_training_step_loss_speed_and_eta_tokenize_documents
     assert describe("evaluate", 4, {"sets_scored": 2, "val_loss": 3.1}, cfg) == "evaluate: 4s, 2 sets scored"
 
 
+def test_while_no_step_goes_by_the_status_says_why():
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", ["train.steps=150", "tracking.uri=http://mlflow.internal:5000"])
+    assert describe("train", 20, {"phase": "starting 2 training workers"}, cfg) == \
+        "train: 20s, starting 2 training workers"
+    assert describe("train", 30, {"phase": "building the model and DeepSpeed's engine"}, cfg) == \
+        "train: 30s, building the model and DeepSpeed's engine"
+    # After a failure: where training had got to, then what it is doing about it.
+    failed = failure_phase(1, 2, {1: RuntimeError("worker died\nmore of the traceback")})
+    assert failed == {"conduit.phase": "restarting after a failure (attempt 2 of 3): rank 1: RuntimeError: worker died",
+                      "conduit.restarts": "1", "conduit.last_failure": "rank 1: RuntimeError: worker died"}
+    assert describe("train", 95, {"step": 40, "loss": 3.5, **{"phase": failed["conduit.phase"]}}, cfg) == \
+        "train: 1m35s, step 40/150, loss 3.500, restarting after a failure (attempt 2 of 3): rank 1: RuntimeError: worker died"
+    assert describe("train", 99, {"step": 40, "phase": "loading the checkpoint checkpoint_000004"}, cfg) == \
+        "train: 1m39s, step 40/150, loading the checkpoint checkpoint_000004"
+    assert describe("train", 99, {"step": 41, "phase": "training"}, cfg) == "train: 1m39s, step 41/150"
+    last = failure_phase(3, 2, {0: OSError("disk full"), 1: RuntimeError("peer gone")})
+    assert last["conduit.phase"] == ("failed 3 times, more than checkpoint.max_failures=2 allows: rank 0: OSError: "
+                                     "disk full; rank 1: RuntimeError: peer gone") and last["conduit.restarts"] == "2"
+    assert describe("evaluate", 70, None, cfg, mlflow_unanswered_s=25) == (
+        "evaluate: 1m10s, waiting for MLflow at http://mlflow.internal:5000 (no answer for 25s; the stage goes on "
+        "and its metrics follow when it is back)")
+
+
 def test_stage_progress_reads_the_running_stage_run_by_its_hash(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = tracking.ensure_experiment(uri, "conduit")
@@ -84,6 +108,8 @@ def test_stage_progress_reads_the_running_stage_run_by_its_hash(tmp_path):
     tracker.log_metrics({"loss": 5.0, "tokens_per_s": 100.0}, step=5)
     tracker.log_metrics({"loss": 4.0, "tokens_per_s": 120.0}, step=10)
     assert tracking.stage_progress(uri, "conduit", "abc123") == {"loss": 4.0, "tokens_per_s": 120.0, "step": 10.0}
+    tracker.set_tags({"conduit.phase": "loading the checkpoint checkpoint_000002"})
+    assert tracking.stage_progress(uri, "conduit", "abc123")["phase"] == "loading the checkpoint checkpoint_000002"
     tracking.end_run(uri, run)
     assert tracking.stage_progress(uri, "conduit", "abc123") is None  # a finished stage has no live status
 

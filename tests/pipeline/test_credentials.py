@@ -4,12 +4,14 @@ URI of the config is refused at load, and URIs from the environment or a flag be
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import typing
 
 import pytest
 
 from jobs import serve
-from pipeline import cluster, tracking
+from pipeline import cluster, credentials, tracking
 from pipeline.config import ConfigError, RunConfig, config_from_dict
 from pipeline.credentials import CredentialsInUri, found_in, redact
 
@@ -82,3 +84,62 @@ def test_credentials_from_the_environment_or_a_flag_are_refused_before_use(monke
     assert serve.main(["m@champion", "--port", "5001", "--tracking-uri", WITH_CREDENTIALS[3]]) == 2
     out = capsys.readouterr()
     assert "has credentials in its URI" in out.err and SECRET not in out.out + out.err
+
+
+# ---- an MLflow login, carried to a submitted job -------------------------------------------------
+LOGIN_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def test_the_submitters_login_comes_from_its_shell_or_the_env_files_password_file(tmp_path, monkeypatch):
+    for key in LOGIN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    password = tmp_path / "mlflow_admin_password"
+    password.write_text(SECRET)
+    env_file = tmp_path / "env"
+    env_file.write_text("MLFLOW_TRACKING_URI=http://127.0.0.1:5999\nMLFLOW_TRACKING_USERNAME=admin\n"
+                        f"CONDUIT_MLFLOW_PASSWORD_FILE={password}\n")
+    monkeypatch.setenv("CONDUIT_INFRA_ENV", str(env_file))
+    # the env file's server: its user and password file
+    assert cluster.mlflow_login("http://127.0.0.1:5999") == {"MLFLOW_TRACKING_USERNAME": "admin",
+                                                              "MLFLOW_TRACKING_PASSWORD": SECRET}
+    # another server never gets the env file's password
+    assert cluster.mlflow_login("http://mlflow.example.com") == {}
+    # the shell's own login comes first
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "alices-password")
+    assert cluster.mlflow_login("http://127.0.0.1:5999") == {"MLFLOW_TRACKING_USERNAME": "alice",
+                                                              "MLFLOW_TRACKING_PASSWORD": "alices-password"}
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    password.unlink()
+    with pytest.raises(cluster.ClusterError, match="CONDUIT_MLFLOW_PASSWORD_FILE=.*cannot be read"):
+        cluster.mlflow_login("http://127.0.0.1:5999")
+
+
+def test_the_login_travels_as_a_package_never_in_the_jobs_env_vars(tmp_path, monkeypatch):
+    login = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": SECRET}
+    package = credentials.job_login_package(tmp_path / "pkg", login)
+    assert (package / "login.json").stat().st_mode & 0o777 == 0o600
+    spec = cluster.job_spec("configs/smoke.yaml", [], {"CONDUIT_DATA_ROOT": "/data"}, login_package=package)
+    assert spec.runtime_env["py_modules"] == [str(package)]
+    assert SECRET not in json.dumps(spec.runtime_env) and SECRET not in spec.entrypoint
+    with pytest.raises(cluster.ClusterError, match="MLFLOW_TRACKING_PASSWORD would be shown by `ray job list`"):
+        cluster.job_spec("configs/smoke.yaml", [], {"MLFLOW_TRACKING_PASSWORD": SECRET})
+
+    # In the job's processes (the package on the import path, as Ray puts it): the submitter's login
+    # replaces the node's, and only once.
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setattr(credentials, "_login_applied", False)
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "the-nodes-service-token")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "service")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert credentials.apply_job_login() == ["MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME"]
+    assert {k: os.environ.get(k) for k in LOGIN_VARS} == {**login, "MLFLOW_TRACKING_TOKEN": None}
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "changed-later")
+    assert credentials.apply_job_login() == [] and os.environ["MLFLOW_TRACKING_USERNAME"] == "changed-later"
+
+
+def test_without_a_package_nothing_changes(monkeypatch):
+    monkeypatch.setattr(credentials, "_login_applied", False)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "service")
+    assert credentials.apply_job_login() == []
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "service"

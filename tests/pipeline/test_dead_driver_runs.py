@@ -76,3 +76,22 @@ def test_only_the_runs_of_a_dead_driver_on_this_host_are_failed_and_another_host
         f"{socket.gethostname()}, is gone",
         f"note: MLflow run {remote[0]} of this config is RUNNING under a driver on {elsewhere['host']}; left as it is",
     ])
+
+
+def test_a_quote_in_the_workdir_is_matched_exactly(tmp_path):
+    """MLflow's filter strings cannot escape a quote (``run.name`` refuses them at load; a folder may hold
+    both kinds): the runs of a config under ``it's "x"`` are found all the same, and those of a folder
+    whose name differs only after the quote are not."""
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    quoted, unquoted = tmp_path / "it's \"x\"", tmp_path / "it's"
+    cfg = resolve(load_config(None, [f"run.workdir={quoted}", f"tracking.uri={mlflow_uri}"]))
+    near = resolve(load_config(None, [f"run.workdir={unquoted}", f"tracking.uri={mlflow_uri}"]))
+    assert "'" in str(cfg.workdir()) and '"' in str(cfg.workdir())
+    exp_id = tracking.ensure_experiment(mlflow_uri, "quotes")
+    dead = start_attempt(mlflow_uri, exp_id, cfg, dead_identity(), {"train": "RUNNING"})
+    other = start_attempt(mlflow_uri, exp_id, near, dead_identity(), {"train": "RUNNING"})
+    lines = fail_runs_of_dead_drivers(mlflow_uri, exp_id, cfg)
+    c = tracking.client(mlflow_uri)
+    assert c.get_run(dead[0]).info.status == "FAILED" and c.get_run(dead[1]["train"]).info.status == "FAILED"
+    assert c.get_run(other[0]).info.status == "RUNNING"
+    assert len(lines) == 1 and dead[0] in lines[0]

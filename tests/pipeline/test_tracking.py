@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from pipeline import tracking
 
 
@@ -72,3 +74,13 @@ def test_the_experiment_opens_as_a_model_training_experiment(tmp_path):
     assert "mlflow.experimentKind" not in c.get_experiment(older).tags
     assert tracking.ensure_experiment(uri, "older") == older
     assert c.get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+@pytest.mark.slow
+def test_run_tags_go_as_strings_to_a_server(mlflow_server):
+    """A number among a new run's tags: MLflow's REST API takes only strings (a sqlite store does not
+    mind, which hid this until a sweep ran against a server)."""
+    exp = tracking.ensure_experiment(mlflow_server.uri, "tags")
+    run_id = tracking.start_run(mlflow_server.uri, exp, "r", tags={"conduit.sweep_trials": 8, "conduit.ok": True})
+    tags = tracking.client(mlflow_server.uri).get_run(run_id).data.tags
+    assert tags["conduit.sweep_trials"] == "8" and tags["conduit.ok"] == "True"

@@ -61,8 +61,9 @@ class CheckpointManager:
         self.engine, self.scheduler, self.layout = engine, scheduler, layout
         self.resume_from, self.warn = resume_from, warn
 
-    def restore(self) -> Restored:
-        """The state to start from: a fresh start at step 0, or what the chosen checkpoint holds.
+    def restore(self, on_load: Callable[[str], None] | None = None) -> Restored:
+        """The state to start from: a fresh start at step 0, or what the chosen checkpoint holds
+        (``on_load`` is told which, before it is read).
 
         Raises:
             NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
@@ -77,6 +78,8 @@ class CheckpointManager:
             resume = ray.train.Checkpoint(self.resume_from)
         if resume is None:
             return Restored(starts=[0])
+        if on_load is not None:
+            on_load(resume.path)
         with resume.as_directory() as ckpt_dir:
             restored = self._load(Path(ckpt_dir))
         restored.starts.append(restored.step)

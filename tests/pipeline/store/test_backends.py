@@ -10,6 +10,8 @@ import json
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +27,8 @@ from pipeline.runner import StageFailed, main_exit_code, make_plan, resolve, run
 from pipeline.stages import Stage, in_order
 from pipeline.stages.train import checkpoint_location
 from pipeline.store.backends import LocalStore, NodeFolder, ObjectStore, StorageError, join, store_for
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -170,6 +174,69 @@ def test_damage_in_the_store_is_found(bucket, tmp_path):
     assert store.check(art) == f"{join(root, 'one', 'h1', 'sub/blob.bin')} has 5 bytes, the manifest says 25600"
     fs.delete_file(f"{path}/out.txt")
     assert store.check(art) == f"{join(root, 'one', 'h1', 'out.txt')} is missing"
+
+
+HOLDER = """
+import sys, time
+from pipeline.store.backends import ObjectStore
+root, scratch, hash_ = sys.argv[1:4]
+store = ObjectStore(root, scratch=__import__("pathlib").Path(scratch), cache_limit=None)
+store.fetch(store.load("one", hash_))
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_the_node_cache_stays_under_its_bound_least_recently_used_first_never_what_is_held(bucket, tmp_path,
+                                                                                             monkeypatch):
+    _, root = bucket
+    writer = ObjectStore(root, scratch=tmp_path / "node-a", cache_limit=None)
+    for i in range(4):
+        sealed_in(writer, tmp_path, f"h{i}")
+    backends.release_held()
+    size = 1000 + 25600  # one artifact's files
+    node_b = tmp_path / "node-b"
+    store = ObjectStore(root, scratch=node_b, cache_limit=int(2.5 * size))  # room for two
+    cached = lambda: sorted(p.name for p in (node_b / "cache" / "one").iterdir() if not p.name.startswith("."))  # noqa: E731
+
+    def fetch(hash_: str) -> None:
+        time.sleep(0.02)  # distinct use times
+        store.fetch(store.load("one", hash_))
+
+    # Another process of node b (a training worker) fetches h0 and holds it.
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, root, str(node_b), "h0"], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fetch("h1")
+        backends.release_held()
+        assert cached() == ["h0", "h1"]  # 2 x size: under the bound
+        fetch("h2")
+        backends.release_held()
+        assert cached() == ["h0", "h2"]  # h0 is the oldest, but held: h1 went
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    fetch("h3")  # h0 is free now, and the oldest; h3 is held by this process until released
+    assert cached() == ["h2", "h3"]
+    fetch("h2")  # a cache hit is a use: h3 is now the older of the two
+    backends.release_held()
+    fetch("h1")
+    assert cached() == ["h1", "h2"] and store.transfer.fetched_bytes == 4 * size  # h1, h2, h3, then h1 again
+    backends.release_held()
+
+    # A copy being fetched (its node lock held) is not removed either.
+    with backends._node_lock(node_b / "cache" / "one" / "h1"):
+        assert backends.evict_cache(node_b / "cache", 0) == [node_b / "cache" / "one" / "h2"]
+    assert cached() == ["h1"]
+
+    monkeypatch.setenv(backends.CACHE_LIMIT_ENV, "lots")
+    with pytest.raises(StorageError, match=r"\$CONDUIT_SCRATCH_CACHE_GB='lots' must be a number of GB >= 0"):
+        backends.cache_limit_bytes()
+    monkeypatch.setenv(backends.CACHE_LIMIT_ENV, "0")
+    assert backends.cache_limit_bytes() is None
+    monkeypatch.delenv(backends.CACHE_LIMIT_ENV)
+    assert backends.cache_limit_bytes() == 20 * 10**9
 
 
 def test_node_folder_without_ray_is_a_local_folder(tmp_path):

@@ -173,6 +173,12 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smok
     # before (or, had a newer one been registered by the time the worker died, took that one).
     assert len(damaged) == 1 and starts[1] != damaged[0], (starts, damaged)
     assert art.manifest["counts"]["starts"] == starts
+    # The train run said what happened (the status line shows it while no step goes by): two restarts,
+    # the last failure's ranks and errors, and what the last attempt was doing when it ended.
+    uri = config_from_dict(art.manifest["run_config"]).tracking_uri()
+    tags = tracking.client(uri).search_runs([tracking.ensure_experiment(uri, "fault")])[0].data.tags
+    assert tags["conduit.restarts"] == "2" and tags["conduit.last_failure"].startswith("rank "), tags
+    assert tags["conduit.phase"] == "writing the model", tags
     assert [h["step"] for h in resumed_history] == [h["step"] for h in straight_history]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]
     assert art.manifest["counts"]["first_loss"] == straight_history[0]["loss"]

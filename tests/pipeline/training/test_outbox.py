@@ -130,3 +130,26 @@ def test_a_stopped_mlflow_server_loses_no_metric(mlflow_server, monkeypatch):
             mlflow_server.start()  # the session's other tests need it
     history = tracking.client(uri).get_metric_history(run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(s, 10.0 - s / 10) for s in range(1, 41)]
+
+
+def test_a_restarted_attempt_sends_each_step_once(tmp_path):
+    """A run that holds steps 1-5 from an earlier attempt (killed after step 5, its last checkpoint at 2):
+    the restarted attempt's outbox posts its restored history (1-2) and the recomputed steps 3-8; the run
+    then holds each of 1-8 once. A new run (a new driver's) gets the restored history it lacks."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = tracking.ensure_experiment(uri, "outbox")
+    run_id = tracking.start_run(uri, exp, "train")
+    first = Outbox(tracking.StageTracker(uri, run_id), once_per_step="loss")
+    for step in range(1, 6):
+        first.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
+    assert first.close(timeout_s=60) == 0
+    for target in (run_id, tracking.start_run(uri, exp, "train")):
+        again = Outbox(tracking.StageTracker(uri, target), once_per_step="loss")
+        for step in range(1, 9):
+            again.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
+        assert again.close(timeout_s=60) == 0
+        c = tracking.client(uri)
+        for key, value in (("loss", lambda s: 10.0 - s), ("lr", lambda s: 0.1)):
+            assert sorted((m.step, m.value) for m in c.get_metric_history(target, key)) == \
+                [(s, value(s)) for s in range(1, 9)]
+        assert again.skipped_records == (10 if target == run_id else 0)
