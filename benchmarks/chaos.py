@@ -299,7 +299,14 @@ def run_chaos(cluster: Cluster, out: Path, seed: int, every: float, min_faults: 
                 driver.attempts[-1].update(rc=rc, ended_by=driver.attempts[-1]["ended_by"] or "itself")
                 if rc == 0:
                     break
-                print(f"chaos: the driver exited {rc} on its own; running it again", flush=True)
+                if driver.attempts[-1]["ended_by"] == "itself":  # as a supervisor would: again, after a pause
+                    tail = Path(driver.attempts[-1]["log"]).read_text(errors="replace").strip().splitlines()[-3:]
+                    driver.attempts[-1]["last_lines"] = tail
+                    print(f"chaos: the driver exited {rc} on its own ({' | '.join(tail)[-300:]}); again in 10 s",
+                          flush=True)
+                    pending.append((now() + 10, driver.start))
+                    driver.attempts[-1]["ended_by"] = "itself (run again)"
+                    continue
                 driver.start()
             if now() >= next_fault and driver.proc.poll() is None:
                 fault = inject(rng, cluster, driver, counts, pending, t0)
@@ -464,7 +471,8 @@ def report(calm_s: float, chaos: dict, results, redone: dict, out: Path, seed: i
         "undisturbed_s": round(calm_s, 1), "chaos_s": round(chaos["total_s"], 1),
         "ratio": round(chaos["total_s"] / calm_s, 2),
         "driver_runs": len(chaos["drivers"]),
-        "drivers_that_failed_on_their_own": sum(d["ended_by"] == "itself" and d["rc"] != 0 for d in chaos["drivers"]),
+        "drivers_that_failed_on_their_own": sum(str(d["ended_by"]).startswith("itself") and d["rc"] != 0
+                                                for d in chaos["drivers"]),
         "stage_attempts": attempts, **redone,
         "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
         "fault_log": faults,

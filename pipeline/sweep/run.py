@@ -203,7 +203,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         else:
             tuner = tune.Tuner(
                 trainable,
-                param_space={"trial": tune.grid_search(list(range(len(trials))))},
+                param_space={"trial": tune.grid_search(spec.start_order)},
                 tune_config=tune.TuneConfig(metric="val_loss" if spec.metric == "val_loss" else spec.metric,
                                             mode=spec.mode, scheduler=scheduler,
                                             max_concurrent_trials=spec.max_concurrent, reuse_actors=False),
@@ -323,8 +323,9 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
         tracker.log_metrics({f"best_{spec.metric}": best.metric})
     tracker.set_tags(tags)
     for o in trials:
-        echo(f"trial_{o.index:03d} {o.label}: {spec.metric} "
-             f"{'-' if o.metric is None else f'{o.metric:.4f}'} "
+        shown = (f"{spec.metric} {o.metric:.4f}" if o.metric is not None else
+                 f"last val_loss {o.val_loss:.4f}" if o.val_loss is not None else f"{spec.metric} -")
+        echo(f"trial_{o.index:03d} {o.label}: {shown} "
              + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in o.values.items()))
     if best is not None:
         echo(f"best: trial_{best.index:03d} ({spec.metric} {best.metric:.4f})")

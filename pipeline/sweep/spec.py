@@ -14,6 +14,7 @@
       scheduler: asha                    # asha (on the validation loss) or none
       grace_steps: 50                    # asha: steps a trial always gets; reduction_factor: 2
       max_concurrent: 2                  # trials at once (the cluster's resources bound it too)
+      order: shuffled                    # the trials start in a seeded random order (or as_written)
       register: best                     # best (the best trial's model) or none
       skip_invalid: false                # true: drop the samples that make an invalid config, run the rest
 
@@ -22,6 +23,11 @@ field drawn ``samples`` times per grid point. Every trial's config is built and 
 does not exist, an empty space or a bad range is refused naming the field, and a sample that makes an
 invalid config is refused naming the field and value (or dropped, with ``skip_invalid``). So a sweep is a
 fixed, numbered list of trials: a rerun (``jobs.sweep`` again) is the same list, and never more.
+
+The trials start in a random order drawn with the seed (``order: shuffled``, the default), not in the
+order the grid lists them: ASHA measures each trial against those that reached a rung before it, and a
+grid in rising order of quality (learning rates from low to high, below the best) would have every
+newcomer beat the median so far and so run to the end.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from pipeline.config import ConfigError, RunConfig, load_config
 KINDS = ("grid", "choice", "uniform", "loguniform")
 SCHEDULERS = ("asha", "none")
 KEYS = ("name", "base", "overrides", "space", "samples", "seed", "metric", "mode", "scheduler", "grace_steps",
-        "reduction_factor", "max_concurrent", "register", "skip_invalid")
+        "reduction_factor", "max_concurrent", "register", "skip_invalid", "order")
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class SweepSpec:
     max_concurrent: int
     register: str
     skip_invalid: bool
+    order: str = "shuffled"  # shuffled (seeded) or as_written: the order the trials start in
     trials: tuple[Trial, ...] = field(default=())
     dropped: tuple[str, ...] = field(default=())  # why each dropped sample (skip_invalid) was invalid
 
@@ -102,6 +109,14 @@ class SweepSpec:
 
         text = json.dumps([self.name, [t.cfg.to_dict() for t in self.trials]], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def start_order(self) -> list[int]:
+        """The trials' indices in the order they start (``order``; shuffled with the seed)."""
+        indices = [t.index for t in self.trials]
+        if self.order == "shuffled":
+            random.Random(f"{self.seed}:order").shuffle(indices)
+        return indices
 
     @property
     def validation_metric(self) -> bool:
@@ -210,7 +225,7 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
         mode=choice("mode", "min", ("min", "max")), scheduler=choice("scheduler", "asha", SCHEDULERS),
         grace_steps=positive_int("grace_steps", 1), reduction_factor=positive_int("reduction_factor", 2, 2),
         max_concurrent=positive_int("max_concurrent", 1), register=choice("register", "none", ("best", "none")),
-        skip_invalid=bool(s.get("skip_invalid", False)),
+        skip_invalid=bool(s.get("skip_invalid", False)), order=choice("order", "shuffled", ("shuffled", "as_written")),
     )
     base_cfg = load_config(base, overrides)  # the base itself must be valid (names the file and field)
     for d in dims:

@@ -40,6 +40,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
                       "register.model_name=conduit-sweep-e2e"],
         "space": {"optimizer.lr": {"grid": RATES}},
         "scheduler": "asha", "grace_steps": 10, "reduction_factor": 2, "max_concurrent": 1, "register": "best",
+        "order": "as_written",
     }}))
     spec = load_sweep(path)
     lines: list[str] = []
@@ -157,7 +158,7 @@ def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path
                       "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4",
                       "eval.context_lengths=[]", "eval.max_text_tokens=512", "eval.lambada_max_examples=16"],
         "space": {"optimizer.lr": {"grid": [3e-3, 1e-2]}},
-        "scheduler": "none", "max_concurrent": 1,
+        "scheduler": "none", "max_concurrent": 1, "order": "as_written",
     }}))
     spec = load_sweep(path)
     cfgs = [resolve(t.cfg) for t in spec.trials]

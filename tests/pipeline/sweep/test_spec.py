@@ -82,6 +82,7 @@ def test_a_sample_that_makes_an_invalid_config_is_refused_before_any_trial(tmp_p
     (dict(overrides=["validation.every=0"]), r"metric val_loss needs validation during training: set validation.every"),
     (dict(scheduler="hyperband"), r"sweep.scheduler must be one of \['asha', 'none'\], got 'hyperband'"),
     (dict(max_concurrent=0), r"sweep.max_concurrent must be an int >= 1, got 0"),
+    (dict(order="random"), r"sweep.order must be one of \['shuffled', 'as_written'\], got 'random'"),
     (dict(trails=4), r"unknown sweep key\(s\) \['trails'\]"),
     (dict(overrides=["validation.every=50", "train.stepz=5"]), r"stepz"),
 ])
@@ -94,3 +95,17 @@ def test_an_end_metric_without_pruning_is_accepted(tmp_path):
     spec = load_sweep(write(tmp_path, space={"optimizer.lr": {"grid": [1e-3, 3e-3]}}, metric="val_bits_per_byte",
                             scheduler="none", overrides=[]))
     assert spec.metric == "val_bits_per_byte" and len(spec.trials) == 2
+
+
+def test_trials_start_in_a_seeded_shuffled_order_unless_asked_as_written(tmp_path):
+    """ASHA measures a trial against those that reached a rung before it: a grid in rising order of quality
+    would have every newcomer beat the median so far. So the trials start shuffled, the same way on every
+    run of the file (a rerun restores the same sweep); their numbers stay those of the file."""
+    grid = {"optimizer.lr": {"grid": [1e-4 * 2 ** i for i in range(8)]}}
+    spec = load_sweep(write(tmp_path, space=grid, seed=3))
+    order = spec.start_order
+    assert sorted(order) == list(range(8)) and order != list(range(8))
+    assert load_sweep(write(tmp_path, space=grid, seed=3)).start_order == order  # reproducible
+    assert load_sweep(write(tmp_path, space=grid, seed=4)).start_order != order  # the seed decides
+    assert [t.index for t in spec.trials] == list(range(8))  # the numbering is the file's
+    assert load_sweep(write(tmp_path, space=grid, order="as_written")).start_order == list(range(8))
