@@ -31,6 +31,7 @@ from pipeline.base import redact
 from pipeline.config import RunConfig
 
 TTY_STATUS_EVERY_S = 2.0  # how often the status line is redrawn on a terminal
+STATUS_READ_TIMEOUT_S = 5.0  # each MLflow request of the status line, never retried: a server down shows at once
 PLAIN_STATUS_EVERY_S = 20.0  # how often a status line is printed when the output is not a terminal
 _CLEAR_LINE = "\r\x1b[K"
 # The runner's line for a stage that starts (pipeline.runner._run_one): "<stage>: running (<hash>)".
@@ -213,7 +214,8 @@ class StageStatus:
             name, hash_, started = stage
             waiting = None
             try:
-                progress = tracking.stage_progress(self.cfg.tracking_uri(), self.cfg.tracking.experiment, hash_)
+                progress = tracking.stage_progress(self.cfg.tracking_uri(), self.cfg.tracking.experiment, hash_,
+                                                   timeout_s=STATUS_READ_TIMEOUT_S)
                 unanswered_since = None
             except Exception as e:  # noqa: BLE001 - the display must never end the run; the log keeps why
                 print(f"status: could not read the {name} run's metrics: {e!r}", file=sys.stderr)

@@ -9,6 +9,7 @@ The model registry is written here on behalf of the register stage and ``jobs/pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -58,8 +59,65 @@ def _fluent_uri(uri: str):
                 os.environ[k] = v
 
 
-def client(uri: str) -> MlflowClient:
-    """A client of ``uri``; every call to MLflow starts here or in ``_fluent_uri``.
+OUTAGE_ENV = "CONDUIT_MLFLOW_OUTAGE_S"
+DEFAULT_OUTAGE_S = 600.0  # how long a call waits for a server that refuses connections, then fails
+
+
+def outage_s() -> float:
+    """How long an MLflow call keeps trying a server that refuses connections (``$CONDUIT_MLFLOW_OUTAGE_S``)."""
+    raw = os.environ.get(OUTAGE_ENV, "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else DEFAULT_OUTAGE_S
+    except ValueError:
+        return DEFAULT_OUTAGE_S
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether ``e`` says the request never reached the server (refused, or no route): a retry then
+    cannot do anything twice, whatever the call."""
+    text = str(e)
+    return any(s in text for s in ("Connection refused", "Failed to establish a new connection",
+                                   "NewConnectionError", "Connection reset by peer"))
+
+
+class PatientClient:
+    """An ``MlflowClient`` whose calls ride out a server that is down (restarted, redeployed): a call whose
+    request cannot reach it is tried again, with backoff up to 15 s, for up to ``outage_s()``; any other
+    error is raised at once. MLflow's own retries give up within about a minute, and a stage or a driver
+    that dies for an MLflow restart loses its work."""
+
+    def __init__(self, inner: MlflowClient, uri: str):
+        self._inner, self._uri = inner, uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            deadline, wait = None, 1.0
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - classified below; anything else is raised as it was
+                    if not _unreachable(e):
+                        raise
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + outage_s()
+                        print(f"warning: MLflow at {credentials.redact(self._uri)} does not answer ({name}); "
+                              f"trying again for up to {outage_s():.0f} s (${OUTAGE_ENV})", flush=True)
+                    if now >= deadline:
+                        raise
+                    time.sleep(min(wait, deadline - now))
+                    wait = min(wait * 2, 15.0)
+
+        return call
+
+
+def client(uri: str, patient: bool = True) -> MlflowClient:
+    """A client of ``uri`` (a ``PatientClient`` unless ``patient`` is False: a caller with retries of its
+    own, the metrics outbox); every call to MLflow starts here or in ``_fluent_uri``.
 
     Raises:
         credentials.CredentialsInUri: ``uri`` carries a password or secret (use MLflow's and the
@@ -67,7 +125,8 @@ def client(uri: str) -> MlflowClient:
     """
     credentials.check_uri("the MLflow tracking URI", uri)
     credentials.apply_job_login()  # a job sent by jobs.submit with a login (credentials.job_login_package)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    inner = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    return PatientClient(inner, uri) if patient else inner
 
 
 class TrackingUnavailable(RuntimeError):
@@ -133,10 +192,16 @@ def search_runs(uri: str, experiment_id: str, filter_string: str) -> list[tuple[
     return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
 
-def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, float] | None:
+def stage_progress(uri: str, experiment: str, stage_hash: str, timeout_s: float | None = None) -> dict | None:
     """The latest metrics of the RUNNING stage run of artifact ``stage_hash`` (its ``conduit.hash``
     tag), with ``step``: the latest step of its ``loss``, when it logs one, and ``phase``: what the stage
-    says it is doing (its ``conduit.phase`` tag), when it says. None before it exists."""
+    says it is doing (its ``conduit.phase`` tag), when it says. None before it exists.
+
+    ``timeout_s``: for a server, each request gets that long and no retry (MLflow's client retries for
+    minutes, which would freeze a status line while the server is down); it raises instead.
+    """
+    if timeout_s is not None and uri.startswith(("http://", "https://")):
+        return _stage_progress_rest(uri, experiment, stage_hash, timeout_s)
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
@@ -150,6 +215,41 @@ def stage_progress(uri: str, experiment: str, stage_hash: str) -> dict[str, floa
         progress["phase"] = runs[0].data.tags["conduit.phase"]
     if "loss" in progress:
         progress["step"] = float(max(m.step for m in c.get_metric_history(runs[0].info.run_id, "loss")))
+    return progress
+
+
+def _stage_progress_rest(uri: str, experiment: str, stage_hash: str, timeout_s: float) -> dict | None:
+    """``stage_progress`` through MLflow's REST API, each request bounded by ``timeout_s``, never retried."""
+    import requests
+
+    credentials.apply_job_login()
+    api = f"{uri.rstrip('/')}/api/2.0/mlflow"
+    headers, auth = {}, None
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
+    elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
+        auth = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
+    got = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": experiment}, headers=headers,
+                       auth=auth, timeout=timeout_s)
+    if got.status_code == 404 or (got.ok and "experiment" not in got.json()):
+        return None
+    got.raise_for_status()
+    found = requests.post(f"{api}/runs/search", headers=headers, auth=auth, timeout=timeout_s, json={
+        "experiment_ids": [got.json()["experiment"]["experiment_id"]], "max_results": 1,
+        "order_by": ["attributes.start_time DESC"],
+        "filter": f"attributes.status = 'RUNNING' and tags.`conduit.hash` = '{stage_hash}'"})
+    found.raise_for_status()
+    runs = found.json().get("runs", [])
+    if not runs:
+        return None
+    data = runs[0].get("data", {})
+    metrics = {m["key"]: m for m in data.get("metrics", [])}
+    progress: dict = {k: float(m["value"]) for k, m in metrics.items()}
+    phase = next((t["value"] for t in data.get("tags", []) if t["key"] == "conduit.phase"), None)
+    if phase:
+        progress["phase"] = phase
+    if "loss" in metrics:  # the latest value's step: the step training reached
+        progress["step"] = float(metrics["loss"].get("step", 0))
     return progress
 
 
@@ -209,44 +309,49 @@ class StageTracker:
     uri: str
     run_id: str
     train_callbacks: tuple = ()
+    patient: bool = True  # its calls wait out an MLflow restart (``PatientClient``); the outbox's do not
+
+    def impatient(self) -> StageTracker:
+        """This run's tracker whose calls fail at once when the server is down (for a caller that retries)."""
+        return dataclasses.replace(self, patient=False)
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
-        c = client(self.uri)
+        c = client(self.uri, self.patient)
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             c.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-        client(self.uri).log_batch(self.run_id, metrics=items)
+        client(self.uri, self.patient).log_batch(self.run_id, metrics=items)
 
     def log_metric_records(self, records: list[tuple[str, float, int, int]]) -> None:
         """Metrics measured earlier: ``(name, value, timestamp ms, step)`` each, in one batch
         (what ``pipeline.training.outbox`` delivers)."""
-        client(self.uri).log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in records])
+        client(self.uri, self.patient).log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in records])
 
     def logged_steps(self, key: str) -> list[int]:
         """The steps at which the run holds metric ``key``."""
-        return [m.step for m in client(self.uri).get_metric_history(self.run_id, key)]
+        return [m.step for m in client(self.uri, self.patient).get_metric_history(self.run_id, key)]
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        client(self.uri).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        client(self.uri, self.patient).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        client(self.uri).log_text(self.run_id, text, artifact_file)
+        client(self.uri, self.patient).log_text(self.run_id, text, artifact_file)
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
-        client(self.uri).log_artifact(self.run_id, str(local_path), artifact_path)
+        client(self.uri, self.patient).log_artifact(self.run_id, str(local_path), artifact_path)
 
     def log_dict(self, data: dict, artifact_file: str) -> None:
-        client(self.uri).log_dict(self.run_id, data, artifact_file)
+        client(self.uri, self.patient).log_dict(self.run_id, data, artifact_file)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
-        client(self.uri).log_table(self.run_id, data=data, artifact_file=artifact_file)
+        client(self.uri, self.patient).log_table(self.run_id, data=data, artifact_file=artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
-        client(self.uri).log_figure(self.run_id, figure, artifact_file)
+        client(self.uri, self.patient).log_figure(self.run_id, figure, artifact_file)
 
     def log_input_dataset(self, name: str, source: str, digest: str, context: str,
                           profile: dict[str, Any] | None = None) -> None:
@@ -266,7 +371,7 @@ class StageTracker:
         source_type = source.split("://", 1)[0] if is_uri(source) else "local"
         entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
                          profile=None if profile is None else json.dumps(profile, sort_keys=True))
-        client(self.uri).log_inputs(
+        client(self.uri, self.patient).log_inputs(
             self.run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
         )
 

@@ -212,6 +212,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
                                           callbacks=[_outcomes_class()(uri, exp_id, sweep_run, echo)]),
             )
         grid = tuner.fit()
+        reap_orphaned_placement_groups()  # the last stopped trials' (the reaper runs between Tune's steps)
         result = _summarise(spec, grid, uri, exp_id, sweep_run, echo)
         if spec.register == "best" and result.best is not None:
             result.registered = _register_best(spec, result, uri, sweep_run, echo)
@@ -222,7 +223,45 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
             ray.shutdown()
 
 
+REAP_EVERY_S = 5.0
+
+
+def reap_orphaned_placement_groups() -> list[str]:
+    """Remove this job's placement groups whose creating actor is dead: the worker groups of Ray Train
+    controllers that died with their stopped (or failed) trial.
+
+    Why: Tune stops a trial by killing its actor, which takes the trial's train stage task and its Train
+    controller along. GCS keeps a placement group until both its creating actor and its job are gone, and
+    Ray Train's own cleaner learns of a group only once its workers have started; a controller killed while
+    its workers were still waiting for CPUs (trials compete for them) leaves its group holding them until
+    the sweep's driver exits, and the next trials wait for CPUs that never come back. Nothing else can
+    use such a group (its creator is gone), so it goes. Reads GCS's placement group table (Ray's internal
+    ``ray._private.state``: the public listing has no creator).
+
+    Returns:
+        The ids of the groups removed.
+    """
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = []
+    live = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.CREATED,
+            gcs_pb2.PlacementGroupTableData.RESCHEDULING)
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if (pg.state in live and pg.creator_actor_id and pg.creator_actor_dead and not pg.is_detached
+                and pg.creator_job_id.hex() == job):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+            removed.append(pg.placement_group_id.hex())
+    return removed
+
+
 def _outcomes_class():
+    import time
+
     from ray.tune import Callback
 
     class Outcomes(Callback):
@@ -231,6 +270,13 @@ def _outcomes_class():
 
         def __init__(self, uri: str, experiment_id: str, sweep_run: str, echo: Callable[[str], None]) -> None:
             self.uri, self.experiment_id, self.sweep_run, self.echo = uri, experiment_id, sweep_run, echo
+            self.reaped_at = 0.0
+
+        def on_step_begin(self, iteration, trials, **info):
+            if time.monotonic() - self.reaped_at >= REAP_EVERY_S:  # Tune's loop turns many times a second
+                self.reaped_at = time.monotonic()
+                for pg in reap_orphaned_placement_groups():
+                    print(f"sweep: removed placement group {pg} of a stopped trial's training", flush=True)
 
         def __getstate__(self) -> dict:  # Tune saves its run config; the console (an open file) stays here
             return {**self.__dict__, "echo": print}

@@ -58,7 +58,8 @@ class Outbox:
 
     def __init__(self, sink: MetricsSink, retry_s: float = 1.0, max_retry_s: float = 15.0,
                  once_per_step: str | None = None):
-        self._sink = sink
+        # Its own retries, with backoff and a warning: the sink's calls should fail at once when the server is down.
+        self._sink = sink.impatient() if hasattr(sink, "impatient") else sink
         self._once_key = once_per_step
         self._present: set[int] | None = None  # the steps the run held at the first delivery
         self._retry_s, self._max_retry_s = retry_s, max_retry_s

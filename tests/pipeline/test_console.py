@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+import requests
+
 from pipeline import tracking
 from pipeline.config import load_config
 from pipeline.console import Console, describe, summary_lines
@@ -146,3 +149,31 @@ def test_the_summary_has_a_row_per_stage_with_its_number_then_the_run_and_the_mo
         "Registered model: models:/m@challenger (version 2)",
         "Open the MLflow UI:  mlflow ui --backend-store-uri sqlite:////w/mlflow.db --host 127.0.0.1 --port 5000",
     ]
+
+
+@pytest.mark.slow
+def test_the_status_reads_a_server_without_retries_and_says_at_once_when_it_is_down(mlflow_server):
+    """Through a real MLflow server: the bounded REST read gives what MLflow's client gives; with the server
+    stopped it fails within its timeout (MLflow's client would retry for minutes, and the status line
+    would freeze on old figures instead of saying that MLflow does not answer)."""
+    uri = mlflow_server.uri
+    exp = tracking.ensure_experiment(uri, "status")
+    run = tracking.start_run(uri, exp, "train", tags={"conduit.hash": "feed01"})
+    tracker = tracking.StageTracker(uri, run)
+    tracker.log_metrics({"loss": 5.0, "tokens_per_s": 100.0}, step=5)
+    tracker.log_metrics({"loss": 4.0, "tokens_per_s": 120.0}, step=10)
+    tracker.set_tags({"conduit.phase": "loading the checkpoint checkpoint_000001"})
+    expected = {"loss": 4.0, "tokens_per_s": 120.0, "step": 10.0, "phase": "loading the checkpoint checkpoint_000001"}
+    assert tracking.stage_progress(uri, "status", "feed01") == expected
+    assert tracking.stage_progress(uri, "status", "feed01", timeout_s=5) == expected
+    assert tracking.stage_progress(uri, "status", "other", timeout_s=5) is None
+    assert tracking.stage_progress(uri, "no such experiment", "feed01", timeout_s=5) is None
+    mlflow_server.stop()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(requests.RequestException):
+            tracking.stage_progress(uri, "status", "feed01", timeout_s=2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        mlflow_server.start()
+    tracking.end_run(uri, run)

@@ -153,3 +153,43 @@ def test_a_restarted_attempt_sends_each_step_once(tmp_path):
             assert sorted((m.step, m.value) for m in c.get_metric_history(target, key)) == \
                 [(s, value(s)) for s in range(1, 9)]
         assert again.skipped_records == (10 if target == run_id else 0)
+
+
+@pytest.mark.slow
+def test_a_stage_call_waits_out_an_mlflow_restart(mlflow_server, monkeypatch):
+    """A stage's own MLflow call (a tag, a metric: not the outbox's) while the server is down: it waits and
+    lands once the server is back, rather than failing the stage; past ``$CONDUIT_MLFLOW_OUTAGE_S`` it fails.
+    MLflow's own retries are off here, so the waiting is Conduit's."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = mlflow_server.uri
+    exp = tracking.ensure_experiment(uri, "patient")
+    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "shard"))
+    mlflow_server.stop()
+    try:
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def log():
+            try:
+                tracker.log_metrics({"documents": 7.0}, step=1)
+                tracker.set_tags({"conduit.phase": "sharding"})
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            done.set()
+
+        threading.Thread(target=log, daemon=True).start()
+        time.sleep(4)
+        assert not done.is_set(), "the call gave up while the server was down"
+        mlflow_server.start()
+        assert done.wait(120) and not errors, errors
+        monkeypatch.setenv("CONDUIT_MLFLOW_OUTAGE_S", "2")
+        mlflow_server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="Connection refused|Failed to establish"):
+            tracker.set_tags({"x": "y"})
+        assert 2 <= time.monotonic() - t0 < 30
+    finally:
+        if not mlflow_server.running:
+            mlflow_server.start()
+    run = tracking.client(uri).get_run(tracker.run_id)
+    assert run.data.metrics["documents"] == 7.0 and run.data.tags["conduit.phase"] == "sharding"
