@@ -227,8 +227,9 @@ REAP_EVERY_S = 5.0
 
 
 def reap_orphaned_placement_groups() -> list[str]:
-    """Remove this job's placement groups whose creating actor is dead: the worker groups of Ray Train
-    controllers that died with their stopped (or failed) trial.
+    """Remove this job's placement groups whose creator is a dead Ray Train controller: the worker groups
+    of controllers that died with their stopped (or failed) trial. Nothing else is touched (a group made
+    by the driver, by Tune for a trial, or by any other actor, dead or alive).
 
     Why: Tune stops a trial by killing its actor, which takes the trial's train stage task and its Train
     controller along. GCS keeps a placement group until both its creating actor and its job are gone, and
@@ -252,10 +253,14 @@ def reap_orphaned_placement_groups() -> list[str]:
             gcs_pb2.PlacementGroupTableData.RESCHEDULING)
     for raw in state._connect_and_get_accessor().get_placement_group_table():
         pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if (pg.state in live and pg.creator_actor_id and pg.creator_actor_dead and not pg.is_detached
-                and pg.creator_job_id.hex() == job):
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-            removed.append(pg.placement_group_id.hex())
+        if (pg.state not in live or pg.is_detached or pg.creator_job_id.hex() != job or not pg.creator_actor_dead
+                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
+            continue
+        creator = state.actor_table(pg.creator_actor_id.hex()) or {}
+        if creator.get("State") != "DEAD" or "TrainController" not in creator.get("ActorClassName", ""):
+            continue
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+        removed.append(pg.placement_group_id.hex())
     return removed
 
 
