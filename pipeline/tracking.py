@@ -155,6 +155,16 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
                                   "Nothing was run.")
 
 
+def _rest_login(login) -> tuple[dict[str, str], tuple[str, str] | None]:
+    """``(headers, auth)`` for a REST request from MLflow's login variables in ``login`` (a token, else a
+    user and password), as MLflow's own client sends them."""
+    if login.get("MLFLOW_TRACKING_TOKEN"):
+        return {"Authorization": f"Bearer {login['MLFLOW_TRACKING_TOKEN']}"}, None
+    if login.get("MLFLOW_TRACKING_USERNAME") and login.get("MLFLOW_TRACKING_PASSWORD"):
+        return {}, (login["MLFLOW_TRACKING_USERNAME"], login["MLFLOW_TRACKING_PASSWORD"])
+    return {}, None
+
+
 def check_login(uri: str, login: dict[str, str], timeout_s: float = 10.0) -> None:
     """Refuse a login that an ``http(s)://`` MLflow server turns away (HTTP 401 or 403 to one cheap
     authenticated request), before a job is sent with it. A server that does not answer from here is
@@ -167,11 +177,7 @@ def check_login(uri: str, login: dict[str, str], timeout_s: float = 10.0) -> Non
         return
     import requests
 
-    headers, auth = {}, None
-    if login.get("MLFLOW_TRACKING_TOKEN"):
-        headers["Authorization"] = f"Bearer {login['MLFLOW_TRACKING_TOKEN']}"
-    elif login.get("MLFLOW_TRACKING_USERNAME") and login.get("MLFLOW_TRACKING_PASSWORD"):
-        auth = (login["MLFLOW_TRACKING_USERNAME"], login["MLFLOW_TRACKING_PASSWORD"])
+    headers, auth = _rest_login(login)
     try:
         status = requests.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
                               headers=headers, auth=auth, timeout=timeout_s).status_code
@@ -224,11 +230,7 @@ def _stage_progress_rest(uri: str, experiment: str, stage_hash: str, timeout_s: 
 
     credentials.apply_job_login()
     api = f"{uri.rstrip('/')}/api/2.0/mlflow"
-    headers, auth = {}, None
-    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
-    elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
-        auth = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
+    headers, auth = _rest_login(os.environ)
     got = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": experiment}, headers=headers,
                        auth=auth, timeout=timeout_s)
     if got.status_code == 404 or (got.ok and "experiment" not in got.json()):
