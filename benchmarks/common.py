@@ -139,7 +139,7 @@ class FullPath:
                                      started_at=time.time())
         self.uri = f"sqlite:///{self.work / 'mlflow.db'}"
         self.experiment = tracking.ensure_experiment(self.uri, "bench", str(self.work / "mlruns"))
-        ray.init(num_cpus=self.ray_cpus, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=self.ray_cpus, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {**worker_env(), **tracking.env_for_workers()}})
         return self
 

@@ -77,7 +77,7 @@ def T():
 RAY_START = _LAP + """
 import ray
 imp = T()
-ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False)
 init = T()
 ray.shutdown()
 print(json.dumps({"import_s": imp, "init_s": init, "shutdown_s": T()}))
@@ -100,7 +100,7 @@ WORKER_GROUP = _LAP + """
 import ray, ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 from pipeline.runner import worker_env
-ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
+ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
          runtime_env={"env_vars": worker_env()})
 T()
 def noop(config):

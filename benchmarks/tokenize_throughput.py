@@ -90,7 +90,7 @@ def main() -> None:
     ]
     cfg = resolve(load_config(None, overrides))
     threads = args.actors * args.threads_per_actor
-    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, runtime_env={"env_vars": worker_env()},
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, runtime_env={"env_vars": worker_env()},
              log_to_driver=False)
     try:
         plan = {p.stage: p for p in make_plan(cfg)}

@@ -104,7 +104,10 @@ def connect(address: str | None) -> tuple[str, bool]:
     if resolved is None:
         # The replicas' output (Serve's access log line per request, the artifact download's progress
         # bar) stays in Ray's log folder (``serve_log_dir``) instead of flooding this terminal.
-        ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": tracking.env_for_workers()})
+        # address="local": a Ray of our own. A bare ray.init() attaches to whatever the last `ray start`
+        # wrote to /tmp/ray/ray_current_cluster, and waits forever when that cluster is gone.
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": tracking.env_for_workers()})
         return ray.get_runtime_context().gcs_address, True
     try:
         ray.init(address=resolved, runtime_env={"env_vars": tracking.env_for_workers()})

@@ -333,13 +333,17 @@ def test_serving_here_prints_a_status_line_and_keeps_the_access_log_off_the_term
     """``jobs.deploy`` with no cluster starts Ray in its own process and serves until SIGTERM: its output
     names the access log's folder, then status lines (version, completions/s, p50, answered, errors,
     largest batch) and none of Serve's per-request access lines, which are in that folder instead.
+    Its Ray is its own even where the last ``ray start`` on this machine left the address of a cluster that
+    is gone (a bare ``ray.init()`` attaches to it and waits forever: CI met it).
     (After test_down: this deployment's tags are v1's last.)"""
     import os
     import queue
     import re
+    import shutil
     import signal
     import subprocess
     import sys
+    import tempfile
 
     from tests.servers import ROOT
 
@@ -348,6 +352,11 @@ def test_serving_here_prints_a_status_line_and_keeps_the_access_log_off_the_term
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["CONDUIT_INFRA_ENV"] = str(tmp_path / "no-cluster-env")  # no infra cluster either: Ray starts here
+    # Ray's temp folder with a stale record of a cluster that is gone (short: Ray's socket paths must fit)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    env["RAY_TMPDIR"] = str(ray_tmp)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobs.deploy", f"{MODEL_NAME}@champion", "--tracking-uri", tiny_run.uri,
          "--port", str(port), "--replicas", "1", "--cpus", "1", "--status-every", "1"],
@@ -389,5 +398,6 @@ def test_serving_here_prints_a_status_line_and_keeps_the_access_log_off_the_term
         except subprocess.TimeoutExpired:
             proc.kill()
     wait_for(r"^stopped; " + MODEL_NAME + r" v1 tagged deploy.status=stopped", 30, running=False)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     output = "".join(seen)
     assert not re.search(r"(GET|POST) /\S+ \d{3}", output), output  # no access line here ("POST /v1/completions 200")
