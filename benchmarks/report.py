@@ -62,7 +62,7 @@ KNOWN_CAUSES["ASHA sweep wall / all 8 trials to completion"] = (
     "much below 0.55 of the full grid's even with free starts; the rest is each trial's fixed cost (a Ray "
     "Train worker group starting, about 10 s, and its evaluate stage), paid by stopped trials too. A first "
     "measurement deadlocked instead: stopped trials' Train placement groups kept their CPUs (now reaped, "
-    "`pipeline.sweep.run.reap_orphaned_placement_groups`). ASHA picked the full grid's best trial (gap 0%).")
+    "`pipeline.training.ray_train.reap_orphaned_placement_groups`). ASHA picked the full grid's best trial (gap 0%).")
 KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "The ceiling assumes the experts' matmuls run at the dense FFN's rate. On this CPU torch's `grouped_mm` is a "
     "loop of one `mm` per expert over about N·k/E rows and a narrow expert width (80 at cpu_small, 208 at "

@@ -203,9 +203,10 @@ def _failure_callback(tracker, max_failures: int):
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from pipeline.training.loop import main
+    from pipeline.training.ray_train import reap_orphaned_placement_groups, trainer_class
 
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
@@ -222,7 +223,10 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         state, lineage = parent_state(cfg, inputs["tokenize"])
         tracker.set_tags(lineage)
         init_state = ray.put(state)  # every worker, on any node, reads it from the object store
-    trainer = TorchTrainer(
+    # A controller that died with an earlier attempt of this stage (its task killed) left its workers'
+    # placement group holding CPUs this trainer needs.
+    reap_orphaned_placement_groups()
+    trainer = trainer_class()(
         main,
         train_loop_config={
             "run_config": cfg.to_dict(),

@@ -34,6 +34,7 @@ from pipeline import tracking
 from pipeline.config import config_from_dict
 from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
 from pipeline.sweep.spec import SweepSpec
+from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
@@ -224,44 +225,6 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
 
 
 REAP_EVERY_S = 5.0
-
-
-def reap_orphaned_placement_groups() -> list[str]:
-    """Remove this job's placement groups whose creator is a dead Ray Train controller: the worker groups
-    of controllers that died with their stopped (or failed) trial. Nothing else is touched (a group made
-    by the driver, by Tune for a trial, or by any other actor, dead or alive).
-
-    Why: Tune stops a trial by killing its actor, which takes the trial's train stage task and its Train
-    controller along. GCS keeps a placement group until both its creating actor and its job are gone, and
-    Ray Train's own cleaner learns of a group only once its workers have started; a controller killed while
-    its workers were still waiting for CPUs (trials compete for them) leaves its group holding them until
-    the sweep's driver exits, and the next trials wait for CPUs that never come back. Nothing else can
-    use such a group (its creator is gone), so it goes. Reads GCS's placement group table (Ray's internal
-    ``ray._private.state``: the public listing has no creator).
-
-    Returns:
-        The ids of the groups removed.
-    """
-    import ray
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    job = ray.get_runtime_context().get_job_id()
-    removed = []
-    live = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.CREATED,
-            gcs_pb2.PlacementGroupTableData.RESCHEDULING)
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if (pg.state not in live or pg.is_detached or pg.creator_job_id.hex() != job or not pg.creator_actor_dead
-                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
-            continue
-        creator = state.actor_table(pg.creator_actor_id.hex()) or {}
-        if creator.get("State") != "DEAD" or "TrainController" not in creator.get("ActorClassName", ""):
-            continue
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-        removed.append(pg.placement_group_id.hex())
-    return removed
 
 
 def _outcomes_class():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.sweep.run import reap_orphaned_placement_groups
+from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 pytestmark = pytest.mark.slow
 

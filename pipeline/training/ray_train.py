@@ -1,0 +1,73 @@
+"""Ray Train as Conduit starts it: the trainer class and the placement groups dead controllers leave.
+
+Ray Train (2.60) starts a few helper actors with every run beside its controller and workers. Two of
+them cost every run of ours time and a process each and give nothing back here, so ``trainer_class``
+leaves them out:
+
+- ``PlacementGroupCleaner``, a detached actor that removes the run's placement group if the controller
+  dies. It asks whether the controller lives through the dashboard's state API, found the way ``ray
+  status`` finds a cluster: ``RAY_ADDRESS``, else ``/tmp/ray/ray_current_cluster``, else any GCS on the
+  machine. Where the dashboard is off (our embedded Ray, the tests' clusters) that never answers, and
+  where the last ``ray start`` on the machine left the address of a cluster that is gone, each question
+  waits 40 s on the dead address; the controller's shutdown then waits up to 12 s for the cleaner to
+  stop: every training run ended 12 s late. ``reap_orphaned_placement_groups`` does its work instead,
+  from GCS directly (no dashboard), and covers what the cleaner does not see (a controller killed
+  before its workers started): the train stage calls it before it starts its trainer, and a sweep
+  every few seconds.
+- ``DatasetManager``, started for every run to hand out Ray Data shards; ours read their token blocks
+  themselves and pass no ``datasets``.
+"""
+
+from __future__ import annotations
+
+
+def trainer_class():
+    """``ray.train.torch.TorchTrainer`` without the two helper actors above (the module's docstring)."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            left_out = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, left_out)]
+
+    return Trainer
+
+
+def reap_orphaned_placement_groups() -> list[str]:
+    """Remove this job's placement groups whose creator is a dead Ray Train controller: the worker groups
+    of controllers that died with their stage task (a killed or retried train stage, a sweep's stopped
+    trial). Nothing else is touched (a group made by the driver, by Tune for a trial, or by any other
+    actor, dead or alive).
+
+    Why: GCS keeps a placement group until both its creating actor and its job are gone. A controller
+    killed with its train stage (Tune stops a trial by killing its actor, which takes the trial's stage
+    task and its controller along; a node or task failure does the same) leaves its group holding CPUs
+    until the driver exits, and the next training waits for CPUs that never come back. Nothing else can
+    use such a group (its creator is gone), so it goes. Reads GCS's placement group table (Ray's internal
+    ``ray._private.state``: the public listing has no creator).
+
+    Returns:
+        The ids of the groups removed.
+    """
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = []
+    live = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.CREATED,
+            gcs_pb2.PlacementGroupTableData.RESCHEDULING)
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if (pg.state not in live or pg.is_detached or pg.creator_job_id.hex() != job or not pg.creator_actor_dead
+                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
+            continue
+        creator = state.actor_table(pg.creator_actor_id.hex()) or {}
+        if creator.get("State") != "DEAD" or "TrainController" not in creator.get("ActorClassName", ""):
+            continue
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+        removed.append(pg.placement_group_id.hex())
+    return removed
