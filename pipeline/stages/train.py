@@ -170,43 +170,13 @@ def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
     return parent.state_dict(), tags
 
 
-def failure_phase(failures: int, max_failures: int, worker_exceptions: dict) -> dict[str, str]:
-    """The train run's tags after the worker group's ``failures``-th failure: what failed (each rank's
-    error, first line) and, while ``checkpoint.max_failures`` allows, the restart that follows."""
-    what = "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
-                     for rank, e in sorted(worker_exceptions.items()))
-    phase = (f"restarting after a failure (attempt {failures + 1} of {max_failures + 1}): {what}"
-             if failures <= max_failures else f"failed {failures} times, more than checkpoint.max_failures="
-                                                f"{max_failures} allows: {what}")
-    return {"conduit.phase": phase, "conduit.restarts": str(min(failures, max_failures)),
-            "conduit.last_failure": what[:5000]}
-
-
-def _failure_callback(tracker, max_failures: int):
-    """A Ray Train callback (it runs in the controller): each worker-group failure on the run's tags."""
-    import ray.train
-
-    class TellFailures(ray.train.UserCallback):
-        def __init__(self) -> None:
-            self.failures = 0
-
-        def after_exception(self, run_context, worker_exceptions) -> None:
-            self.failures += 1
-            try:
-                tracker.set_tags(failure_phase(self.failures, max_failures, worker_exceptions))
-            except Exception as e:  # noqa: BLE001 - MLflow down must not change how training recovers
-                print(f"could not record the failure on MLflow: {e!r}", flush=True)
-
-    return TellFailures()
-
-
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
     from ray.train.torch import TorchConfig
 
     from pipeline.training.loop import main
-    from pipeline.training.ray_train import reap_orphaned_placement_groups, trainer_class
+    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, trainer_class
 
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
@@ -249,7 +219,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[_failure_callback(tracker, cfg.checkpoint.max_failures),
+            callbacks=[failure_callback(tracker, cfg.checkpoint.max_failures),
                        *getattr(tracker, "train_callbacks", ())],
         ),
     )

@@ -35,6 +35,38 @@ def trainer_class():
     return Trainer
 
 
+def failure_phase(failures: int, max_failures: int, worker_exceptions: dict) -> dict[str, str]:
+    """The train run's tags after the worker group's ``failures``-th failure: what failed (each rank's
+    error, first line) and, while ``checkpoint.max_failures`` allows, the restart that follows."""
+    what = "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+                     for rank, e in sorted(worker_exceptions.items()))
+    phase = (f"restarting after a failure (attempt {failures + 1} of {max_failures + 1}): {what}"
+             if failures <= max_failures else f"failed {failures} times, more than checkpoint.max_failures="
+                                                f"{max_failures} allows: {what}")
+    return {"conduit.phase": phase, "conduit.restarts": str(min(failures, max_failures)),
+            "conduit.last_failure": what[:5000]}
+
+
+def failure_callback(tracker, max_failures: int):
+    """A Ray Train callback (it runs in the controller): each worker-group failure on the run's tags. Here,
+    not beside the train stage: the controller imports what the callback's code refers to, and the stages
+    package would bring the evaluation's libraries (matplotlib, scipy) into every controller (~4 s)."""
+    import ray.train
+
+    class TellFailures(ray.train.UserCallback):
+        def __init__(self) -> None:
+            self.failures = 0
+
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            self.failures += 1
+            try:
+                tracker.set_tags(failure_phase(self.failures, max_failures, worker_exceptions))
+            except Exception as e:  # noqa: BLE001 - MLflow down must not change how training recovers
+                print(f"could not record the failure on MLflow: {e!r}", flush=True)
+
+    return TellFailures()
+
+
 def reap_orphaned_placement_groups() -> list[str]:
     """Remove this job's placement groups whose creator is a dead Ray Train controller: the worker groups
     of controllers that died with their stage task (a killed or retried train stage, a sweep's stopped

@@ -16,7 +16,7 @@ import requests
 from pipeline import tracking
 from pipeline.config import load_config
 from pipeline.console import Console, describe, summary_lines
-from pipeline.stages.train import failure_phase
+from pipeline.training.ray_train import failure_phase
 
 ROOT = Path(__file__).resolve().parents[2]
 
