@@ -1,4 +1,4 @@
-"""Sweeps end to end. On the session's Ray: four learning rates of the smoke pipeline, ASHA on the
+"""Sweeps end to end. On the session's Ray: three learning rates of the smoke pipeline, ASHA on the
 validation loss, one trial at a time. The data stages run once, before the trials (an artifact root of
 its own: the module does not wait for the session's smoke run); the trials nest in MLflow under the
 sweep's run; those that trail are stopped at a rung, honestly (their runs KILLED and tagged, no train
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-# The first trial sets the bar at each rung; the two tiny rates trail it there and are stopped.
-RATES = [3e-3, 1e-6, 1e-2, 2e-6]
+# The first trial sets the bar at each rung; the tiny rate trails it there and is stopped; the last finishes.
+RATES = [3e-3, 1e-6, 1e-2]
 
 
 def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
@@ -49,7 +49,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
 
     # The good rates finish; the tiny ones are stopped at a rung before the last step.
     assert by_rate[3e-3].status == FINISHED and by_rate[1e-2].status == FINISHED, lines
-    for rate in (1e-6, 2e-6):
+    for rate in (1e-6,):
         o = by_rate[rate]
         assert o.status == STOPPED and o.step < STEPS and o.label == f"stopped at step {o.step}", (o, lines)
         assert o.val_loss > max(by_rate[3e-3].val_loss, by_rate[1e-2].val_loss)
@@ -67,7 +67,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
     assert len(data_runs) == 1 and data_runs[0].data.tags["mlflow.parentRunId"] == result.run_id
     trial_runs = {r.data.tags["conduit.sweep_trial"]: r for r in runs.values()
                   if r.data.tags.get("mlflow.parentRunId") == result.run_id and "conduit.sweep_trial" in r.data.tags}
-    assert sorted(trial_runs) == [f"trial_{i:03d}" for i in range(4)]
+    assert sorted(trial_runs) == [f"trial_{i:03d}" for i in range(len(RATES))]
     stage_runs = {rid: r for rid, r in runs.items() if "conduit.stage" in r.data.tags}
     for name, run in trial_runs.items():
         stages = {r.data.tags["conduit.stage"]: r for r in stage_runs.values()
@@ -90,7 +90,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
     # The sweep's run: the table, the picture, the best, and the best model registered with the sweep's id.
     table = json.loads(Path(c.download_artifacts(result.run_id, "trials.json", str(tmp_path))).read_text())
     status = [row[table["columns"].index("status")] for row in table["data"]]  # MLflow's table layout
-    assert status.count("finished") == 2 and sum(s.startswith("stopped at step") for s in status) == 2
+    assert status.count("finished") == 2 and sum(s.startswith("stopped at step") for s in status) == 1
     assert "plots/metric_by_field.png" in [a.path for a in c.list_artifacts(result.run_id, "plots")]
     assert sweep.info.status == "FINISHED" and sweep.data.tags["conduit.sweep_best_trial"] == f"trial_{result.best.index:03d}"
     assert result.registered["model_name"] == "conduit-sweep-e2e"
@@ -101,7 +101,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
     again = run_sweep(load_sweep(path), echo=lines.append)
     assert [(o.status, o.step) for o in again.trials] == [(o.status, o.step) for o in result.trials]
     after = c.search_runs([sweep.info.experiment_id], filter_string="tags.`conduit.sweep_trial` != ''", max_results=500)
-    assert len(after) == 4
+    assert len(after) == len(RATES)
     assert ray_cluster.is_initialized()  # the session's Ray is still up
 
     # A sweep whose trials fail (each names a model to start from that does not exist: a real failure, at

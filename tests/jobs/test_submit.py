@@ -32,8 +32,9 @@ from pipeline.runner import ORDER
 from tests.infra.local_infra import RAY, ROOT, UP, clean_env, down, jobs_cli, run, up, wait_for
 from tests.servers import free_port, stop_tree, wait_http
 
-SMALL = ["train.steps=40", "eval.max_batches=4", "eval.max_text_tokens=2048", "eval.lambada_max_examples=50",
-         "parallel.placement_strategy=STRICT_SPREAD", "cluster.shared_storage=true"]
+SMALL = ["train.steps=40", "eval.max_batches=2", "eval.max_text_tokens=512", "eval.lambada_max_examples=16",
+         "eval.max_new_tokens=4", "eval.context_lengths=[]", "parallel.placement_strategy=STRICT_SPREAD",
+         "cluster.shared_storage=true"]
 
 
 @dataclass
