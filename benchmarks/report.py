@@ -57,12 +57,13 @@ KNOWN_CAUSES = {
 }
 KNOWN_CAUSES["ASHA sweep wall / all 8 trials to completion"] = (
     "Asynchronous ASHA decides each trial on arrival at a rung against those that reached it before: of 8 "
-    "trials 2 at a time it stopped 4 (at steps 25, 25, 50 and 100) and let 4 finish, where synchronous "
-    "halving would finish 1. With 4 of 8 trials trained to the end, 2 at a time, the wall time cannot fall "
-    "much below 0.55 of the full grid's even with free starts; the rest is each trial's fixed cost (a Ray "
-    "Train worker group starting, about 10 s, and its evaluate stage), paid by stopped trials too. A first "
-    "measurement deadlocked instead: stopped trials' Train placement groups kept their CPUs (now reaped, "
-    "`pipeline.training.ray_train.reap_orphaned_placement_groups`). ASHA picked the full grid's best trial (gap 0%).")
+    "trials 2 at a time it stopped 5 (three at step 25, two at 50) and let 3 finish, where synchronous "
+    "halving would finish 1; with 3 of 8 trained to the end and every trial's fixed cost (a Tune trial "
+    "process, a Ray Train worker group starting, its evaluate stage) paid by stopped trials too, 0.60 is "
+    "what this grid gives (0.85 before Ray Train's placement group cleaner, which held every run's end 12 s, "
+    "was left out). Next: reduction factor 4 (Ray Tune's default; rungs 25 and 100). Stopped trials' Train "
+    "placement groups are reaped (`pipeline.training.ray_train.reap_orphaned_placement_groups`). ASHA "
+    "picked the full grid's best trial (gap 0%).")
 KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "The ceiling assumes the experts' matmuls run at the dense FFN's rate. On this CPU torch's `grouped_mm` is a "
     "loop of one `mm` per expert over about N·k/E rows and a narrow expert width (80 at cpu_small, 208 at "
