@@ -15,7 +15,7 @@ Fixed costs, each in a fresh process, ``--repeats`` times interleaved:
   from the cache the pipeline uses (``TORCH_EXTENSIONS_DIR``, ~/.cache/conduit/torch_extensions:
   already built, so this is the cached load); and once (unless ``--no-cold-op-build``) built from
   scratch into an empty folder (what the first run on a new machine pays).
-- Ray Train worker group: ``TorchTrainer.fit`` of a do-nothing function on ``--workers`` workers
+- Ray Train worker group: ``fit`` of Conduit's trainer (``pipeline.training.ray_train``) on a do-nothing function on ``--workers`` workers
   (worker actors, gloo process group, teardown), in a Ray started beforehand.
 
 Prints tables and writes ``benchmarks/results/pipeline.json``.
@@ -98,8 +98,9 @@ print(json.dumps({"import_s": imp, "op_s": T(), "op_loaded": op is not None}))
 """
 WORKER_GROUP = _LAP + """
 import ray, ray.train
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 from pipeline.runner import worker_env
+from pipeline.training.ray_train import trainer_class
 ray.init(address="local", num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
          runtime_env={"env_vars": worker_env()})
 T()
@@ -107,7 +108,7 @@ def noop(config):
     pass
 fits = []
 for i in range(int(sys.argv[3])):
-    TorchTrainer(noop, train_loop_config={}, torch_config=TorchConfig(backend="gloo"),
+    trainer_class()(noop, train_loop_config={}, torch_config=TorchConfig(backend="gloo"),
                  scaling_config=ray.train.ScalingConfig(num_workers=int(sys.argv[2])),
                  run_config=ray.train.RunConfig(name=f"noop{i}", storage_path=sys.argv[4])).fit()
     fits.append(T())
