@@ -462,7 +462,7 @@ def main() -> None:
             f"{ffn_share['median']:.0%} of the dense model's step at this width (attention, the LM head over "
             f"{args.vocab} tokens and the optimizer are the rest, the same in both models), so even experts at the "
             f"dense FFN's matmul rate with free routing would give {ceiling['median']:.2f}"
-            + (f": the target is above what this model can reach on this machine." if ceiling["median"] < TARGET_RATIO
+            + (": the target is above what this model can reach on this machine." if ceiling["median"] < TARGET_RATIO
                else "."))
     if rt["share_of_step"]["median"] >= TARGET_ROUTING_SHARE:
         notes[checks[1]["name"]] = "Here the MoE layer's top ops were " + ", ".join(

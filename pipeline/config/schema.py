@@ -226,7 +226,10 @@ class ParallelSection:
     num_workers: int = 2
     ep_size: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
-    threads_per_worker: int | None = None  # None: the node's cores split over its workers
+    # Intra-op threads of each worker. None: the node's cores split over its workers (a sweep sets it
+    # to the cluster's CPUs split over the workers of the trials that run at once). A speed setting, like
+    # eval.threads, so not in the train stage's hash: a trial's model is found cached on any cluster.
+    threads_per_worker: int | None = _unhashed(None)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # workers over nodes
 
 

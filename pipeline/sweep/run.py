@@ -25,13 +25,14 @@ resume from their checkpoints (their finished stages are cached), and no trial i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline import tracking
-from pipeline.config import config_from_dict
+from pipeline.config import RunConfig, config_from_dict
 from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
 from pipeline.sweep.spec import SweepSpec
 from pipeline.training.ray_train import reap_orphaned_placement_groups
@@ -106,6 +107,21 @@ def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, exp
     tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": FINISHED, "conduit.sweep_metric": value})
     tune.report({"step": counts["steps_trained"], "val_loss": last_val if last_val is not None else value,
                  metric: value, "finished": True, "run_id": run_id})
+
+
+def trial_threads(cfg: RunConfig, max_concurrent: int, cluster_cpus: int) -> RunConfig:
+    """The trial's config with ``parallel.threads_per_worker`` set, when the sweep leaves it unset, to
+    the cluster's CPUs split over the training workers of ``max_concurrent`` trials.
+
+    A lone pipeline's workers split their node's cores among themselves; a sweep's trials train side by
+    side, so that split would give each worker every core and the trials would fight for them (two
+    1-worker trials on 2 cores ran 150 steps in 44 s that way, in 10 s with a thread each).
+    """
+    if cfg.parallel.threads_per_worker is not None or cfg.parallel.device == "cuda" or cluster_cpus < 1:
+        return cfg
+    workers = max(1, max_concurrent) * cfg.parallel.num_workers
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, threads_per_worker=max(1, cluster_cpus // workers)))
 
 
 def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> str:
@@ -185,7 +201,9 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         echo(f"sweep {spec.name}: {len(spec.trials)} trials, MLflow run {sweep_run}"
              + (f"; {len(spec.dropped)} invalid samples dropped" if spec.dropped else ""))
         _data_stages_once(spec, echo, sweep_run)
-        trials = [{"name": t.name, "values": t.values, "cfg": resolve(t.cfg).to_dict()} for t in spec.trials]
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        trials = [{"name": t.name, "values": t.values, "cfg": trial_threads(resolve(t.cfg), spec.max_concurrent,
+                                                                             cpus).to_dict()} for t in spec.trials]
         trainable = tune.with_resources(
             tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
                                  metric=spec.metric, sweep_name=spec.name),

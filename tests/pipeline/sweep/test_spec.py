@@ -109,3 +109,23 @@ def test_trials_start_in_a_seeded_shuffled_order_unless_asked_as_written(tmp_pat
     assert load_sweep(write(tmp_path, space=grid, seed=4)).start_order != order  # the seed decides
     assert [t.index for t in spec.trials] == list(range(8))  # the numbering is the file's
     assert load_sweep(write(tmp_path, space=grid, order="as_written")).start_order == list(range(8))
+
+
+def test_trials_that_train_side_by_side_split_the_cpus_and_keep_their_hashes():
+    from pipeline.stages import STAGES
+    from pipeline.sweep.run import trial_threads
+
+    spec = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml")
+    cfg = spec.trials[0].cfg
+    assert cfg.parallel.threads_per_worker is None and cfg.parallel.num_workers == 1
+    # 2 trials of 1 worker on 2 CPUs: a thread each (a lone pipeline's worker would take both cores).
+    assert trial_threads(cfg, 2, 2).parallel.threads_per_worker == 1
+    assert trial_threads(cfg, 2, 16).parallel.threads_per_worker == 8
+    assert trial_threads(cfg, 4, 2).parallel.threads_per_worker == 1  # never below one
+    two_workers = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml", ["parallel.num_workers=2"]).trials[0].cfg
+    assert trial_threads(two_workers, 2, 16).parallel.threads_per_worker == 4
+    chosen = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml", ["parallel.threads_per_worker=3"])
+    assert trial_threads(chosen.trials[0].cfg, 2, 2).parallel.threads_per_worker == 3  # the user's choice stays
+    # A speed setting: the trial's train artifact is the same one either way (cached on any cluster).
+    train = STAGES["train"]
+    assert train.hash_config(trial_threads(cfg, 2, 2)) == train.hash_config(cfg)
