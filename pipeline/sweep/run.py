@@ -72,17 +72,32 @@ class SweepResult:
     registered: dict | None = None
 
 
-def _validation_to_tune():
-    """A Ray Train callback (made inside a Tune trial) that hands Tune the reports that carry a
-    validation loss, and no other (checkpoint reports carry only a step)."""
+def validation_to_tune_class() -> type:
+    """The Ray Train callback (made inside a Tune trial) that hands Tune the reports that carry a
+    validation loss, and no other (checkpoint reports carry only a step).
+
+    When Tune stops the trial, its process goes, and with it the queue the reports travel on; a report
+    in flight then finds the queue gone. That is the trial ending, not the training failing: the report
+    is dropped (the Train run ends with the trial's process, whose stage task owns it), rather than
+    raised as a controller error with a traceback on the sweep's console for every stopped trial.
+    """
+    from ray.exceptions import RayActorError
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class ValidationToTune(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and "val_loss" in metrics[0]:
-                self._training_actor_item_queue.put({"step": metrics[0]["step"], "val_loss": metrics[0]["val_loss"]})
+                try:
+                    self._training_actor_item_queue.put({"step": metrics[0]["step"],
+                                                         "val_loss": metrics[0]["val_loss"]})
+                except RayActorError:
+                    pass  # the trial was stopped (its process and its queue are gone)
 
-    return ValidationToTune()
+    return ValidationToTune
+
+
+def _validation_to_tune():
+    return validation_to_tune_class()()
 
 
 def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, experiment_id: str, metric: str,
