@@ -65,6 +65,7 @@ class StackedExperts(nn.Module):
         if kind not in ("swiglu", "gelu", "relu"):
             raise ValueError(f"ffn must be one of ['swiglu', 'gelu', 'relu'], got {kind!r}")
         self.num_experts, self.d_model, self.hidden, self.kind = num_experts, d_model, hidden, kind
+        eager_grouped_experts()  # before any torch.compile of the model that holds these experts
         E, D, Fh = num_experts, d_model, hidden
         up = 2 * Fh if kind == "swiglu" else Fh
         self.w_in_name = "w13" if kind == "swiglu" else "w1"
@@ -265,16 +266,15 @@ def _add_bias(h_SO: torch.Tensor, b_EO: torch.Tensor | None, expert_S: torch.Ten
     return h_SO if b_EO is None else h_SO + b_EO.to(h_SO.dtype).index_select(0, expert_S)
 
 
-@torch.compiler.disable
 def grouped_experts(experts: StackedExperts, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """The experts' outputs for rows grouped by expert, one grouped matmul per projection (no host sync).
 
     The weights go in as transposed views of the stored tensors: (E, D, 2F) of ``w13`` and (E, F, D) of
     ``w2``; under autocast the cast to the compute dtype is the one copy.
 
-    Always eager, a graph break in a compiled block: torch's fake (tracing) kernel of ``_grouped_mm``
-    takes bf16 alone, where the CPU's eager kernel also runs fp32; the grouped matmuls are library
-    kernels either way, so compiling them would gain nothing."""
+    Always eager (run through ``eager_grouped_experts``), a graph break in a compiled block: torch's
+    fake (tracing) kernel of ``_grouped_mm`` takes bf16 alone, where the CPU's eager kernel also runs
+    fp32; the grouped matmuls are library kernels either way, so compiling them would gain nothing."""
     dtype = compute_dtype(x_SD)
     x_SD = x_SD.to(dtype)
     offsets_E = counts_E.cumsum(0).to(torch.int32)
@@ -290,6 +290,19 @@ def grouped_experts(experts: StackedExperts, x_SD: torch.Tensor, counts_E: torch
     else:
         h_SF = F.gelu(h_SO) if experts.kind == "gelu" else F.relu(h_SO)
     return _add_bias(GroupedMatmul.apply(h_SF, experts.w2.to(dtype).transpose(1, 2), offsets_E), experts.b2, expert_S)
+
+
+_EAGER_GROUPED = None
+
+
+def eager_grouped_experts():
+    """``grouped_experts`` under ``torch.compiler.disable``, made on first use, not at import: disable
+    imports torch's compiler (about a second of every process that imports the models, most of which
+    never run an MoE). ``StackedExperts`` makes it when it is built, so it exists before any compile."""
+    global _EAGER_GROUPED
+    if _EAGER_GROUPED is None:
+        _EAGER_GROUPED = torch.compiler.disable(grouped_experts)
+    return _EAGER_GROUPED
 
 
 def looped_experts(experts: StackedExperts, x_SD: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -316,5 +329,5 @@ def run_experts(experts: StackedExperts, x_SD: torch.Tensor, counts_E: torch.Ten
         y_SD.
     """
     if resolve_impl(impl, experts, x_SD) == "grouped_mm":
-        return grouped_experts(experts, x_SD, counts_E)
+        return eager_grouped_experts()(experts, x_SD, counts_E)
     return looped_experts(experts, x_SD, counts_E.tolist() if host_counts is None else host_counts)
