@@ -40,6 +40,9 @@ class GenRequest:
         temperature: 0 = greedy.
         top_p: nucleus threshold in (0, 1]; 1 = off.
         seed: seeds the row's own generator (same seed, same sample).
+        logprobs: None, or k: the engine (``pipeline.inference.engine``) records each new token's
+            log-probability and the k most likely tokens at its position, from the logits it samples
+            from (the model's own, before temperature and top-p).
     """
 
     prompt_ids: tuple[int, ...]
@@ -47,6 +50,7 @@ class GenRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int | None = None
 
 
 def check_fits(request: GenRequest, max_seq_len: int) -> None:

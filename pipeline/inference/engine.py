@@ -67,6 +67,9 @@ class Ticket:
         tokens: the new token ids, appended as they are made.
         finish: None while running; then ``eos``, ``length``, ``cancelled`` or ``error``.
         error: the exception of an ``error`` finish.
+        scores: with ``request.logprobs`` = k, per token made (the ending EOS too, after the others):
+            its log-probability and the k most likely (id, log-probability) pairs at its position, most
+            likely first; appended before the token's ``on_token``.
     """
 
     request: GenRequest
@@ -77,6 +80,7 @@ class Ticket:
     error: BaseException | None = None
     cancelled: bool = False
     steps_after_cancel: int = 0  # steps this row took after cancel() (what the server counts)
+    scores: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Stop generating for this request at the engine's next step (a client that went away)."""
@@ -215,6 +219,11 @@ class Engine:
             tok = greedy_B[i] if r.temperature == 0 else int(sample_next(
                 logits_BV[i:i + 1], r.temperature, top_p=None if r.top_p >= 1.0 else r.top_p,
                 generator=row.generator)[0])
+            if r.logprobs is not None:
+                logp_V = torch.log_softmax(logits_BV[i], dim=-1)
+                top = logp_V.topk(r.logprobs) if r.logprobs else None
+                row.ticket.scores.append((logp_V[tok].item(), [] if top is None else
+                                          list(zip(top.indices.tolist(), top.values.tolist()))))
             going.append(self._emit(row, tok))
         return going
 

@@ -130,10 +130,11 @@ class ConduitServer:
             queue.put_nowait(item)
 
     async def _choices(self, rows: list[GenRequest], texts: list[ChoiceText], reasons: list[str | None],
-                       eos_ended: list[bool]):
+                       eos_ended: list[bool], tickets: list | None = None):
         """Run ``rows`` on the engine: yields ``(index, text)`` as each choice's text becomes final, and
         fills ``reasons`` (``stop`` or ``length``) and ``eos_ended`` as the choices end. A choice that meets
-        a stop sequence is stopped; leaving early (a client gone) stops every row still running.
+        a stop sequence is stopped; leaving early (a client gone) stops every row still running. The
+        engine's tickets, one per row, go into ``tickets`` when given (their ``scores``).
 
         Raises:
             RuntimeError: the model failed on a row.
@@ -144,7 +145,7 @@ class ConduitServer:
         def put(item) -> None:  # the engine's thread; delivered after its step (_after_step)
             self._outbox.append((queue, item))
 
-        tickets = []
+        tickets = [] if tickets is None else tickets
         try:
             for i, row in enumerate(rows):
                 tickets.append(self.engine.submit(row, on_token=lambda tok, i=i: put((i, tok, None)),
@@ -213,8 +214,9 @@ class ConduitServer:
                 raise ApiError(400, f"this model's maximum context length is {max_len} tokens; prompt {i} is "
                                     f"{len(ids) - lead} tokens (+{lead} for the start of text) and max_tokens is "
                                     f"{req.max_tokens}", param, "context_length_exceeded")
-            for j in range(req.n):
-                rows.append(GenRequest(ids, req.max_tokens, req.temperature, req.top_p, base_seed + i * req.n + j))
+            for j in range(req.n):  # streamed logprobs come from the engine's own logits as it samples
+                rows.append(GenRequest(ids, req.max_tokens, req.temperature, req.top_p, base_seed + i * req.n + j,
+                                       logprobs=req.logprobs if req.stream else None))
                 sources.append((ids, lead))
         return rows, sources, prompt_tokens
 
@@ -259,9 +261,31 @@ class ConduitServer:
                 top.append(None)
                 continue
             token_logprobs.append(scores.logprobs[t - 1])
-            top.append({sp.id_to_piece(a).replace("\u2581", " "): v for a, v in scores.top[t - 1]})
+            top.append(self._top(scores.top[t - 1]))
         body = openai_api.logprobs_body([*prompt_pieces, *pieces], token_logprobs, top)
         return Choice(text, choice.finish_reason, choice.completion_tokens, body)
+
+    def _top(self, pairs: list[tuple[int, float]]) -> dict[str, float]:
+        """The ``top_logprobs`` entry of one position: each likely token's piece (spaces as spaces)."""
+        return {self.generator.sp.id_to_piece(a).replace("\u2581", " "): v for a, v in pairs}
+
+    def _echo_events(self, req: CompletionRequest, sources: list[tuple[tuple[int, ...], int]]):
+        """A streamed request's echo: per choice, its prompt's text (with ``logprobs``, the prompt tokens'
+        own, the first None, from one scoring pass) and that text's length, where the completion starts."""
+        sp, events, starts = self.generator.sp, [], []
+        for i, (prompt_ids, lead) in enumerate(sources):
+            pieces = text_pieces(sp, list(prompt_ids[lead:])) if req.echo else []
+            starts.append(sum(len(p) for p in pieces))
+            if not req.echo:
+                continue
+            body = None
+            if req.logprobs is not None:
+                scores = score_tokens(self.generator.model, prompt_ids, req.logprobs) if len(prompt_ids) > 1 else None
+                lps = [None if t == lead else scores.logprobs[t - 1] for t in range(lead, len(prompt_ids))]
+                tops = [None if t == lead else self._top(scores.top[t - 1]) for t in range(lead, len(prompt_ids))]
+                body = openai_api.logprobs_body(pieces, lps, tops)
+            events.append((i, "".join(pieces), body))
+        return events, starts
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -304,7 +328,7 @@ class ConduitServer:
         reasons: list[str | None] = [None] * len(rows)
         eos_ended = [False] * len(rows)
         if req.stream:
-            return StreamingResponse(self._stream(cid, rows, texts, reasons, eos_ended, prompt_tokens),
+            return StreamingResponse(self._stream(cid, rows, texts, reasons, eos_ended, prompt_tokens, req, sources),
                                      media_type="text/event-stream", headers=self._headers())
         try:
             async for _ in self._choices(rows, texts, reasons, eos_ended):
@@ -320,11 +344,40 @@ class ConduitServer:
         return JSONResponse(body, headers=self._headers())
 
     async def _stream(self, cid: str, rows: list[GenRequest], texts: list[ChoiceText], reasons: list[str | None],
-                      eos_ended: list[bool], prompt_tokens: int):
-        """Server-sent events: each choice's text as it is generated, its end (the last one with the
-        usage), then [DONE]. A client that disconnects closes this generator: its rows stop."""
+                      eos_ended: list[bool], prompt_tokens: int, req: CompletionRequest,
+                      sources: list[tuple[tuple[int, ...], int]]):
+        """Server-sent events: with ``echo`` each choice's prompt first, then each choice's text as it is
+        generated, its end (the last one with the usage), then [DONE]. With ``logprobs`` every event
+        carries the logprobs object of the tokens it reports: a text event those whose text has now been
+        sent in full (a token whose text is held, a character's first bytes or a possible stop sequence,
+        goes with a later event), the end of a choice the rest (its last token cut at a stop sequence, an
+        ending EOS as an empty token), so that together they are the non-streamed response's. A client
+        that disconnects closes this generator: its rows stop."""
         name, version, created = self.target.model_name, self.target.version, int(time.time())
         ended = [False] * len(rows)
+        tickets: list = []
+        reported = [0] * len(rows)  # tokens whose logprobs have been sent, per choice
+
+        def logprobs_of(i: int, final: bool) -> dict | None:
+            if req.logprobs is None:
+                return None
+            text = texts[i]
+            if final:
+                _, pieces = self._choice(text, reasons[i])
+                pieces = [*pieces, ""] if eos_ended[i] else pieces
+            else:
+                pieces, at = [], 0
+                for p in text_pieces(self.generator.sp, text.ids[:text.kept]):
+                    if at + len(p) > len(text.sent):
+                        break
+                    pieces.append(p)
+                    at += len(p)
+            first, scores = reported[i], tickets[i].scores
+            reported[i] = max(first, len(pieces))
+            new = range(first, len(pieces))
+            return openai_api.logprobs_body([pieces[t] for t in new], [scores[t][0] for t in new],
+                                            [self._top(scores[t][1]) for t in new],
+                                            start=starts[i] + sum(len(p) for p in pieces[:first]))
 
         def endings():
             for i, reason in enumerate(reasons):
@@ -332,11 +385,17 @@ class ConduitServer:
                     ended[i] = True
                     usage = (openai_api.usage_body(prompt_tokens, sum(t.kept for t in texts))
                              if all(ended) else None)
-                    yield openai_api.stream_chunk(cid, name, version, created, i, "", reason, usage)
+                    yield openai_api.stream_chunk(cid, name, version, created, i, "", reason, usage,
+                                                  logprobs_of(i, final=True))
 
         try:
-            async for i, piece in self._choices(rows, texts, reasons, eos_ended):
-                yield openai_api.stream_chunk(cid, name, version, created, i, piece)
+            echoed, starts = (await asyncio.to_thread(self._echo_events, req, sources) if req.echo
+                              else ([], [0] * len(rows)))
+            for i, text, body in echoed:
+                yield openai_api.stream_chunk(cid, name, version, created, i, text, logprobs=body)
+            async for i, piece in self._choices(rows, texts, reasons, eos_ended, tickets):
+                yield openai_api.stream_chunk(cid, name, version, created, i, piece,
+                                              logprobs=logprobs_of(i, final=False))
                 for event in endings():
                     yield event
             for event in endings():

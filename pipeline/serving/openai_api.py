@@ -10,7 +10,8 @@ Supported fields of POST /v1/completions: ``model``, ``prompt`` (a string, a lis
 ``temperature``, ``top_p``, ``n``, ``stop`` (a string or up to 4), ``seed``, ``stream``, ``echo`` (the
 prompt's text and tokens before the completion's), ``logprobs`` (0..``MAX_LOGPROBS``: each token's
 log-probability and the ``logprobs`` most likely tokens at its position, as evaluation harnesses read
-them), and ``user`` (accepted, unused). Any other field (``top_k``, ``suffix``, ...) is a 400 that names
+them; streamed, each event carries those of the tokens whose text has been sent), and ``user``
+(accepted, unused). Any other field (``top_k``, ``suffix``, ...) is a 400 that names
 it, rather than being ignored. A string prompt is a new document (the model sees an EOS before it, as in
 training); a token-id prompt is taken as it is. Sampling values follow
 ``pipeline.serving.request_limits``: NaN, infinities and temperatures just above 0 are 400s naming the field.
@@ -168,8 +169,6 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     if logprobs is not None and (not _is_id(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise ApiError(400, f"logprobs must be null or a whole number in [0, {MAX_LOGPROBS}]; got {logprobs!r}",
                        "logprobs")
-    if stream and (echo or logprobs is not None):
-        raise ApiError(400, "stream with echo or logprobs is not supported; ask without stream", "stream")
     stop = body.get("stop")
     return CompletionRequest(
         model=model, prompts=prompts,
@@ -199,11 +198,12 @@ class Choice:
     logprobs: dict | None = None
 
 
-def logprobs_body(pieces: list[str], token_logprobs: list[float | None], top: list[dict[str, float] | None]) -> dict:
+def logprobs_body(pieces: list[str], token_logprobs: list[float | None], top: list[dict[str, float] | None],
+                  start: int = 0) -> dict:
     """The OpenAI ``logprobs`` object of one choice: each token's text, its log-probability (None for a
     first prompt token, which has no context), the most likely tokens at its position, and where its text
-    starts in the choice's text."""
-    offsets, at = [], 0
+    starts in the choice's text (the first at ``start``: a streamed event's tokens follow those sent)."""
+    offsets, at = [], start
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
@@ -227,12 +227,13 @@ def completion_body(cid: str, model: str, version: int, choices: list[Choice], p
 
 
 def stream_chunk(cid: str, model: str, version: int, created: int, index: int, text: str,
-                 finish_reason: str | None = None, usage: dict | None = None) -> str:
+                 finish_reason: str | None = None, usage: dict | None = None, logprobs: dict | None = None) -> str:
     """One server-sent event of a streamed completion: text of choice ``index`` as it is generated, or
     (with ``finish_reason``) the end of that choice; the event that ends the last choice also carries
-    the request's ``usage``. The caller sends ``DONE_EVENT`` after it."""
+    the request's ``usage``. With ``logprobs``, the ``logprobs`` object of the tokens this event reports
+    (their ``text_offset`` in the choice's whole text). The caller sends ``DONE_EVENT`` after it."""
     data = {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}],
             "conduit_version": version}
     if usage is not None:
         data["usage"] = usage

@@ -141,6 +141,38 @@ def test_echo_and_logprobs_are_the_served_models_own_log_softmax(served, tiny_ru
     assert echoed["text"].startswith("KING:") and echoed["logprobs"] is None
 
 
+def test_streamed_echo_and_logprobs_add_up_to_the_whole_response(served):
+    """stream with echo and logprobs, through the openai client: per choice, the events' texts and their
+    logprobs objects, put together, are the non-streamed response's (the same tokens, pieces, offsets and
+    top tokens; the values from the logits the engine sampled from, equal to the scoring pass's), with a
+    stop sequence and several sampled choices; every event carries a logprobs object."""
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0)
+    full = client.completions.create(model=MODEL_NAME, prompt="KING:", max_tokens=10, temperature=0.0).choices[0].text
+    cases = [dict(prompt="KING:", echo=True, logprobs=2, max_tokens=10, temperature=0.0),
+             dict(prompt="KING:", logprobs=3, max_tokens=10, temperature=0.0, stop=[full[3:5]]),
+             dict(prompt=["The old man said", "KING:"], echo=True, logprobs=1, max_tokens=12, temperature=0.9,
+                  seed=11, n=2),
+             dict(prompt="KING:", logprobs=0, max_tokens=60, temperature=1.0, seed=3)]
+    for case in cases:
+        whole = client.completions.create(model=MODEL_NAME, **case)
+        events = list(client.completions.create(model=MODEL_NAME, stream=True, **case))
+        assert all(e.choices[0].logprobs is not None for e in events), case
+        for choice in whole.choices:
+            mine = [e.choices[0] for e in events if e.choices[0].index == choice.index]
+            assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == choice.finish_reason
+            lp, want = [c.logprobs for c in mine], choice.logprobs
+            assert [t for x in lp for t in x.tokens] == want.tokens, case
+            assert [o for x in lp for o in x.text_offset] == want.text_offset
+            assert [t is None for x in lp for t in x.token_logprobs] == [t is None for t in want.token_logprobs]
+            assert [t for x in lp for t in x.token_logprobs if t is not None] == pytest.approx(
+                [t for t in want.token_logprobs if t is not None], abs=1e-5)
+            tops = [t for x in lp for t in x.top_logprobs]
+            assert [None if t is None else sorted(t) for t in tops] == \
+                [None if t is None else sorted(t) for t in want.top_logprobs]
+            assert [v for t in tops if t for _, v in sorted(t.items())] == pytest.approx(
+                [v for t in want.top_logprobs if t for _, v in sorted(t.items())], abs=1e-5)
+
+
 def test_lm_eval_scores_the_deployment_as_it_scores_the_hf_export(served, tiny_run, tmp_path):
     """lm-evaluation-harness's local-completions model against the deployment (the registered version's
     HF tokenizer as the harness's) and its hf model on the same version's HF export, one small local

@@ -95,6 +95,39 @@ def test_tokens_arrive_at_the_step_that_made_them():
     assert [tok for _, tok in seen[0]] == tickets[0].tokens and [tok for _, tok in seen[1]] == tickets[1].tokens
 
 
+@pytest.mark.parametrize("kind", ["dense", "mamba2", "hybrid"])
+def test_rows_that_ask_for_logprobs_get_the_models_log_softmax_of_each_token_they_made(kind):
+    """In a batch that rows join and leave, each new token's recorded log-probability and top k are the
+    model's log-softmax at its position, as one forward over the row's whole sequence computes them;
+    a row that asks for none records none, and the tokens are what they are without asking."""
+    from pipeline.inference.scoring import score_tokens
+
+    torch.manual_seed(3)
+    model = MODELS[kind]().eval()
+    arrivals = {0: [GenRequest((5, 6, 7, 8, 9), 12, logprobs=3), GenRequest((10, 11), 6)],
+                2: [GenRequest((12, 13, 14), 8, temperature=1.0, seed=2, logprobs=0)],
+                4: [GenRequest((15,), 5, logprobs=5)]}
+    engine = Engine(model, EOS, max_rows=8)
+    tickets, _ = _run_with_arrivals(engine, arrivals)
+    assert tickets[1].scores == []
+    for t in tickets:
+        assert t.tokens == _alone(model, GenRequest(t.request.prompt_ids, t.request.max_new_tokens,
+                                                    t.request.temperature, t.request.top_p, t.request.seed))
+    for t in (tickets[0], tickets[2], tickets[3]):
+        made = [*t.tokens, *([EOS] if t.finish == FINISH_EOS else [])]
+        assert len(t.scores) == len(made)
+        full = [*t.request.prompt_ids, *made]
+        k = t.request.logprobs
+        expected = score_tokens(model, full, k)
+        first = len(t.request.prompt_ids) - 1  # the position that predicts the first new token
+        assert [lp for lp, _ in t.scores] == pytest.approx(expected.logprobs[first:], abs=1e-5)
+        for (_, top), want in zip(t.scores, expected.top[first:]):
+            assert len(top) == k and [i for i, _ in top] == [i for i, _ in want]
+            assert [v for _, v in top] == pytest.approx([v for _, v in want], abs=1e-5)
+        if t.request.temperature == 0:  # greedy: each token is the most likely, its value the top one
+            assert all(top[0][0] == tok and top[0][1] == lp for (lp, top), tok in zip(t.scores, made))
+
+
 def test_a_cancelled_row_stops_at_the_next_step_and_the_others_carry_on():
     torch.manual_seed(3)
     model = MODELS["dense"]().eval()

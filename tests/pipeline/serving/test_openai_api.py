@@ -33,6 +33,8 @@ def test_token_id_prompts_echo_and_logprobs():
     r = parse(prompt=[1, 2], echo=True, logprobs=1, max_tokens=1, temperature=0)
     assert (r.echo, r.logprobs) == (True, 1)
     assert parse(prompt="x", logprobs=0).logprobs == 0
+    r = parse(prompt="x", echo=True, logprobs=2, stream=True)  # streamed too, as OpenAI clients ask
+    assert (r.echo, r.logprobs, r.stream) == (True, 2, True)
 
 
 @pytest.mark.parametrize("body, param, needle", [
@@ -46,7 +48,6 @@ def test_token_id_prompts_echo_and_logprobs():
     ({"prompt": "x", "logprobs": 6}, "logprobs", "logprobs must be null or a whole number in [0, 5]; got 6"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "logprobs must be null or a whole number"),
     ({"prompt": "x", "echo": "yes"}, "echo", "echo must be true or false"),
-    ({"prompt": "x", "logprobs": 1, "stream": True}, "stream", "stream with echo or logprobs is not supported"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be in [1"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
     ({"prompt": "x", "temperature": -0.1}, "temperature", "temperature=-0.1"),
@@ -104,3 +105,5 @@ def test_the_logprobs_object_places_each_token_in_the_text():
     choice = completion_body("cmpl-1", "m", 1, [Choice("KING: O", "length", 1, body)], 2)["choices"][0]
     assert choice["logprobs"] is body and all(choice["text"].startswith(t, o) for t, o in
                                               zip(body["tokens"], body["text_offset"]))
+    # A streamed event's tokens follow those already sent: their offsets start where the text sent ends.
+    assert logprobs_body([" O", "!"], [-0.25, -2.0], [{}, {}], start=5)["text_offset"] == [5, 7]
