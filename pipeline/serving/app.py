@@ -252,38 +252,37 @@ class ConduitServer:
         text = "".join(prompt_pieces) + choice.text
         if req.logprobs is None:
             return Choice(text, choice.finish_reason, choice.completion_tokens)
-        scores = score_tokens(self.generator.model, full, req.logprobs) if len(full) > 1 else None
-        token_logprobs: list[float | None] = []
-        top: list[dict[str, float] | None] = []
-        for t in range(first, len(full)):
-            if t == first and req.echo:  # the first prompt token: no log-probability (OpenAI's null)
-                token_logprobs.append(None)
-                top.append(None)
-                continue
-            token_logprobs.append(scores.logprobs[t - 1])
-            top.append(self._top(scores.top[t - 1]))
-        body = openai_api.logprobs_body([*prompt_pieces, *pieces], token_logprobs, top)
+        lps, tops = self._scored(full, first, req.logprobs, null_first=req.echo)
+        body = openai_api.logprobs_body([*prompt_pieces, *pieces], lps, tops)
         return Choice(text, choice.finish_reason, choice.completion_tokens, body)
+
+    def _scored(self, ids: list[int] | tuple[int, ...], first: int, k: int,
+                null_first: bool) -> tuple[list[float | None], list[dict[str, float] | None]]:
+        """Log-probabilities and top-k entries of ``ids[first:]`` from one scoring pass over ``ids``; with
+        ``null_first`` the first is None (an echoed first prompt token has no context: OpenAI's null)."""
+        scores = score_tokens(self.generator.model, ids, k) if len(ids) > 1 else None
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for t in range(first, len(ids)):
+            null = t == first and null_first
+            lps.append(None if null else scores.logprobs[t - 1])
+            tops.append(None if null else self._top(scores.top[t - 1]))
+        return lps, tops
 
     def _top(self, pairs: list[tuple[int, float]]) -> dict[str, float]:
         """The ``top_logprobs`` entry of one position: each likely token's piece (spaces as spaces)."""
         return {self.generator.sp.id_to_piece(a).replace("\u2581", " "): v for a, v in pairs}
 
     def _echo_events(self, req: CompletionRequest, sources: list[tuple[tuple[int, ...], int]]):
-        """A streamed request's echo: per choice, its prompt's text (with ``logprobs``, the prompt tokens'
-        own, the first None, from one scoring pass) and that text's length, where the completion starts."""
-        sp, events, starts = self.generator.sp, [], []
+        """A streamed ``echo``: per choice, its prompt's text (with ``logprobs``, the prompt tokens' own) as
+        an event, and that text's length, where the completion's text offsets start."""
+        events, starts = [], []
         for i, (prompt_ids, lead) in enumerate(sources):
-            pieces = text_pieces(sp, list(prompt_ids[lead:])) if req.echo else []
+            pieces = text_pieces(self.generator.sp, list(prompt_ids[lead:]))
             starts.append(sum(len(p) for p in pieces))
-            if not req.echo:
-                continue
             body = None
             if req.logprobs is not None:
-                scores = score_tokens(self.generator.model, prompt_ids, req.logprobs) if len(prompt_ids) > 1 else None
-                lps = [None if t == lead else scores.logprobs[t - 1] for t in range(lead, len(prompt_ids))]
-                tops = [None if t == lead else self._top(scores.top[t - 1]) for t in range(lead, len(prompt_ids))]
-                body = openai_api.logprobs_body(pieces, lps, tops)
+                body = openai_api.logprobs_body(pieces, *self._scored(prompt_ids, lead, req.logprobs, null_first=True))
             events.append((i, "".join(pieces), body))
         return events, starts
 
