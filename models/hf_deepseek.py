@@ -253,9 +253,12 @@ def hf_config_v3(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "norm_topk_prob": cfg.moe_renormalize,
         "rope_interleave": True,
         "num_mtp_layers": 0,  # Conduit trains no multi-token prediction module
+        # As DeepSeek's own config.json says it: sigmoid scores, the top-k picked with the bias added
+        # ("noaux_tc"). transformers reads neither; vLLM creates e_score_correction_bias only for noaux_tc.
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
     })
-    for key in ("topk_method", "mlp_bias"):
-        out.pop(key)
+    out.pop("mlp_bias")
     return out
 
 

@@ -498,6 +498,35 @@ def download_model(uri: str, model_ref: str, dst: str | Path) -> Path:
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_ref, dst_path=str(dst)))
 
 
+def hf_export_config(uri: str, name: str, version: int) -> dict | None:
+    """The config.json of a registered version's Hugging Face export (``artifacts/hf``), or None when the
+    version has none (its ``conduit.hf_export`` tag says why)."""
+    import tempfile
+
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+
+    if not str(get_version(uri, name, version).tags.get("conduit.hf_export", "")).startswith("artifacts/"):
+        return None
+    with _fluent_uri(uri), tempfile.TemporaryDirectory(prefix="conduit-hf-config-") as tmp:
+        repo = ModelsArtifactRepository(f"models:/{name}/{version}")
+        return json.loads(Path(repo.download_artifacts("artifacts/hf/config.json", dst_path=tmp)).read_text())
+
+
+def download_hf_export(uri: str, name: str, version: int, dst: str | Path) -> Path:
+    """Download a registered version's Hugging Face export (``artifacts/hf``) into ``dst``; returns its folder.
+
+    Raises:
+        FileNotFoundError: the version has no export.
+    """
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+
+    with _fluent_uri(uri):
+        local = Path(ModelsArtifactRepository(f"models:/{name}/{version}").download_artifacts("artifacts/hf", str(dst)))
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"models:/{name}/{version} has no Hugging Face export under artifacts/hf")
+    return local
+
+
 def download_weights(uri: str, model_ref: str, dst: str | Path) -> Path:
     """Download a registered Conduit model into ``dst`` and return its weights file (the ``weights``
     artifact its ``MLmodel`` names).
@@ -533,8 +562,8 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_model", "end_run",
-    "ensure_experiment", "env_for_workers", "get_version", "load_registered_model", "log_and_register_model",
+    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_hf_export", "download_model", "end_run",
+    "ensure_experiment", "env_for_workers", "get_version", "hf_export_config", "load_registered_model", "log_and_register_model",
     "model_aliases", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
     "version_by_alias", "versions_with_tag",
 ]

@@ -32,6 +32,7 @@ SHARED = {
     "smoke_artifact_root": "smoke-run",
     "mlflow_server": "mlflow-server",
     "tiny_model": "mlflow-server",
+    "tiny_vllm_model": "mlflow-server",
 }
 
 # Groups to hand out first, heaviest first (seconds on a 2-core machine, serially, in the last

@@ -320,8 +320,20 @@ class DeploySection:
     batching: str = _unhashed("continuous")
     batch_wait_timeout_s: float = _unhashed(0.01)  # static batching: how long a batch waits to fill
     max_ongoing_requests: int = _unhashed(64)  # per replica; more wait in Serve's queue
+    # Which engine generates: vllm (Ray Serve LLM running vLLM on the version's HF export), conduit
+    # (Conduit's own continuous-batching engine), or auto: vLLM where it is installed and can serve the
+    # version's architecture on the replica's hardware (pipeline.serving.vllm_support), else Conduit's.
+    engine: str = _unhashed("auto")
+    # The interpreter that has vLLM, on the cluster's nodes: a path (relative: to the checkout; the
+    # .venv-vllm that `make install` builds), or "" for the nodes' own Python (a GPU image with vLLM).
+    vllm_python: str = _unhashed(".venv-vllm/bin/python")
+    vllm_kv_cache_gib: float = _unhashed(1.0)  # vLLM's KV cache per replica (CPU: of the machine's memory)
 
     def __post_init__(self):
+        if self.engine not in ("auto", "vllm", "conduit"):
+            raise ConfigError(f"deploy.engine={self.engine!r} must be 'auto', 'vllm' or 'conduit'")
+        if not self.vllm_kv_cache_gib > 0:
+            raise ConfigError(f"deploy.vllm_kv_cache_gib={self.vllm_kv_cache_gib} must be > 0")
         if self.batching not in ("continuous", "static"):
             raise ConfigError(f"deploy.batching={self.batching!r} must be 'continuous' or 'static'")
         for name in ("num_replicas", "max_batch_size", "max_batch_tokens", "max_ongoing_requests"):

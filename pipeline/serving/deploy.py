@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline import cluster, tracking
+from pipeline.base import REPO_ROOT
 from pipeline.config import DeploySection
+from pipeline.serving import vllm_support
 from pipeline.serving.listen import warn_if_exposed
 
 APP_PREFIX = "conduit-"
@@ -50,6 +56,8 @@ class Deployment:
     endpoint: str
     status: str
     ray_address: str
+    engine: str = "conduit"
+    engine_reason: str = ""
 
 
 def app_name(model_name: str) -> str:
@@ -125,14 +133,103 @@ def serve_log_dir() -> str:
     return os.path.join(base, "serve")
 
 
+# ---- the engine -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine serves a version, and why (the line ``jobs.deploy`` prints and tags)."""
+
+    engine: str  # vllm or conduit
+    reason: str
+    hf_config: dict | None = None  # the export's config.json (vllm)
+    python: str | None = None  # the vLLM interpreter (vllm; None: the cluster's own)
+
+
+def vllm_python(section: DeploySection) -> str | None:
+    """The vLLM interpreter ``deploy.vllm_python`` names (relative paths: to the checkout), or None for
+    the cluster's own Python."""
+    if not section.vllm_python:
+        return None
+    path = Path(section.vllm_python)
+    return str(path if path.is_absolute() else REPO_ROOT / path)
+
+
+def _vllm_installed(python: str | None) -> str | None:
+    """None when ``python`` can import vLLM, else why not (the cluster's own Python is taken on trust)."""
+    if python is None:
+        return None
+    if not os.access(python, os.X_OK):
+        return f"no vLLM interpreter at {python} (deploy.vllm_python; `make install` builds .venv-vllm)"
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True, timeout=60)
+    return None if probe.returncode == 0 else f"{python} cannot import vllm (deploy.vllm_python)"
+
+
+def choose_engine(section: DeploySection, uri: str, name: str, version: int) -> EngineChoice:
+    """The engine ``deploy.engine`` picks for ``name`` v``version``.
+
+    ``conduit``: Conduit's engine. ``vllm``: vLLM, or an error saying why it cannot. ``auto``: vLLM when it
+    is installed and can serve the version's HF export on the replicas' hardware, else Conduit's engine.
+
+    Raises:
+        DeployError: ``engine: vllm`` and vLLM cannot serve this version here (the reason).
+    """
+    if section.engine == "conduit":
+        return EngineChoice("conduit", "deploy.engine is conduit")
+    hardware = "gpu" if section.num_gpus_per_replica > 0 else "cpu"
+    python = vllm_python(section)
+    problem = _vllm_installed(python)
+    hf = None
+    if problem is None:
+        hf = tracking.hf_export_config(uri, name, version)
+        why_no_export = tracking.get_version(uri, name, version).tags.get("conduit.hf_export")
+        verdict = vllm_support.check(hf, hardware, why_no_export)
+        problem = verdict.reason
+    if problem is None:
+        arch = hf["architectures"][0]
+        return EngineChoice("vllm", f"vLLM serves {arch} on {hardware.upper()}", hf, python)
+    if section.engine == "vllm":
+        raise DeployError(f"deploy.engine is vllm, but vLLM cannot serve {name} v{version} here: {problem}")
+    return EngineChoice("conduit", f"vLLM cannot serve it: {problem}")
+
+
+def _files_cache(uri: str, name: str, version: int) -> str:
+    """Where each node keeps a version's files for vLLM: one folder per registry, model and version (and
+    the run that made it, so that a new registry reusing the name and number never meets old files)."""
+    run_id = tracking.get_version(uri, name, version).run_id
+    key = hashlib.sha256(f"{uri}|{name}|{version}|{run_id}".encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), "conduit-vllm", key)
+
+
+def vllm_target(section: DeploySection, uri: str, name: str, version: int, choice: EngineChoice):
+    """The vLLM application's settings for ``name`` v``version`` (``pipeline.serving.vllm_app``)."""
+    from pipeline.serving.vllm_app import VllmTarget
+
+    gpu = section.num_gpus_per_replica > 0
+    return VllmTarget(
+        tracking_uri=uri, model_name=name, version=version, app=app_name(name), route_prefix=section.route_prefix,
+        num_replicas=section.num_replicas, num_cpus=section.num_cpus_per_replica, num_gpus=section.num_gpus_per_replica,
+        max_num_seqs=section.max_batch_size, max_model_len=int(choice.hf_config["max_position_embeddings"]),
+        dtype="bfloat16" if gpu else "float32", kv_cache_bytes=int(section.vllm_kv_cache_gib * 2**30),
+        cache_dir=_files_cache(uri, name, version), max_ongoing_requests=section.max_ongoing_requests,
+        python=choice.python, env=tuple(tracking.env_for_workers().items()))
+
+
 # ---- deploying ------------------------------------------------------------------------------------
-def _run(section: DeploySection, uri: str, name: str, version: int) -> None:
+def _run(section: DeploySection, uri: str, name: str, version: int, choice: EngineChoice) -> None:
     from ray import serve
 
     from pipeline.serving.app import ServeTarget, build
 
     warn_if_exposed("Ray Serve's HTTP proxy (the OpenAI API)", section.host, "deploy.host")
     serve.start(http_options={"host": section.host, "port": section.port})
+    if choice.engine == "vllm":
+        from pipeline.serving import vllm_app
+
+        try:
+            vllm_app.launch(vllm_target(section, uri, name, version, choice))
+        except RuntimeError as e:
+            raise DeployError(str(e)) from e
+        return
     app = build(ServeTarget(uri, name, version), num_replicas=section.num_replicas,
                 num_cpus=section.num_cpus_per_replica, num_gpus=section.num_gpus_per_replica,
                 max_ongoing_requests=section.max_ongoing_requests, max_batch_size=section.max_batch_size,
@@ -149,6 +246,7 @@ def _record(uri: str, d: Deployment, section: DeploySection) -> None:
     tracking.set_version_tags(uri, d.model_name, d.version, {
         TAG + "status": "running", TAG + "serve_status": d.status, TAG + "endpoint": d.endpoint, TAG + "app": d.app, TAG + "alias": d.alias,
         TAG + "ray_address": d.ray_address, TAG + "settings": json.dumps(dataclasses.asdict(section)),
+        TAG + "engine": d.engine, TAG + "engine_reason": d.engine_reason,
         TAG + "at": _now(),
     })
 
@@ -168,13 +266,16 @@ def deploy(section: DeploySection, uri: str, name: str, alias: str, ray_address:
 
     Raises:
         LookupError: the model or the alias does not exist.
+        DeployError: ``deploy.engine: vllm`` cannot serve it, or vLLM's application did not start.
     """
     target = tracking.version_by_alias(uri, name, alias)
     if target is None:
         raise LookupError(f"model {name!r} has no alias {alias!r} (at {uri})")
     before = served_version(uri, name)
-    _run(section, uri, name, target.version)
-    d = Deployment(app_name(name), name, target.version, alias, endpoint(section), app_status(name), ray_address)
+    choice = choose_engine(section, uri, name, target.version)
+    _run(section, uri, name, target.version, choice)
+    d = Deployment(app_name(name), name, target.version, alias, endpoint(section), app_status(name), ray_address,
+                   choice.engine, choice.reason)
     _record(uri, d, section)
     if before is not None and before != target.version:
         tracking.set_version_tags(uri, name, before, {TAG + "status": "replaced",

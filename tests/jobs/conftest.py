@@ -32,13 +32,19 @@ from pipeline.tokenization.spm import load_sentencepiece, train_sentencepiece, t
 MODEL_NAME = "conduit-test"
 
 
-def tiny_config(work: Path, uri: str, data_root: Path, model_name: str = MODEL_NAME) -> RunConfig:
+TINY_MODEL = {"preset": "debug_dense", "max_seq_len": 64}
+# debug_dense with two heads of 32 (and one key/value head): a head size vLLM's CPU kernels serve.
+TINY_VLLM_MODEL = {**TINY_MODEL, "n_heads": 2, "num_kv_heads": 1}
+
+
+def tiny_config(work: Path, uri: str, data_root: Path, model_name: str = MODEL_NAME,
+                model: dict | None = None) -> RunConfig:
     return config_from_dict({
         "run": {"name": "tiny", "workdir": str(work)},
         "data": {"data_root": str(data_root)},
         "tokenizer": {"vocab_size": 512},
         "tokenize": {"seq_len": 32},
-        "model": {"preset": "debug_dense", "max_seq_len": 64},
+        "model": dict(model or TINY_MODEL),
         "train": {"steps": 120},
         "eval": {"max_batches": 4, "max_text_tokens": 2048, "lambada_max_examples": 64, "max_new_tokens": 8,
                  "prompts": ["KING:", "The old man said"]},
@@ -91,8 +97,17 @@ def _artifact(stage: str, path: Path, inputs: dict[str, str]) -> Artifact:
 def tiny_model(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
     """Tokenizer, token blocks and a trained model as stage artifacts, then the evaluate stage (not
     registered: ``tiny_run`` registers it for each module)."""
-    work = tmp_path_factory.mktemp("tiny_run")
-    cfg = tiny_config(work, mlflow_server.uri, data_root)
+    return build_tiny(mlflow_server, tmp_path_factory.mktemp("tiny_run"), data_root, TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
+    """The same, with a model whose head size vLLM serves on CPU (``TINY_VLLM_MODEL``)."""
+    return build_tiny(mlflow_server, tmp_path_factory.mktemp("tiny_vllm_run"), data_root, TINY_VLLM_MODEL)
+
+
+def build_tiny(mlflow_server, work: Path, data_root: Path, model_spec: dict) -> TinyRun:
+    cfg = tiny_config(work, mlflow_server.uri, data_root, model=model_spec)
     docs = (data_root / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:400_000].split("\n\n")
     tok_dir, tokd_dir, train_dir = work / "tokenizer", work / "tokenize", work / "train"
     for d in (tok_dir, tokd_dir, train_dir):
@@ -129,10 +144,20 @@ def tiny_model(mlflow_server, tmp_path_factory, data_root) -> TinyRun:
 def tiny_run(tiny_model, request, data_root) -> TinyRun:
     """The session's tiny run registered as version 1 of the test module's ``MODEL_NAME`` (this
     file's by default), with the module's own folder for what its tests write."""
-    name = getattr(request.module, "MODEL_NAME", MODEL_NAME)
-    work = tiny_model.work / name
+    return register_tiny(tiny_model, getattr(request.module, "MODEL_NAME", MODEL_NAME), data_root)
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_run(tiny_vllm_model, request, data_root) -> TinyRun:
+    """``tiny_vllm_model`` registered as version 1 of the test module's ``MODEL_NAME``."""
+    return register_tiny(tiny_vllm_model, request.module.MODEL_NAME, data_root)
+
+
+def register_tiny(tiny: TinyRun, name: str, data_root: Path) -> TinyRun:
+    work = tiny.work / name
     work.mkdir()
-    run = replace(tiny_model, cfg=tiny_config(tiny_model.cfg.workdir(), tiny_model.uri, data_root, name),
-                  arts=dict(tiny_model.arts), run_ids=dict(tiny_model.run_ids), work=work)
+    model_spec = tiny.cfg.model
+    run = replace(tiny, cfg=tiny_config(tiny.cfg.workdir(), tiny.uri, data_root, name, model_spec),
+                  arts=dict(tiny.arts), run_ids=dict(tiny.run_ids), work=work)
     run.arts["register"] = run.stage("register", run.arts, work / "register" / "a")
     return run

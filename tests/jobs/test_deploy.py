@@ -17,6 +17,7 @@ import requests
 from jobs import deploy as deploy_cli, promote
 from pipeline import tracking
 from pipeline.serving import deploy
+from tests.jobs.client_load import steady_requests
 from tests.jobs.test_promote_serve import _register_with
 from tests.servers import free_port
 
@@ -57,6 +58,9 @@ def test_deploy_serves_the_champion_and_records_it_on_the_version(served, tiny_r
     assert tags["deploy.status"] == "running" and tags["deploy.endpoint"] == served
     assert tags["deploy.alias"] == "champion" and tags["deploy.app"] == f"conduit-{MODEL_NAME}"
     assert json.loads(tags["deploy.settings"])["num_replicas"] == 1 and tags["deploy.ray_address"]
+    # deploy.engine auto: vLLM is installed, but its CPU kernels have no head size 16 (debug_dense's)
+    assert tags["deploy.engine"] == "conduit"
+    assert "LlamaForCausalLM on CPU: attention head size 16" in tags["deploy.engine_reason"]
     assert deploy.app_status(MODEL_NAME) == "RUNNING"
 
 
@@ -293,25 +297,8 @@ def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
 def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, tiny_run, capsys):
     uri = tiny_run.uri
     v2 = _register_better(tiny_run, "deploy-v2")
-    seen: list[tuple[float, int]] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def client_loop():
-        while not stop.is_set():
-            try:
-                r = _complete(served, prompt="KING:", max_tokens=4, temperature=0.0)
-                if r.status_code != 200:
-                    failures.append(f"{r.status_code} {r.text[:200]}")
-                else:
-                    seen.append((time.monotonic(), r.json()["conduit_version"]))
-            except requests.RequestException as e:
-                failures.append(repr(e))
-
-    threads = [threading.Thread(target=client_loop) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
+    body = {"model": MODEL_NAME, "prompt": "KING:", "max_tokens": 4, "temperature": 0.0}
+    with steady_requests(f"{served}/completions", body) as (seen, failures):
         time.sleep(1.0)
         assert promote.main([MODEL_NAME, "--tracking-uri", uri]) == 0  # challenger v2 beats v1: rolls over
         assert "rolled over to v2" in capsys.readouterr().out
@@ -320,10 +307,6 @@ def test_promotion_and_rollback_roll_the_deployment_with_zero_failures(served, t
         assert promote.main([MODEL_NAME, "--rollback", "--tracking-uri", uri, "--reason", "test"]) == 0
         assert "rolled over to v1" in capsys.readouterr().out
         time.sleep(1.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
     assert failures == []
     versions = [v for _, v in sorted(seen)]
     changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]

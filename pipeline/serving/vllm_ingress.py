@@ -1,0 +1,212 @@
+"""What Conduit adds to Ray Serve LLM's deployment of vLLM (imported only where vLLM is installed).
+
+- ``VersionFiles``: Ray Serve LLM's model-initialisation callback that fetches the registered version's
+  Hugging Face export (``artifacts/hf`` of the MLflow model) into a node-local folder before vLLM loads
+  it, once per node and version (written to a temporary folder, renamed when complete).
+- ``ConduitLLMServer``: Ray Serve LLM's ``LLMServer`` with text prompts that start a new document (an
+  EOS token before the prompt's tokens), as in training and as Conduit's own engine serves them; echoed
+  prompts and their logprobs leave that token out, as Conduit's engine does.
+- ``ConduitIngress``: Ray Serve LLM's OpenAI ingress, which also answers ``/healthz`` (the version, what
+  it answered, its p50 latency, the most requests in flight at once: ``jobs.deploy``'s status line) and
+  marks every response with the version that made it (``x-conduit-version``).
+
+(No ``from __future__ import annotations``: FastAPI must see the request bodies' classes, not strings,
+through Serve's ingress wrapper.)
+"""
+
+import collections
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from fastapi import Request
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+from ray.serve.llm.deployment import LLMServer
+from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+from starlette.responses import JSONResponse, Response
+
+from pipeline.serving.vllm_app import VERSION_HEADER
+
+LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
+
+
+def fetch_version_files(tracking_uri: str, model_name: str, version: int, dst: str) -> Path:
+    """The version's HF export in ``dst``, downloaded from the registry unless already there (into a
+    temporary folder beside it, renamed when complete, so a half-written folder is never read).
+
+    Raises:
+        FileNotFoundError: the version has no HF export.
+    """
+    from pipeline import tracking
+
+    final = Path(dst)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=final.name + ".", dir=final.parent) as tmp:
+        local = tracking.download_hf_export(tracking_uri, model_name, version, tmp)
+        try:
+            os.rename(local, final)
+        except OSError:  # another replica on this node finished first
+            if not (final / "config.json").is_file():
+                raise
+    return final
+
+
+class VersionFiles(CallbackBase):
+    """Fetch the registered version's export before vLLM reads it (on every node of the replica)."""
+
+    def on_before_download_model_files_distributed(self) -> None:
+        k = self.kwargs
+        fetch_version_files(k["tracking_uri"], k["model_name"], int(k["version"]), k["dst"])
+
+
+class ConduitLLMServer(LLMServer):
+    """``LLMServer`` whose text prompts start a new document, as Conduit's engine serves them."""
+
+    _tokenizer = None
+
+    def _eos_and_tokenizer(self):
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            source = Path(self._llm_config.model_loading_config.model_source)
+            eos = int(json.loads((source / "config.json").read_text())["eos_token_id"])
+            self._tokenizer = (eos, Tokenizer.from_file(str(source / "tokenizer.json")))
+        return self._tokenizer
+
+    def _as_documents(self, request) -> "_Echo | None":
+        """Text prompts -> token ids after an EOS (token-id prompts are taken as they are).
+
+        Returns:
+            What an echoed response must be corrected by, for text prompts (else None).
+        """
+        prompt = request.prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(isinstance(p, str) for p in texts):
+            return None
+        eos, tok = self._eos_and_tokenizer()
+        ids = [[eos, *tok.encode(p, add_special_tokens=False).ids] for p in texts]
+        request.prompt = ids[0] if isinstance(prompt, str) else ids
+        # vLLM echoes a prompt as the text of all its ids: the EOS's text and what follows it (a word's
+        # leading space) stand before the prompt's own text.
+        echoed = [tok.decode(i, skip_special_tokens=False) for i in ids]
+        return _Echo(texts, echoed, request.n or 1)
+
+    async def completions(self, request, raw_request_info=None):
+        echo = self._as_documents(request)
+        stream = await super().completions(request, raw_request_info)
+        return stream if echo is None or not request.echo else echo.fix(stream)
+
+
+class _Echo:
+    """Correct an echoed response whose prompts were given as text: each choice's text starts with the
+    prompt as the client sent it, and its logprobs leave out the EOS Conduit put before it (the prompt's
+    first token, which then has no context of its own, gets null, as OpenAI and Conduit's engine give it)."""
+
+    def __init__(self, texts: list[str], echoed: list[str], n: int):
+        self.texts, self.echoed, self.n = texts, echoed, n
+
+    def _choice(self, index: int, text: str, lp: dict | None) -> tuple[str, dict | None]:
+        prompt, echoed = self.texts[index // self.n], self.echoed[index // self.n]
+        if text.startswith(echoed):
+            text = prompt + text[len(echoed):]
+        if lp and lp.get("tokens"):
+            shift = len(prompt) - len(echoed)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                if lp.get(name):
+                    del lp[name][0]
+            if lp.get("text_offset"):
+                lp["text_offset"] = [max(0, o + shift) for o in lp["text_offset"]]
+            if lp.get("token_logprobs"):
+                lp["token_logprobs"][0] = None
+                lp["top_logprobs"][0] = None
+        return text, lp
+
+    async def fix(self, stream):
+        first: set[int] = set()  # streamed: the choices whose echo event has been corrected
+        async for item in stream:
+            if isinstance(item, list):  # streamed events, "data: {json}\n\n"
+                out = []
+                for line in item:
+                    if isinstance(line, str) and line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        for c in chunk.get("choices", []):
+                            if c["index"] not in first:
+                                first.add(c["index"])
+                                c["text"], c["logprobs"] = self._choice(c["index"], c["text"], c.get("logprobs"))
+                        line = f"data: {json.dumps(chunk)}\n\n"
+                    out.append(line)
+                yield out
+                continue
+            for c in getattr(item, "choices", None) or []:
+                lp = None if c.logprobs is None else c.logprobs.model_dump()
+                c.text, lp = self._choice(c.index, c.text, lp)
+                if lp is not None:
+                    c.logprobs = type(c.logprobs).model_validate(lp)
+            yield item
+
+
+class ConduitIngress(OpenAiIngress):
+    """The OpenAI ingress of one registered version, with ``/healthz`` and the version header."""
+
+    def __init__(self, llm_deployments, model_cards, *, conduit: dict, **kwargs):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        self._version = str(conduit["version"])
+        self._model_name = conduit["model_name"]
+        self._answered = {"ok": 0, "errors": 0}
+        self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._in_flight = 0
+        self._most_in_flight = 0
+
+    def _mark(self, response: Response) -> Response:
+        response.headers[VERSION_HEADER] = self._version
+        return response
+
+    async def _counted(self, handler, body, request: Request) -> Response:
+        t0 = time.perf_counter()
+        self._in_flight += 1
+        self._most_in_flight = max(self._most_in_flight, self._in_flight)
+        try:
+            response = await handler(body, request)
+        except Exception:
+            self._answered["errors"] += 1
+            raise
+        finally:
+            self._in_flight -= 1
+        ok = response.status_code == 200
+        self._answered["ok" if ok else "errors"] += 1
+        if ok:
+            self._latencies.append(time.perf_counter() - t0)
+        return self._mark(response)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._counted(super().completions, body, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._counted(super().chat, body, request)
+
+    async def models(self):
+        return self._mark(JSONResponse((await super().models()).model_dump()))
+
+    async def healthz(self) -> JSONResponse:
+        p50 = statistics.median(self._latencies) if self._latencies else None
+        return self._mark(JSONResponse({
+            "status": "ok", "engine": "vllm", "model": self._model_name, "version": int(self._version),
+            "completions": {**self._answered, "p50_latency_s": p50},
+            "batches": {"largest": self._most_in_flight, "in_flight": self._in_flight}}))
+
+
+def ingress_class():
+    """``ConduitIngress`` as a FastAPI ingress: Ray Serve LLM's routes plus ``/healthz``."""
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+
+    endpoints = {**DEFAULT_ENDPOINTS, "healthz": lambda app: app.get("/healthz")}
+    return make_fastapi_ingress(ConduitIngress, endpoint_map=endpoints)
+
+
+__all__ = ["ConduitIngress", "ConduitLLMServer", "VersionFiles", "fetch_version_files", "ingress_class"]
