@@ -57,11 +57,11 @@ else
 	touch $@
 endif
 
-run: install
+run: $(VENV)/.installed
 	@$(USE_INFRA); if [ -n "$$CONDUIT_RAY_GCS_ADDRESS" ]; then export RAY_ADDRESS=$$CONDUIT_RAY_GCS_ADDRESS; fi; \
 	$(PY) -m jobs.run $(CONFIG) $(ARGS)
 
-submit: install
+submit: $(VENV)/.installed
 	@$(USE_INFRA); $(PY) -m jobs.submit $(CONFIG) $(ARGS) --follow
 
 # Serve MODEL (NAME or NAME@ALIAS, default alias champion) on Ray Serve; on the infra cluster while
@@ -70,7 +70,7 @@ MODEL ?= conduit-demo@champion
 deploy: install
 	@$(USE_INFRA); $(PY) -m jobs.deploy $(MODEL) --config $(CONFIG) $(ARGS)
 
-up: install
+up: $(VENV)/.installed
 	infra/local/up $(UP_ARGS)
 
 down:
@@ -83,7 +83,7 @@ test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --timeout=1500 --durations=40 \
 		$(PYTEST_ARGS)
 
-test-fast: install
+test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Every benchmark in turn (each a few minutes on 2 cores), then benchmarks/RESULTS.md from their JSON.
@@ -109,7 +109,7 @@ bench: install
 
 # The whole pipeline on infra/local's cluster under a fault a minute (about 40 minutes; not in CI):
 # checks that it ends with the undisturbed run's model and loses nothing; reports in docs/reliability.md.
-chaos: install
+chaos: $(VENV)/.installed
 	rm -rf outputs/chaos
 	$(PY) benchmarks/chaos.py $(ARGS)
 

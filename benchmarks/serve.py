@@ -213,8 +213,10 @@ def report_fields(results: dict[str, list[dict]], runs: dict[str, list[list[dict
 
 
 def _deploy(uri: str, gcs: str, name: str, mode: str, cpus: float, **settings) -> str:
-    section = dataclasses.replace(DeploySection(), port=8000, num_cpus_per_replica=cpus, route_prefix=f"/{mode}",
-                                  **settings)
+    # Conduit's own engine: this benchmark compares its batching policies (vLLM is deploy.engine's default
+    # where it can serve the model)
+    section = dataclasses.replace(DeploySection(engine="conduit"), port=8000, num_cpus_per_replica=cpus,
+                                  route_prefix=f"/{mode}", **settings)
     d = deploy.deploy(section, uri, name, "champion", gcs)
     print(f"{mode}: {d.app} v{d.version} {d.status} at {d.endpoint}", flush=True)
     return d.endpoint

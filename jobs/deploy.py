@@ -61,8 +61,10 @@ def status_line(now: dict, before: dict | None, seconds: float) -> str:
     c, b = now["completions"], now["batches"]
     rate = (c["ok"] - before["completions"]["ok"]) / seconds if before is not None and seconds > 0 else 0.0
     p50 = "-" if c["p50_latency_s"] is None else f"{c['p50_latency_s']:.2f} s"
+    # vLLM's batches are its own: its ingress counts the most requests in flight at once instead
+    most = f"most in flight {b['largest']}" if now.get("engine") == "vllm" else f"largest batch {b['largest']}"
     return (f"v{now['version']}: {rate:.1f} completions/s, p50 {p50}, {c['ok']} answered, {c['errors']} errors, "
-            f"largest batch {b['largest']}")
+            f"{most}")
 
 
 def _healthz(endpoint: str) -> dict | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline.base import is_uri
+from pipeline.base import ConfigError, is_uri
 from pipeline import credentials
 from pipeline.serving import pyfunc
 
@@ -66,10 +67,16 @@ DEFAULT_OUTAGE_S = 600.0  # how long a call waits for a server that refuses conn
 def outage_s() -> float:
     """How long an MLflow call keeps trying a server that refuses connections (``$CONDUIT_MLFLOW_OUTAGE_S``)."""
     raw = os.environ.get(OUTAGE_ENV, "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else DEFAULT_OUTAGE_S
-    except ValueError:
+    if not raw:
         return DEFAULT_OUTAGE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0 or math.isinf(seconds):
+        raise ConfigError(f"${OUTAGE_ENV}={raw!r} must be a number of seconds >= 0 (how long an MLflow call waits "
+                          f"for a server that refuses connections; unset: {DEFAULT_OUTAGE_S:.0f})")
+    return seconds
 
 
 def _unreachable(e: BaseException) -> bool:
@@ -138,8 +145,10 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
 
     Raises:
         TrackingUnavailable: an ``http(s)://`` URI whose ``/health`` does not answer 200 in ``timeout_s``.
+        ConfigError: ``$CONDUIT_MLFLOW_OUTAGE_S`` is not a number of seconds.
     """
     credentials.check_uri("the MLflow tracking URI", uri)
+    outage_s()  # a bad $CONDUIT_MLFLOW_OUTAGE_S stops here, before any compute, not at the first outage
     if not uri.startswith(("http://", "https://")):
         return
     import requests

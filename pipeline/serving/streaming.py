@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.serving.openai_api import apply_stop
+
 INCOMPLETE = "\ufffd"  # what sentencepiece decodes the bytes of an incomplete character to
 
 
@@ -59,16 +61,14 @@ class ChoiceText:
 
     def _text(self) -> str:
         """The decoded tokens, cut before the first stop sequence (and ``stopped`` set if there is one)."""
-        text = self.sp.decode(self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            self.stopped = True
-            return text[:min(cuts)]
+        text, cut = apply_stop(self.sp.decode(self.ids), self.stop)
+        self.stopped = self.stopped or cut
         return text
 
     def _send(self, final: str) -> str:
-        if not final.startswith(self.sent):  # cannot happen with sentencepiece's prefix-stable decoding
-            return ""
+        if not final.startswith(self.sent):  # sentencepiece's decoding is prefix-stable: a bug if not
+            raise RuntimeError(f"the choice's text {final!r} no longer starts with what was already sent "
+                               f"({self.sent!r}): the tokenizer's decoding is not prefix-stable")
         piece = final[len(self.sent):]
         self.sent = final
         return piece
@@ -86,7 +86,9 @@ class ChoiceText:
             return self._send(text)
         safe = text.rstrip(INCOMPLETE) if text.endswith(INCOMPLETE) else text
         safe = safe[:len(safe) - _hold_for_stop(safe, self.stop)]
-        return self._send(safe) if safe.startswith(self.sent) else ""
+        if self.sent.startswith(safe):  # nothing more is final yet
+            return ""
+        return self._send(safe)
 
     def finish(self) -> str:
         """The text still held when the choice ends (its last token came)."""

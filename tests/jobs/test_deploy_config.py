@@ -93,6 +93,8 @@ def test_the_status_line_says_rate_latency_errors_and_batch():
                                              "largest batch 6")
     idle = {"version": 1, "batches": {"largest": 0}, "completions": {"ok": 0, "errors": 0, "p50_latency_s": None}}
     assert status_line(idle, None, 2.0) == "v1: 0.0 completions/s, p50 -, 0 answered, 0 errors, largest batch 0"
+    on_vllm = {**now, "engine": "vllm"}  # vLLM batches on its own; its ingress counts requests in flight
+    assert status_line(on_vllm, before, 4.0).endswith("30 answered, 2 errors, most in flight 6")
 
 
 def test_jobs_status_lists_a_driver_by_its_job_id_and_a_deployment_as_one():

@@ -24,6 +24,7 @@ from pipeline.serving import deploy
 from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE
 from pipeline.tokenization.spm import EOS_ID, load_sentencepiece
 from tests.jobs.client_load import steady_requests
+from tests.jobs.lm_eval_check import assert_scored_as_hf_export
 from tests.jobs.test_promote_serve import _register_with
 from tests.servers import free_port
 
@@ -114,6 +115,12 @@ def test_echo_and_logprobs_are_the_models_own_log_softmax(served, reference):
                for tok, top in zip(tokens[1:], choice["logprobs"]["top_logprobs"][1:]))
 
 
+def test_lm_eval_scores_the_vllm_deployment_as_it_scores_the_hf_export(served, tiny_vllm_run, tmp_path):
+    """Evaluated as deployed, on vLLM: lm-evaluation-harness's local-completions against the deployment
+    agrees with its hf model on the export, document by document, to 1e-4 per token."""
+    assert_scored_as_hf_export(served, tiny_vllm_run.uri, MODEL_NAME, 1, tmp_path)
+
+
 def test_stream_n_seed_and_stop_through_the_openai_client(served, reference):
     model, sp = reference
     client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=120)
@@ -143,7 +150,7 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(serv
     assert _complete(served, prompt="KING:", max_tokens=2).status_code == 200
 
 
-def test_promotion_rolls_the_vllm_deployment_with_zero_failures(served, tiny_vllm_run, capsys):
+def test_promotion_and_rollback_roll_the_vllm_deployment_with_zero_failures(served, tiny_vllm_run, capsys):
     uri = tiny_vllm_run.uri
     base = json.loads((tiny_vllm_run.arts["evaluate"].path / "metrics.json").read_text())["metrics"]
     v2 = _register_with(tiny_vllm_run, "vllm-v2", heldout_bits_per_byte=base["heldout_bits_per_byte"] - 0.5)
@@ -152,11 +159,15 @@ def test_promotion_rolls_the_vllm_deployment_with_zero_failures(served, tiny_vll
         time.sleep(1.0)
         assert promote.main([MODEL_NAME, "--tracking-uri", uri]) == 0
         assert "rolled over to v2" in capsys.readouterr().out
+        assert requests.get(f"{served}/models", timeout=30).headers["x-conduit-version"] == str(v2)
+        time.sleep(1.0)
+        assert promote.main([MODEL_NAME, "--rollback", "--tracking-uri", uri, "--reason", "test"]) == 0
+        assert "rolled over to v1" in capsys.readouterr().out
         time.sleep(1.0)
     assert failures == []
     versions = [v for _, v in sorted(seen)]
-    assert versions[0] == 1 and versions[-1] == v2 and len(versions) > 10
-    assert requests.get(f"{served}/models", timeout=30).headers["x-conduit-version"] == str(v2)
+    changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+    assert changes[0] == 1 and v2 in changes and changes[-1] == 1 and len(versions) > 10, changes
     tags = {v: tracking.get_version(uri, MODEL_NAME, v).tags for v in (1, v2)}
-    assert tags[v2]["deploy.status"] == "running" and tags[v2]["deploy.engine"] == "vllm"
-    assert tags[1]["deploy.status"] == "replaced"
+    assert tags[1]["deploy.status"] == "running" and tags[1]["deploy.engine"] == "vllm"
+    assert tags[v2]["deploy.status"] == "replaced" and tags[v2]["deploy.engine"] == "vllm"

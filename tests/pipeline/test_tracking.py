@@ -84,3 +84,19 @@ def test_run_tags_go_as_strings_to_a_server(mlflow_server):
     run_id = tracking.start_run(mlflow_server.uri, exp, "r", tags={"conduit.sweep_trials": 8, "conduit.ok": True})
     tags = tracking.client(mlflow_server.uri).get_run(run_id).data.tags
     assert tags["conduit.sweep_trials"] == "8" and tags["conduit.ok"] == "True"
+
+
+def test_an_unparsable_outage_setting_is_named_before_anything_runs(tmp_path, monkeypatch):
+    """It used to become 600 s silently; now check_reachable (the driver's first call) refuses it."""
+    from pipeline.base import ConfigError
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for bad in ("ten", "-5", "nan", "inf"):
+        monkeypatch.setenv(tracking.OUTAGE_ENV, bad)
+        with pytest.raises(ConfigError, match=rf"\$CONDUIT_MLFLOW_OUTAGE_S='{bad}' must be a number of seconds >= 0"):
+            tracking.check_reachable(uri)
+    monkeypatch.setenv(tracking.OUTAGE_ENV, "30")
+    tracking.check_reachable(uri)
+    assert tracking.outage_s() == 30.0
+    monkeypatch.delenv(tracking.OUTAGE_ENV)
+    assert tracking.outage_s() == tracking.DEFAULT_OUTAGE_S

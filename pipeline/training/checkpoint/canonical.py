@@ -5,7 +5,9 @@ load only into the same data-parallel and expert-parallel layout; DeepSpeed cann
 checkpoints at all. Beside them, every checkpoint also holds ``canonical.pt`` (written by rank 0):
 for each parameter, under its name in the single-process model (each layer's experts as its whole
 stacked tensors ``...ffn.experts.w13`` etc., whatever ranks held their rows), the fp32 weight and AdamW's
-``exp_avg`` / ``exp_avg_sq``; plus the optimizer step, the LR scheduler's state and the loader
+``exp_avg`` / ``exp_avg_sq``; every persistent buffer (the training state that is not a parameter:
+DeepSeek-V3's router ``score_bias``, moved by the routed counts after each step, the same on every
+rank); plus the optimizer step, the LR scheduler's state and the loader
 position (world-size independent already). A run resumed with another number of workers, ZeRO
 stage (0-3) or ``parallel.ep_size`` loads it instead of DeepSpeed's.
 
@@ -105,9 +107,17 @@ def save_canonical(engine, ckpt_dir: str | Path, *, step: int, scheduler, loader
         params[expert_name(*parsed)] = {key: gather_experts(shards[parsed[0]], value) for key, value in entry.items()}
     adam_step = _adam_step(engine)
     if dist.get_rank() == 0:
-        torch.save({"params": params, "adam_step": adam_step, "step": step, "scheduler": scheduler.state_dict(),
-                    "loader": loader_state, "world_size": dist.get_world_size()}, Path(ckpt_dir) / CANONICAL_FILE)
+        torch.save({"params": params, "buffers": persistent_buffers(module), "adam_step": adam_step, "step": step,
+                    "scheduler": scheduler.state_dict(), "loader": loader_state, "world_size": dist.get_world_size()},
+                   Path(ckpt_dir) / CANONICAL_FILE)
     dist.barrier()
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's buffers that its state dict holds (non-persistent ones, such as RoPE's tables, are
+    derived from the config and left out), by name, as CPU copies."""
+    kept = set(module.state_dict(keep_vars=True))
+    return {name: b.detach().cpu().clone() for name, b in module.named_buffers() if name in kept}
 
 
 def _stacked(params: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
@@ -177,6 +187,7 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
         if name in rows:  # this rank's block of the layer's experts
             entry = {k: v[rows[name]] for k, v in entry.items()}
         _write_param(engine, zopt, p, entry, adam_step)
+    _load_buffers(module, saved.get("buffers"), path)
     # The schedule's position only: base LRs and group count belong to this layout (expert
     # parallelism gives experts optimizer groups of their own).
     scheduler.load_state_dict({k: v for k, v in saved["scheduler"].items() if k not in ("base_lrs", "_last_lr")})
@@ -184,3 +195,27 @@ def load_canonical(engine, ckpt_dir: str | Path, *, scheduler) -> tuple[int, dic
     for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     return saved["step"], saved["loader"]
+
+
+def _load_buffers(module: torch.nn.Module, saved: dict[str, torch.Tensor] | None, path: Path) -> None:
+    """Copy the checkpoint's persistent buffers into ``module``.
+
+    Raises:
+        ValueError: ``path`` was written before buffers were saved, for a model that has some (its
+            buffers, V3's router biases, are lost: resuming would restart them at zero), or it holds
+            other buffers than this model's.
+    """
+    own = persistent_buffers(module)
+    if saved is None:
+        if own:
+            raise ValueError(f"{path} holds no buffers (written before they were saved) but the model has "
+                             f"{sorted(own)[:3]}: resume it on the layout it was saved on (DeepSpeed's own "
+                             "checkpoint keeps them), or start anew")
+        return
+    if set(saved) != set(own):
+        raise ValueError(f"{path} holds other buffers than this model's (saved {sorted(saved)[:5]}, model "
+                         f"{sorted(own)[:5]}): resume needs the same model config")
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            if name in saved:
+                b.copy_(saved[name].to(b.device, b.dtype))

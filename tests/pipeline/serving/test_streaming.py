@@ -56,3 +56,17 @@ def test_a_stop_sequence_is_held_until_known_and_cuts_the_text(sp):
     # a held prefix that turns out not to be the stop sequence is sent after all
     choice, events = _stream(sp, sp.encode("Before we part"), stop=("pardon",))
     assert "".join(events) == "Before we part" and not choice.stopped
+
+
+def test_a_decoding_that_is_not_prefix_stable_is_an_error_not_silence():
+    """ChoiceText._send's 'cannot happen' branch returned "" (the choice's text then silently lost its
+    changed part); it is a tokenizer bug, raised so the request fails with a 500 and says why."""
+
+    class Unstable:  # decodes [1] as "ab" but [1, 2] as "ac..."
+        def decode(self, ids):
+            return "ab" if len(ids) == 1 else "ac" + "x" * len(ids)
+
+    choice = ChoiceText(Unstable(), (), incremental=True)
+    assert choice.add(1) == "ab"
+    with pytest.raises(RuntimeError, match="not prefix-stable"):
+        choice.add(2)

@@ -57,6 +57,9 @@ MLA_MOE = dataclasses.replace(MLA, num_experts=4, moe_top_k=2, moe_shared_expert
 # bias could only swing between the two groups, back to zero every other step.)
 MOE_V3 = dataclasses.replace(MOE, num_experts=8, moe_router="sigmoid", moe_n_group=4, moe_topk_group=2,
                              moe_routed_scaling_factor=2.0, moe_bias_update_rate=0.01)
+# V3's router with its complementary sequence-wise balance loss (a per-sequence mean: any split of the
+# batch into micro-batches gives the same loss, so it is compared with one process exactly).
+MOE_V3_SEQ = dataclasses.replace(MOE_V3, moe_aux_loss_coef=0.001, moe_aux_loss_scope="sequence")
 # EP: no shared experts (pipeline.config.limits); layer 0 dense, layer 1 experts split over the ranks.
 MLA_MOE_AUX = dataclasses.replace(MLA_MOE, moe_shared_experts=0, moe_aux_loss_coef=0.01)
 # Mamba with a 4-wide state: its conv, A_log and D are partitioned under ZeRO-3 like any weight.
@@ -409,11 +412,15 @@ def main(out_dir: str) -> None:
     canonical_save(tokens, out / "ckpt_canonical_zero3", world, rank, zero=3)
     canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=world)
     canonical_save(tokens, out / "ckpt_canonical_moe_ep1", world, rank, MOE_AUX, zero=2, ep_size=1)
-    # Same world, another layout: ZeRO-2 -> ZeRO-3 (partitioned weights), ep_size 1 -> 2 (experts split).
+    canonical_save(tokens, out / "ckpt_canonical_v3_ep2", world, rank, MOE_V3_SEQ, zero=2, ep_size=world)
+    # Same world, another layout: ZeRO-2 -> ZeRO-3 (partitioned weights), ep_size 1 -> 2 (experts split);
+    # V3's router (its score biases are buffers: canonical.pt carries them) ep_size 2 -> 1 and ZeRO 2 -> 1.
     results["canonical_same_world"] = {
         "zero2_to_zero3": canonical_continue(tokens, out / "ckpt_canonical", world, rank, zero=3),
         "ep1_to_ep2_zero1": canonical_continue(tokens, out / "ckpt_canonical_moe_ep1", world, rank, MOE_AUX, zero=1,
                                                ep_size=world),
+        "v3_ep2_to_ep1_zero1": canonical_continue(tokens, out / "ckpt_canonical_v3_ep2", world, rank, MOE_V3_SEQ,
+                                                  zero=1),
     }
     results["resume"] = resume_check(tokens, out / "ckpt_dense", world, rank)
     results["resume_ep2"] = resume_check(tokens, out / "ckpt_ep", world, rank, MOE_AUX, zero=2, ep_size=world)
