@@ -21,7 +21,7 @@ def main() -> None:
     results = []
     for entry in json.load(open(sys.argv[1])):
         llm = LLM(model=entry["dir"], dtype="float32", enforce_eager=True, max_model_len=entry["max_model_len"],
-                  max_num_seqs=4, seed=0)
+                  max_num_seqs=4, seed=0, skip_tokenizer_init=True)  # token ids in and out
         params = SamplingParams(temperature=0.0, max_tokens=entry["max_tokens"], ignore_eos=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in entry["prompts"]], params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in outs])
