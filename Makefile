@@ -104,6 +104,7 @@ bench: install
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/pipeline.py --storage
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05
+	$(PY) benchmarks/serve_vllm.py
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/report.py
 

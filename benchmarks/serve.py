@@ -72,7 +72,11 @@ PROMPTS = ["KING:", "The old man said", "It was a dark and stormy night", "First
 
 def register_untrained(work: Path, preset: str, corpus: Path, names: list[str]) -> str:
     """Register an untrained ``preset`` model with a tokenizer trained on ``corpus`` under each of
-    ``names`` (alias champion); returns the tracking URI."""
+    ``names`` (alias champion), with its Hugging Face export as the register stage ships it (what vLLM
+    loads); returns the tracking URI."""
+    from pipeline.stages.register import export_hf
+    from pipeline.store.contracts import HF_DIR
+
     docs = corpus.read_text(encoding="utf-8")[:300_000].split("\n\n")
     tok = work / "tokenizer.model"
     tok.write_bytes(train_sentencepiece(training_lines(docs, 10**9), vocab_size=512, model_type="bpe",
@@ -81,13 +85,18 @@ def register_untrained(work: Path, preset: str, corpus: Path, names: list[str]) 
     sp = load_sentencepiece(str(tok))
     model = build_model(preset, vocab_size=sp.get_piece_size())
     save_safetensors(model, model.cfg, work / "model.safetensors")
+    not_exported = export_hf(work / "model.safetensors", tok, work / HF_DIR)
+    if not_exported:
+        raise ValueError(f"{preset} has no HF export: {not_exported}")
     uri = f"sqlite:///{work / 'mlflow.db'}"
     exp = tracking.ensure_experiment(uri, "bench", artifact_location=str(work / "mlartifacts"))
     for name in names:
         tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "register"))
         tracking.log_and_register_model(tracker, weights=work / "model.safetensors", tokenizer=tok, model_name=name,
-                                        alias="champion", tags={}, description=f"untrained {preset}",
-                                        code_paths=[str(REPO_ROOT / "models"), str(REPO_ROOT / "pipeline")])
+                                        alias="champion", tags={"conduit.hf_export": f"artifacts/{HF_DIR}"},
+                                        description=f"untrained {preset}",
+                                        code_paths=[str(REPO_ROOT / "models"), str(REPO_ROOT / "pipeline")],
+                                        extra_artifacts={HF_DIR: work / HF_DIR})
         tracking.end_run(uri, tracker.run_id)
     return uri
 

@@ -47,9 +47,11 @@ class RopeScaling:
     - linear: positions are divided by s (position interpolation, Chen et al. 2023);
     - ntk: "NTK-aware" scaling, the base raised to base * s^(d/(d-2)) (d the rotated features), which
       stretches the low frequencies and keeps the high ones;
-    - dynamic: NTK with the factor grown to the call's length n = max(longest position + 1, L):
+    - dynamic: NTK with the factor grown to the row's length n = max(its longest position + 1, L):
       base * (s n / L - (s - 1))^(d/(d-2)), so nothing changes up to L (transformers' "dynamic",
-      per forward call: a cached decoder's earlier keys keep the frequencies they were made with);
+      per forward call: a cached decoder's earlier keys keep the frequencies they were made with). Each
+      row of a batch has its own n, so a row's numbers never depend on the rows beside it (a served
+      batch's rows get what they get alone; in training every row has the same positions);
     - yarn: per frequency band, interpolate (divide by s) the bands that turn fewer than ``beta_slow``
       times over L, keep those that turn more than ``beta_fast`` times, ramp linearly between, and
       scale cos and sin by the attention temperature 0.1 ln(s) + 1 (Peng et al. 2023); with
@@ -157,9 +159,15 @@ def rope_cos_sin(
         inv_freq = 1.0 / (base ** (j / head_dim))  # (K/2,)
         angles_BTh = (positions_BT.float() / (rs.factor if rs.kind == "linear" else 1.0)).unsqueeze(-1) * inv_freq
         attention_factor = 1.0
+    elif rs.kind == "dynamic" and positions_BT.numel():
+        # Per row: its frequencies from its own longest position (one computation per distinct length).
+        lengths = [int(n) + 1 for n in positions_BT.amax(dim=1).tolist()]
+        by_length = {n: rope_inv_freq(head_dim, base, rs, n, positions_BT.device)[0] for n in set(lengths)}
+        inv_freq_B1h = torch.stack([by_length[n] for n in lengths]).unsqueeze(1)
+        angles_BTh = positions_BT.float().unsqueeze(-1) * inv_freq_B1h
+        attention_factor = 1.0
     else:
-        seq_len = int(positions_BT.max()) + 1 if rs.kind == "dynamic" and positions_BT.numel() else None
-        inv_freq, attention_factor = rope_inv_freq(head_dim, base, rs, seq_len, positions_BT.device)
+        inv_freq, attention_factor = rope_inv_freq(head_dim, base, rs, None, positions_BT.device)
         angles_BTh = positions_BT.float().unsqueeze(-1) * inv_freq
     angles_BTK = torch.cat([angles_BTh, angles_BTh], dim=-1)  # same angle for j and j + K/2
     cos, sin = angles_BTK.cos().unsqueeze(1), angles_BTK.sin().unsqueeze(1)

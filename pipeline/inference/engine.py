@@ -16,8 +16,10 @@ its own prompt, budget, sampling and seed. Every ``step``:
 
 Each row's tokens go to its ``on_token`` callback at the step that made them (streaming), and its end
 to ``on_done``. A row sees only its own keys (pads, free slots and other rows' slots are masked;
-positions count per row), and samples from its own seeded generator, so it gets what it would get
-alone (greedy exactly; sampled too, up to floating-point noise).
+positions count per row; dynamic NTK scales RoPE by each row's own length), and samples from its own
+seeded generator, so it gets what it would get alone (greedy exactly; sampled too, up to floating-point
+noise). A capacity-limited MoE (``moe_capacity_factor``) is served dropless (``serve_dropless``):
+capacity counts every token of a forward, other rows' and pads included.
 
 The bound: a batch of B rows whose cache holds C slots costs B * C slots of keys and values per layer.
 A request is admitted only while the running rows and it, times the slots they use plus the most any
@@ -94,6 +96,16 @@ class _Row:
     last: int = 0  # the token to feed at the next step
 
 
+def serve_dropless(model: torch.nn.Module) -> None:
+    """Route every token to its experts: capacity (``moe_capacity_factor``) sizes each expert's slots
+    from all the tokens of a forward, so in a batch a row's tokens would be dropped or kept depending
+    on the rows beside it. Capacity is a training device; Hugging Face's and vLLM's Mixtral, which
+    serve Conduit's exports, route dropless too."""
+    for module in model.modules():
+        if getattr(module, "capacity_factor", None) is not None:
+            module.capacity_factor = None
+
+
 class Engine:
     """A continuously batched generator over one model (see the module docstring).
 
@@ -121,6 +133,7 @@ class Engine:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= the model's max_seq_len "
                              f"({cfg.max_seq_len}), or a request that fits the model could never run")
         self.model, self.eos_id = model, eos_id
+        serve_dropless(model)
         self.max_rows, self.max_batch_tokens = max_rows, max_batch_tokens
         self.join_running, self.wait_s, self.on_step = join_running, wait_s, on_step
         self.seq2seq = family(cfg).seq2seq

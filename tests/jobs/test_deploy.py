@@ -243,12 +243,25 @@ def test_a_client_that_disconnects_stops_its_rows_within_a_step(served):
     print(f"first event after {first_s:.3f} s; {steps} steps before the rows stopped")
 
 
-def test_concurrent_requests_are_batched_and_answer_as_if_alone(served):
-    """Six clients at once: each gets what it got alone, and the replica (one: --replicas 1) admitted
-    them in fewer prompt forwards than rows, its batch holding several requests at once."""
+def test_concurrent_requests_are_batched_and_answer_as_if_alone(served, tiny_run):
+    """Six clients at once: each gets what the registered weights generate for its prompt alone through
+    ``models.generate`` (an independent path: no engine, no batch), and the replica (one: --replicas 1)
+    admitted them in fewer prompt forwards than rows, its batch holding several requests at once."""
+    import torch
+
+    from models.export import load_safetensors
+    from models.generate import generate
+    from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE
+    from pipeline.tokenization.spm import EOS_ID, load_sentencepiece
+
+    model = load_safetensors(tiny_run.arts["train"].path / WEIGHTS_FILE).eval()
+    sp = load_sentencepiece(str(tiny_run.arts["tokenizer"].path / TOKENIZER_FILE))
     prompts = ["KING:", "The old man said", "O", "What light through yonder window", "First Citizen:", "Ay"]
-    alone = [_complete(served, prompt=p, max_tokens=10 + i, temperature=0.0).json()["choices"][0]["text"]
-             for i, p in enumerate(prompts)]
+    alone = []
+    for i, p in enumerate(prompts):
+        ids = [EOS_ID, *sp.encode(p)]
+        new = generate(model, torch.tensor([ids]), 10 + i, temperature=0.0, eos_id=EOS_ID)[0, len(ids):].tolist()
+        alone.append(sp.decode(new[:new.index(EOS_ID)] if EOS_ID in new else new))
     health = served.removesuffix("/v1") + "/healthz"
     before = requests.get(health, timeout=30).json()["batches"]
     with ThreadPoolExecutor(len(prompts)) as pool:

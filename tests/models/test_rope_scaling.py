@@ -177,3 +177,16 @@ def test_rope_types_conduit_does_not_compute_are_refused_by_name(tmp_path, rope,
 def test_bad_or_missing_parameters_are_config_errors_naming_them(make_cfg, kw, message):
     with pytest.raises(ValueError, match=message):
         make_cfg(**kw)
+
+
+def test_dynamic_ntk_scales_each_row_by_its_own_length():
+    """A batch's rows get the frequencies they get alone: the factor grows with each row's own longest
+    position (it grew with the batch's, so a short row beside a long one was scaled as the long one)."""
+    rs = RopeScaling("dynamic", 4.0, 16)
+    positions = torch.stack([torch.arange(30, 40), torch.arange(0, 10), torch.arange(12, 22)])
+    cos, sin = rope_cos_sin(positions, 16, 10000.0, rs)
+    for b in range(len(positions)):
+        alone_cos, alone_sin = rope_cos_sin(positions[b:b + 1], 16, 10000.0, rs)
+        assert torch.equal(cos[b:b + 1], alone_cos) and torch.equal(sin[b:b + 1], alone_sin), b
+    unscaled, _ = rope_cos_sin(positions[1:2], 16, 10000.0, 1.0)  # within the trained 16: nothing changes
+    assert torch.equal(cos[1:2], unscaled)

@@ -9,8 +9,10 @@ import torch
 
 from models import build_model
 from models.attention import KVCache
-from pipeline.inference.batched import GenRequest, generate_batch
-from pipeline.inference.engine import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine
+from pipeline.inference.batched import GenRequest
+from models.generate import generate
+from pipeline.inference.engine import (FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine,
+                                         serve_dropless)
 
 EOS = 3
 
@@ -22,11 +24,25 @@ MODELS = {
     "mamba": lambda: build_model("debug_mamba", max_seq_len=64),
     "mamba2": lambda: build_model("debug_mamba2", max_seq_len=64, ssm_n_groups=2),
     "hybrid": lambda: build_model("debug_hybrid", max_seq_len=64, ssm_n_groups=2, num_kv_heads=2),
+    "learned": lambda: build_model("debug_dense", max_seq_len=64, pos_encoding="learned"),
+    "sinusoidal": lambda: build_model("debug_dense", max_seq_len=64, pos_encoding="sinusoidal"),
+    # dynamic NTK past the trained 16 positions: each row's frequencies from its own length
+    "dynamic_ntk": lambda: build_model("debug_dense", max_seq_len=64, rope_scaling=4.0, rope_scaling_type="dynamic",
+                                       rope_original_max_seq_len=16),
+    # capacity for one slot per expert and token: a batch's rows and pads would crowd each other out
+    "moe_capacity": lambda: build_model("debug_moe", max_seq_len=64, moe_capacity_factor=1.0),
 }
 
 
 def _alone(model, r: GenRequest) -> list[int]:
-    return generate_batch(model, [r], EOS)[0]
+    """The row alone through ``models.generate``: an independent path (no engine, no batch, its own KV
+    cache), seeded as the engine seeds the row; ends at the row's EOS, as the engine's rows do. A
+    capacity-limited MoE routes dropless as the engine serves it."""
+    serve_dropless(model)
+    g = torch.Generator().manual_seed(r.seed)
+    out = generate(model, torch.tensor([list(r.prompt_ids)]), r.max_new_tokens, temperature=r.temperature,
+                   top_p=r.top_p, eos_id=EOS, generator=g)[0, len(r.prompt_ids):].tolist()
+    return out[:out.index(EOS) + 1] if EOS in out else out
 
 
 def _run_with_arrivals(engine: Engine, arrivals: dict[int, list[GenRequest]]):
