@@ -315,6 +315,9 @@ class Engine:
         joining = [_Row(t, torch.Generator(device="cpu").manual_seed(t.request.seed)) for t in tickets]
         self.stats["joins"] += 1
         self.stats["rows"] += len(joining)
+        # The running rows and the joining ones are in the batch now, also when the joining ones end at
+        # their first token (lm-evaluation-harness's max_tokens 1 requests never reach a decode step).
+        self.stats["largest"] = max(self.stats["largest"], len(self._rows) + len(joining))
         if self.seq2seq:  # one at a time, alone
             for row in joining:
                 for tok in _fill_spans(self.model, row.ticket.request, self.eos_id):

@@ -231,3 +231,15 @@ def test_gather_rows_right_aligns_and_trims_what_no_row_uses():
     wide = KVCache.gather_rows([(a, torch.tensor([1])), (b, torch.tensor([0]))])
     assert wide.length == 3 and wide.key_mask_BS.tolist() == [[True] * 3, [False, True, True]]
     assert wide.positions_BS[1, 1:].tolist() == [0, 1]
+
+
+def test_requests_that_end_at_their_first_token_count_in_the_largest_batch():
+    """What lm-evaluation-harness sends (max_tokens 1) never reaches a decode step; the status line's
+    "largest batch" read 0 after a whole harness run."""
+    model = MODELS["dense"]().eval()
+    engine = Engine(model, EOS, max_rows=8)
+    tickets = [engine.submit(GenRequest((5 + i, 17, 42), 1)) for i in range(3)]
+    while engine.busy:
+        engine.step()
+    assert all(len(t.tokens) == 1 for t in tickets)
+    assert engine.stats["largest"] == 3 and engine.stats["steps"] == 0  # no decode step at all
