@@ -28,7 +28,7 @@ from tests.jobs.lm_eval_check import assert_scored_as_hf_export
 from tests.jobs.test_promote_serve import _register_with
 from tests.servers import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 MODEL_NAME = "conduit-test-vllm"
 
 

@@ -146,7 +146,9 @@ def test_shared_embeddings_and_separate_depths():
                                          bias=False, num_kv_heads=2),
                                 dict(pos_encoding="learned")])
 def test_source_padding_changes_nothing_for_the_real_tokens(kw):
-    model = random_encdec(**kw)
+    # float64: in float32 the padded forward's other reduction shapes move small logits by up to 2e-5
+    # depending on torch's thread count (seen at 1 thread), which is rounding, not what is checked here.
+    model = random_encdec(**kw).double()
     g = torch.Generator().manual_seed(2)
     src, tgt = torch.randint(1, 64, (1, 9), generator=g), torch.randint(1, 64, (1, 6), generator=g)
     alone = model(src, tgt).logits
@@ -156,7 +158,7 @@ def test_source_padding_changes_nothing_for_the_real_tokens(kw):
         (torch.cat([pad, src], 1), torch.cat([torch.zeros(1, 4), torch.ones(1, 9)], 1)),
     ):
         torch.testing.assert_close(model(padded, tgt, attention_mask_BS=mask.long()).logits, alone,
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=1e-10, rtol=1e-10)
 
 
 def test_decoder_is_causal_and_encoder_is_not():
