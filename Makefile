@@ -39,7 +39,8 @@ $(VENV)/.installed: pyproject.toml
 # what the training venv resolves, and pulls torchvision/torchaudio/torchcodec builds that cannot load
 # beside the CPU torch (removed after: vLLM serves text without them). The same Ray, so that its Serve
 # replicas join the cluster; Conduit itself without dependencies, for its Serve LLM application
-# (pipeline.serving.vllm_app); mlflow-skinny to fetch the registered version's files. VLLM_SPEC=none
+# (pipeline.serving.vllm_app); mlflow-skinny with SQLAlchemy (a sqlite registry, the embedded default) and pandas
+# to fetch the registered version's files through pipeline.tracking. VLLM_SPEC=none
 # skips it (deploy.engine auto then serves with Conduit's engine). On a GPU machine: VLLM_SPEC=vllm==0.29.0.
 install-vllm: $(VLLM_VENV)/.installed
 
@@ -51,7 +52,7 @@ else
 	$(VLLM_VENV)/bin/python -m pip install -q -U pip setuptools wheel
 	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_TORCH_INDEX) "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" "ray[serve]==2.60.0" \
-		"mlflow-skinny==3.17.2" "pyarrow<26" pandas fsspec mmh3 jsonref smart_open opentelemetry-exporter-prometheus
+		"mlflow-skinny==3.17.2" "sqlalchemy==2.1.9" "alembic==1.20.1" "pyarrow<26" pandas fsspec mmh3 jsonref smart_open opentelemetry-exporter-prometheus
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@

@@ -79,7 +79,8 @@ def _deployed(uri: str, gcs: str, name: str, engine: str, cpus: float, port: int
 
 
 def _vllm_serve(hf_dir: Path, name: str, cpus: float, max_len: int) -> tuple[subprocess.Popen, str]:
-    """vLLM's own OpenAI server on ``hf_dir``, as Conduit's deployment configures vLLM."""
+    """vLLM's own OpenAI server on ``hf_dir``, as Conduit's deployment configures vLLM (its output in
+    ``vllm_serve.log`` beside the export)."""
     port = free_port()
     python = deploy.vllm_python(DeploySection())
     env = {**os.environ, "OMP_NUM_THREADS": str(int(cpus)), "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -87,7 +88,8 @@ def _vllm_serve(hf_dir: Path, name: str, cpus: float, max_len: int) -> tuple[sub
     proc = subprocess.Popen([str(Path(python).parent / "vllm"), "serve", str(hf_dir), "--served-model-name", name,
                              "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_len),
                              "--max-num-seqs", str(DeploySection().max_batch_size), "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--port", str(port)], env=env, stdout=open(hf_dir.parent / "vllm_serve.log", "w"),
+                            stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -97,7 +99,8 @@ def _vllm_serve(hf_dir: Path, name: str, cpus: float, max_len: int) -> tuple[sub
         except requests.RequestException:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+            tail = (hf_dir.parent / "vllm_serve.log").read_text()[-3000:]
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}; its output ends:\n{tail}")
         time.sleep(2)
     proc.kill()
     raise RuntimeError("vllm serve did not answer /health in 600 s")

@@ -85,8 +85,11 @@ def llm_config(t: VllmTarget):
         placement_group_config=({"bundles": [{"CPU": t.num_cpus}]} if cpu else None),
         # max_surge_percent: a new version's replicas start and become ready before the old ones drain,
         # so that a promotion loses no request (Serve's default stops the old replicas first).
+        # The replica actor takes no CPU of its own: Ray Serve LLM adds the actor's CPUs to the engine's
+        # first bundle, and deploy.num_cpus_per_replica is the replica's whole share (2 on a 2-CPU node
+        # would otherwise ask for 3 and never be placed).
         deployment_config={"num_replicas": t.num_replicas, "max_ongoing_requests": t.max_ongoing_requests,
-                           "max_surge_percent": 100},
+                           "max_surge_percent": 100, "ray_actor_options": {"num_cpus": 0}},
         runtime_env=_runtime_env(t),
         server_cls=ConduitLLMServer,
         callback_config={"callback_class": VersionFiles,

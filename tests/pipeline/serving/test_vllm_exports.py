@@ -64,3 +64,39 @@ def test_every_family_vllm_serves_generates_conduits_greedy_tokens(tmp_path):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     for (name, expected), tokens in zip(want.items(), got):
         assert tokens == expected, name
+
+
+def test_the_vllm_interpreter_fetches_a_version_from_a_sqlite_registry(tmp_path):
+    """`make run`'s registry is sqlite (no MLflow server): the replicas' callback, in the vLLM interpreter
+    (mlflow-skinny, which registers sqlite stores only beside SQLAlchemy), fetches the version's export."""
+    from pipeline import tracking
+    from pipeline.stages.register import export_hf
+    from pipeline.tokenization.spm import train_sentencepiece, training_lines
+    from models.export import save_safetensors
+    from pipeline.base import DEFAULT_DATA_ROOT, REPO_ROOT
+
+    text = (DEFAULT_DATA_ROOT / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:50_000]
+    tok = tmp_path / "tokenizer.model"
+    tok.write_bytes(train_sentencepiece(training_lines(text.split("\n\n"), 10**9), vocab_size=512, model_type="bpe",
+                                        character_coverage=1.0, byte_fallback=True, normalization="identity",
+                                        num_threads=1))
+    cfg = FAMILIES["llama_yarn"]
+    save_safetensors(build_model(cfg), cfg, tmp_path / "model.safetensors")
+    assert export_hf(tmp_path / "model.safetensors", tok, tmp_path / "hf") is None
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = tracking.ensure_experiment(uri, "t", artifact_location=str(tmp_path / "mlartifacts"))
+    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "register"))
+    version = tracking.log_and_register_model(
+        tracker, weights=tmp_path / "model.safetensors", tokenizer=tok, model_name="m", alias="champion",
+        tags={"conduit.hf_export": "artifacts/hf"}, description="", code_paths=[str(REPO_ROOT / "models")],
+        extra_artifacts={"hf": tmp_path / "hf"})
+    tracking.end_run(uri, tracker.run_id)
+    dst = tmp_path / "node-cache" / "m-v1"
+    script = ("import sys; from pipeline.serving.vllm_ingress import fetch_version_files; "
+              "print(fetch_version_files(sys.argv[1], 'm', int(sys.argv[2]), sys.argv[3]))")
+    run = subprocess.run([deploy.vllm_python(DeploySection()), "-c", script, uri, str(version), str(dst)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_DISABLE_TELEMETRY": "true"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((dst / "config.json").read_text()) == json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (dst / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
