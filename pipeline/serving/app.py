@@ -42,11 +42,10 @@ from pipeline.inference.batched import GenRequest
 from pipeline.inference.engine import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine
 from pipeline.inference.generator import PromptError
 from pipeline.inference.scoring import can_score, score_tokens
-from pipeline.serving.openai_api import ApiError, Choice, CompletionRequest
+from pipeline.serving.openai_api import VERSION_HEADER, ApiError, Choice, CompletionRequest
 from pipeline.serving.streaming import ChoiceText, text_pieces
 from pipeline.tokenization.spm import EOS_ID
 
-VERSION_HEADER = "x-conduit-version"
 LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline.serving import request_limits
 
+VERSION_HEADER = "x-conduit-version"  # every response names the version that answered (both engines)
 MAX_N = 16
 MAX_STOP = 4
 MAX_SEED = 2**62  # each choice seeds a generator with seed + its index

@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-VERSION_HEADER = "x-conduit-version"  # as pipeline.serving.app's
-
 
 @dataclass(frozen=True)
 class VllmTarget:

@@ -29,7 +29,7 @@ from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.responses import JSONResponse, Response
 
-from pipeline.serving.vllm_app import VERSION_HEADER
+from pipeline.serving.openai_api import VERSION_HEADER
 
 LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
 
