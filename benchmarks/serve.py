@@ -102,8 +102,9 @@ def register_untrained(work: Path, preset: str, corpus: Path, names: list[str]) 
 
 
 def _post(s: requests.Session, base: str, body: dict) -> tuple[int, float, float | None, str]:
-    """One request: (completion tokens, seconds to the whole answer, seconds to its first text event
-    when streamed, error text or "")."""
+    """One request: (completion tokens, seconds to the whole answer, seconds to its first token's event
+    when streamed, error text or ""). The first token's event is the first that reports a choice: vLLM
+    sends one per token, its text possibly empty (a character's first bytes)."""
     t0 = time.perf_counter()
     if not body.get("stream"):
         r = s.post(f"{base}/completions", json=body, timeout=600)
@@ -121,7 +122,7 @@ def _post(s: requests.Session, base: str, body: dict) -> tuple[int, float, float
             event = json.loads(line[6:])
             if "error" in event:
                 return 0, time.perf_counter() - t0, None, str(event["error"])
-            if first is None and event["choices"][0]["text"]:
+            if first is None and event.get("choices"):
                 first = time.perf_counter() - t0
             tokens = event.get("usage", {}).get("completion_tokens", tokens)
     return tokens, time.perf_counter() - t0, first, ""
