@@ -10,25 +10,31 @@ The model registry is written here on behalf of the register stage and ``jobs/pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from urllib3.util import parse_url
+from urllib3.util.retry import Retry
 
 from pipeline.base import ConfigError, is_uri
 from pipeline import credentials
 from pipeline.serving import pyfunc
 
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
+_LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # the run tag that lists its tables (the UI's artifact view)
 
 
 @contextmanager
@@ -44,6 +50,7 @@ def _fluent_uri(uri: str):
 
     credentials.check_uri("the MLflow tracking URI", uri)
     credentials.apply_job_login()
+    _send_creates_once()
     names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
     saved_env = {k: os.environ.get(k) for k in names}
     saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
@@ -79,19 +86,140 @@ def outage_s() -> float:
     return seconds
 
 
-def _unreachable(e: BaseException) -> bool:
-    """Whether ``e`` says the request never reached the server (refused, or no route): a retry then
-    cannot do anything twice, whatever the call."""
+def _never_sent(e: BaseException) -> bool:
+    """Whether ``e`` says the request never reached the server (refused, no route): a retry then cannot
+    do anything twice, whatever the call."""
     text = str(e)
-    return any(s in text for s in ("Connection refused", "Failed to establish a new connection",
-                                   "NewConnectionError", "Connection reset by peer"))
+    return any(s in text for s in ("Connection refused", "Failed to establish a new connection", "NewConnectionError"))
+
+
+def _maybe_processed(e: BaseException) -> bool:
+    """Whether ``e`` says the connection failed after the request was sent (reset by peer, closed without
+    an answer, no answer in time): the server may have done what was asked, and only the answer is lost."""
+    text = str(e)
+    return any(s in text for s in ("Connection reset by peer", "Connection aborted", "Remote end closed connection",
+                                   "Read timed out"))
+
+
+# The REST calls that create something: sent twice, they make it twice (a run, an experiment, a version) or fail
+# on the first one's result (a registered model). MLflow's HTTP session resends any request whose connection fails
+# after it was sent; these it must not (``_send_creates_once``): the client calling them looks for what the first
+# attempt made before it sends again (``PatientClient``, ``register_model``).
+_CREATE_ENDPOINTS = ("/mlflow/runs/create", "/mlflow/experiments/create", "/mlflow/registered-models/create",
+                     "/mlflow/model-versions/create")
+
+
+class _CreatesOnce:
+    """Mixed into urllib3's ``Retry`` as MLflow configures it: a create (``_CREATE_ENDPOINTS``) whose connection
+    failed after it was sent is not sent again; the error goes up to the caller."""
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if (error is not None and self._is_read_error(error) and (method or "").upper() == "POST"
+                and (parse_url(url or "").path or "").endswith(_CREATE_ENDPOINTS)):
+            raise error.with_traceback(_stacktrace)
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+
+@functools.cache
+def _creates_once_class(retry_class: type) -> type:
+    return type(f"CreatesOnce{retry_class.__name__}", (_CreatesOnce, retry_class), {})
+
+
+def _creates_once(retry: Retry) -> Retry:
+    """``retry`` with ``_CreatesOnce`` mixed in (its copies, ``Retry.new``, keep it)."""
+    if isinstance(retry, _CreatesOnce):
+        return retry
+    copy = object.__new__(_creates_once_class(type(retry)))
+    copy.__dict__.update(vars(retry))
+    return copy
+
+
+_creates_once_lock = threading.Lock()
+
+
+def _send_creates_once() -> None:
+    """Make MLflow's HTTP sessions (those it makes from now on, and its cached ones as they are handed out) use
+    ``_CreatesOnce``. MLflow's policy retries every method after a reset or a read timeout, POSTs included,
+    so a create whose answer was lost is made twice before any Conduit code sees an error."""
+    from mlflow.utils import request_utils
+
+    with _creates_once_lock:
+        make = request_utils._cached_get_request_session
+        if getattr(make, "conduit_creates_once", False):
+            return
+
+        def session(*args, **kwargs):
+            made = make(*args, **kwargs)
+            for adapter in made.adapters.values():
+                adapter.max_retries = _creates_once(adapter.max_retries)
+            return made
+
+        session.conduit_creates_once = True
+        request_utils._cached_get_request_session = session
+
+
+# Calls that do nothing more when made twice (reads; writes that overwrite with the same value; MLflow's SQL stores
+# keep one copy of a metric logged twice with the same key, value, timestamp and step, and of a dataset input), so
+# they are repeated after an answer was lost. Any other call made through a PatientClient raises then.
+_READS = ("get_", "search_", "list_", "download_")
+_REPEATABLE_WRITES = frozenset({
+    "log_batch", "log_inputs", "set_tag", "set_experiment_tag", "set_terminated", "update_run", "log_artifact",
+    "log_artifacts", "log_text", "log_dict", "log_figure", "set_model_version_tag", "update_model_version",
+    "set_registered_model_alias", "set_logged_model_tags",
+})
+CREATE_TOKEN_TAG = "conduit.create_token"  # on each run a PatientClient creates: how a retry finds it
+
+
+def _patiently(uri: str, what: str, attempt, repeatable: bool, lookup=None):
+    """``attempt()``, tried again while the server is down or drops the connection, with backoff up to 15 s,
+    for up to ``outage_s()``; any other error is raised at once.
+
+    A request that never reached the server is sent again, whatever it does. One that may have been done
+    (the connection failed after it was sent) is sent again only when ``repeatable``; when ``lookup`` is
+    given, every later try first asks it for what an earlier one made and returns that when there is one.
+    Otherwise the error is raised: repeating the call could do it twice.
+    """
+    deadline, wait, answer_lost = None, 1.0, False
+    while True:
+        try:
+            if answer_lost and lookup is not None:
+                made = lookup()
+                if made is not None:
+                    print(f"warning: MLflow at {credentials.redact(uri)} had done {what} before the connection "
+                          "failed; using what it made", flush=True)
+                    return made
+            return attempt()
+        except Exception as e:  # noqa: BLE001 - classified below; anything else is raised as it was
+            if _maybe_processed(e) and not _never_sent(e):
+                if not repeatable and lookup is None:
+                    print(f"warning: MLflow at {credentials.redact(uri)} dropped the connection during {what}, "
+                          "which may have been done; not sending it again, as it could then be done twice",
+                          flush=True)
+                    raise
+                answer_lost = True
+            elif not _never_sent(e):
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + outage_s()
+                how = "dropped the connection" if answer_lost else "does not answer"
+                print(f"warning: MLflow at {credentials.redact(uri)} {how} ({what}); "
+                      f"trying again for up to {outage_s():.0f} s (${OUTAGE_ENV})", flush=True)
+            if now >= deadline:
+                raise
+            time.sleep(min(wait, deadline - now))
+            wait = min(wait * 2, 15.0)
 
 
 class PatientClient:
-    """An ``MlflowClient`` whose calls ride out a server that is down (restarted, redeployed): a call whose
-    request cannot reach it is tried again, with backoff up to 15 s, for up to ``outage_s()``; any other
-    error is raised at once. MLflow's own retries give up within about a minute, and a stage or a driver
-    that dies for an MLflow restart loses its work."""
+    """An ``MlflowClient`` whose calls ride out a server that is down (restarted, redeployed) and connections
+    that fail (``_patiently``): MLflow's own retries give up within about a minute, and a stage or a driver
+    that dies for an MLflow restart loses its work.
+
+    A retry never does a thing twice: a call that is not harmless to repeat (``_REPEATABLE_WRITES``) is
+    not repeated after the server may have done it, except the creates Conduit makes, which look first:
+    a run by the token it is tagged with (``CREATE_TOKEN_TAG``), an experiment by its name.
+    """
 
     def __init__(self, inner: MlflowClient, uri: str):
         self._inner, self._uri = inner, uri
@@ -100,26 +228,34 @@ class PatientClient:
         attr = getattr(self._inner, name)
         if not callable(attr):
             return attr
+        repeatable = name.startswith(_READS) or name in _REPEATABLE_WRITES
+        return lambda *args, **kwargs: _patiently(self._uri, name, lambda: attr(*args, **kwargs), repeatable)
 
-        def call(*args, **kwargs):
-            deadline, wait = None, 1.0
-            while True:
-                try:
-                    return attr(*args, **kwargs)
-                except Exception as e:  # noqa: BLE001 - classified below; anything else is raised as it was
-                    if not _unreachable(e):
-                        raise
-                    now = time.monotonic()
-                    if deadline is None:
-                        deadline = now + outage_s()
-                        print(f"warning: MLflow at {credentials.redact(self._uri)} does not answer ({name}); "
-                              f"trying again for up to {outage_s():.0f} s (${OUTAGE_ENV})", flush=True)
-                    if now >= deadline:
-                        raise
-                    time.sleep(min(wait, deadline - now))
-                    wait = min(wait * 2, 15.0)
+    def create_run(self, experiment_id: str, start_time: int | None = None, tags: dict[str, str] | None = None,
+                   run_name: str | None = None):
+        """``MlflowClient.create_run``, the run tagged with a new token; after a lost answer, a run of the
+        experiment that carries the token is the one the earlier try made."""
+        token = uuid.uuid4().hex
+        tags = {**(tags or {}), CREATE_TOKEN_TAG: token}
 
-        return call
+        def made():
+            found = self._inner.search_runs([experiment_id], filter_string=f"tags.`{CREATE_TOKEN_TAG}` = '{token}'",
+                                            run_view_type=ViewType.ALL, max_results=1)
+            return found[0] if found else None
+
+        return _patiently(self._uri, "create_run",
+                          lambda: self._inner.create_run(experiment_id, start_time, tags, run_name), False, made)
+
+    def create_experiment(self, name: str, artifact_location: str | None = None,
+                          tags: dict[str, Any] | None = None) -> str:
+        """``MlflowClient.create_experiment``; after a lost answer, an experiment of that name is the one the
+        earlier try made."""
+        def made():
+            exp = self._inner.get_experiment_by_name(name)
+            return None if exp is None else exp.experiment_id
+
+        return _patiently(self._uri, "create_experiment",
+                          lambda: self._inner.create_experiment(name, artifact_location, tags), False, made)
 
 
 def client(uri: str, patient: bool = True) -> MlflowClient:
@@ -132,6 +268,7 @@ def client(uri: str, patient: bool = True) -> MlflowClient:
     """
     credentials.check_uri("the MLflow tracking URI", uri)
     credentials.apply_job_login()  # a job sent by jobs.submit with a login (credentials.job_login_package)
+    _send_creates_once()
     inner = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return PatientClient(inner, uri) if patient else inner
 
@@ -359,7 +496,17 @@ class StageTracker:
         client(self.uri, self.patient).log_dict(self.run_id, data, artifact_file)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
-        client(self.uri, self.patient).log_table(self.run_id, data=data, artifact_file=artifact_file)
+        """``data`` (column -> values) as the run's table ``artifact_file``, in the file and tag that
+        ``MlflowClient.log_table`` writes. Written whole: that one appends to a table the run already has,
+        so a retry after a lost answer would hold its rows twice."""
+        import pandas as pd
+
+        c = client(self.uri, self.patient)
+        c.log_text(self.run_id, pd.DataFrame(data).to_json(orient="split", index=False, date_format="iso"),
+                   artifact_file)
+        logged = json.loads(c.get_run(self.run_id).data.tags.get(_LOGGED_ARTIFACTS, "[]"))
+        if {"path": artifact_file, "type": "table"} not in logged:
+            c.set_tag(self.run_id, _LOGGED_ARTIFACTS, json.dumps([*logged, {"path": artifact_file, "type": "table"}]))
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         client(self.uri, self.patient).log_figure(self.run_id, figure, artifact_file)
@@ -419,15 +566,36 @@ def log_and_register_model(
             signature=pyfunc.signature(),
             input_example=pyfunc.input_example(),
             pip_requirements=pyfunc.pinned_requirements(),
-            registered_model_name=model_name,
         )
-    version = int(info.registered_model_version)
+    version = register_model(tracker.uri, info.model_uri, model_name)
     c = client(tracker.uri)
     for k, v in tags.items():
         c.set_model_version_tag(model_name, str(version), k, str(v))
     c.update_model_version(model_name, str(version), description=description)
     c.set_registered_model_alias(model_name, alias, str(version))
     return version
+
+
+def register_model(uri: str, model_uri: str, name: str) -> int:
+    """Register the logged model ``model_uri`` (``models:/<model id>``) as a new version of ``name`` (made
+    when missing), as ``mlflow.register_model`` does, patiently (``_patiently``) and once: after a lost
+    answer, a version of ``name`` from ``model_uri`` is the one the earlier try made.
+
+    Returns:
+        The version number.
+    """
+    model_id = model_uri.removeprefix("models:/") if model_uri.startswith("models:/") else None
+
+    def made():
+        found = [mv for mv in client(uri, patient=False).search_model_versions(f"name = '{name}'")
+                 if mv.source == model_uri or (model_id is not None and mv.model_id == model_id)]
+        return min(found, key=lambda mv: int(mv.version)) if found else None
+
+    def register():
+        with _fluent_uri(uri):
+            return mlflow.register_model(model_uri, name)
+
+    return int(_patiently(uri, f"registering {model_uri} as {name}", register, False, made).version)
 
 
 # ---- the registry, for jobs/promote.py and jobs/serve.py ------------------------------------------
@@ -573,6 +741,6 @@ def env_for_workers() -> dict[str, str]:
 __all__ = [
     "StageTracker", "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_hf_export", "download_model", "end_run",
     "ensure_experiment", "env_for_workers", "get_version", "hf_export_config", "load_registered_model", "log_and_register_model",
-    "model_aliases", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
+    "model_aliases", "register_model", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
     "version_by_alias", "versions_with_tag",
 ]
