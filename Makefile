@@ -64,6 +64,14 @@ run: $(VENV)/.installed
 	@$(USE_INFRA); if [ -n "$$CONDUIT_RAY_GCS_ADDRESS" ]; then export RAY_ADDRESS=$$CONDUIT_RAY_GCS_ADDRESS; fi; \
 	$(PY) -m jobs.run $(CONFIG) $(ARGS)
 
+# The corpora the shipped configs read, into the data root (DATA_ROOT, else $CONDUIT_DATA_ROOT, else
+# ../shared/data), each checked against its sha256 in pipeline/data/corpora.py; present files are skipped.
+# MIRROR=URL_OR_DIR (a copy of a complete data folder) replaces the public URLs: the cleaned Gutenberg
+# books and wiki.test.raw have no public copy. ARGS="--verify" checks, ARGS="--only lambada" selects.
+.PHONY: data
+data: $(VENV)/.installed
+	$(PY) -m jobs.fetch_data $(if $(DATA_ROOT),--root "$(DATA_ROOT)") $(if $(MIRROR),--mirror "$(MIRROR)") $(ARGS)
+
 submit: $(VENV)/.installed
 	@$(USE_INFRA); $(PY) -m jobs.submit $(CONFIG) $(ARGS) --follow
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from pipeline.base import ConfigError, is_uri
+from pipeline.data.corpora import data_root_hint
 from pipeline.data.fs import InputFile, filesystem_for
 
 # .csv and .json are always read through ``datasets.load_dataset``; the others by Conduit's readers
@@ -110,7 +111,9 @@ def resolve_pattern(pattern: str, data_root: Path) -> list[InputFile]:
         The inputs it names, sorted by path.
 
     Raises:
-        ConfigError: nothing matches, or a matched file has an unsupported suffix.
+        ConfigError: nothing matches (for a relative pattern the message also says where the data root
+            is, how to set it and how to fetch the shipped corpora), or a matched file has an
+            unsupported suffix.
     """
     full = pattern if (is_uri(pattern) or Path(pattern).is_absolute()) else str(data_root / pattern)
     full, query = split_query(full)
@@ -140,7 +143,7 @@ def resolve_pattern(pattern: str, data_root: Path) -> list[InputFile]:
     if not out:
         raise ConfigError(
             f"data.train_paths: {pattern!r} matches no {'/'.join(SUFFIX_KINDS)} file or saved dataset "
-            f"(looked at {full})"
+            f"(looked at {full}){data_root_hint(pattern, data_root)}"
         )
     return out
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from models.loss import DEFAULT_CHUNK_TOKENS
+from pipeline.data.corpora import data_root_hint
 from pipeline.evaluation.device import on_model
 from pipeline.tokenization.spm import EOS_ID
 
@@ -46,13 +47,15 @@ def resolve_files(data_root: Path, patterns: list[str], field: str) -> list[Path
     """Files matching ``patterns`` (globs relative to ``data_root``), sorted.
 
     Raises:
-        FileNotFoundError: naming the config field and the pattern that matched nothing.
+        FileNotFoundError: naming the config field and the pattern that matched nothing, where the data
+            root is, how to set it and how to fetch the shipped corpora.
     """
     files: list[Path] = []
     for pattern in patterns:
         matches = sorted(Path(p) for p in glob.glob(str(data_root / pattern)) if Path(p).is_file())
         if not matches:
-            raise FileNotFoundError(f"{field}: {pattern!r} matches no file under the data root {data_root}")
+            raise FileNotFoundError(f"{field}: {pattern!r} matches no file (looked at {data_root / pattern})"
+                                    f"{data_root_hint(pattern, data_root)}")
         files.extend(matches)
     return files
 

@@ -28,6 +28,7 @@ import torch
 from models.export import load_safetensors
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import span_corruption
+from pipeline.data.corpora import data_root_hint
 from pipeline.evaluation import context_length, denoising, lambada, plots, references, routing, text_metrics, word_order
 from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
 from pipeline.inference.generator import TextGenerator
@@ -79,7 +80,8 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
     if e.lambada_path:
         path = root / e.lambada_path
         if not path.is_file():
-            raise FileNotFoundError(f"eval.lambada_path: {path} is not a file")
+            raise FileNotFoundError(f"eval.lambada_path: {path} is not a file"
+                                    f"{data_root_hint(e.lambada_path, root)}")
         examples = lambada.load_examples(path, sp, e.lambada_max_examples)
         out.update({f"lambada_{k}": float(v) for k, v in lambada.lambada_metrics(model, examples, context, batch_size).items()})
         on_scored()

@@ -48,6 +48,11 @@ def test_encode_prefix_counts_exactly_the_bytes_it_scores(sp, data_root):
     assert len(enc.ids) == 5 and enc.n_targets == 5 * 200 and all(d[0] == EOS_ID for d in enc.ids)
     with pytest.raises(FileNotFoundError, match="eval.heldout_paths: 'nothing/\\*.txt' matches no file"):
         text_metrics.resolve_files(data_root, ["nothing/*.txt"], "eval.heldout_paths")
+    # A shipped corpus missing from the data root says how to get it: the Gutenberg books have no public
+    # copy of their bytes, so from a mirror.
+    with pytest.raises(FileNotFoundError, match=r"the data root is .*/empty \(set it with data.data_root or "
+                                                r"\$CONDUIT_DATA_ROOT.*'gutenberg-heldout'.*`make data MIRROR="):
+        text_metrics.resolve_files(data_root / "empty", ["gutenberg/heldout/*.txt"], "eval.heldout_paths")
 
 
 def test_windows_score_every_token_once_and_metrics_match_a_direct_loss(model):

@@ -110,8 +110,15 @@ def test_replace_policy_counts_replacements(tmp_path):
 def test_no_match_and_nothing_left_are_clear_errors(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
-    with pytest.raises(ConfigError, match=r"'nope/\*\.txt' matches no"):
+    with pytest.raises(ConfigError, match=r"'nope/\*\.txt' matches no") as e:
         run_stages(cfg_for(tmp_path, d, "data.train_paths=['nope/*.txt']"), ["shard"])
+    # Where the data root is, how to point it elsewhere and how to fill it (issue #51): for a user whose
+    # checkout has no ../shared/data beside it.
+    assert f"the data root is {d.resolve()} (set it with data.data_root or $CONDUIT_DATA_ROOT" in str(e.value)
+    assert "`make data` fetches the corpora the shipped configs read" in str(e.value)
+    with pytest.raises(ConfigError, match=r"'tinyshakespeare/input\.txt' is the shipped corpus 'tinyshakespeare'.*"
+                                          r"`make data` fetches it and checks its sha256"):
+        run_stages(cfg_for(tmp_path, d, "data.train_paths=[tinyshakespeare/input.txt]"), ["shard"])
     (d / "tiny.txt").write_text("a\n\nb")
     with pytest.raises(shard.DataError, match="no (train|validation) documents are left"):
         run_stages(cfg_for(tmp_path, d, "data.train_paths=[tiny.txt]", "data.min_doc_chars=5"), ["shard"])
