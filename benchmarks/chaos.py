@@ -315,7 +315,7 @@ def run_chaos(cluster: Cluster, out: Path, seed: int, every: float, min_faults: 
                 fault = inject(rng, cluster, driver, counts, pending, t0)
                 if fault is not None:
                     faults.append(fault)
-                    counts[fault["kind"]] += 1
+                    counts[fault["kind"]] += fault["landed"]  # a missed kill is tried again, of its kind
                     flog.write(json.dumps(fault) + "\n")
                     flog.flush()
                     print(f"chaos: {fault['at_s']:7.1f}s {fault['kind']:<12} {fault['target']}", flush=True)
@@ -328,9 +328,25 @@ def run_chaos(cluster: Cluster, out: Path, seed: int, every: float, min_faults: 
         moved = progress.changed_since(t0 + f["at_s"] + f.get("outage_s", 0.0))
         f["recovered_s"] = None if moved is None else round(moved[0] - t0 - f["at_s"], 1)
         f["first_progress"] = None if moved is None else moved[1]
-    if len(faults) < min_faults:
-        print(f"chaos: only {len(faults)} faults landed (asked for {min_faults}); lower --every", flush=True)
+    if len(landed(faults)) < min_faults:
+        print(f"chaos: only {len(landed(faults))} faults landed (asked for {min_faults}); lower --every", flush=True)
     return {"total_s": total, "faults": faults, "drivers": driver.attempts}
+
+
+def kill(victim: psutil.Process) -> tuple[bool, str]:
+    """SIGKILL ``victim``: (whether the kill landed, what it was). A process that ended between being
+    listed and being killed was no fault of ours: it does not count towards ``--min-faults``."""
+    try:
+        title = " ".join(victim.cmdline())[:60]
+        victim.kill()
+    except psutil.Error as e:
+        return False, f"(gone before the kill: {type(e).__name__})"
+    return True, title
+
+
+def landed(faults: list[dict]) -> list[dict]:
+    """The faults that landed (a kill of a process that was already gone did not)."""
+    return [f for f in faults if f.get("landed", True)]
 
 
 def has_target(cluster: Cluster, kind: str) -> bool:
@@ -352,14 +368,10 @@ def inject(rng: random.Random, cluster: Cluster, driver: Driver, counts, pending
     least = min(counts[k] for k in kinds)
     kind = rng.choice([k for k in kinds if counts[k] == least])
     at = round(now() - t0, 1)
-    fault = {"at_s": at, "kind": kind}
+    fault = {"at_s": at, "kind": kind, "landed": True}
     if kind in ("train_worker", "data_task"):
         victim = rng.choice(targets[kind])
-        try:
-            title = " ".join(victim.cmdline())[:60]
-            victim.kill()
-        except psutil.Error as e:
-            title = f"(gone before the kill: {e})"
+        fault["landed"], title = kill(victim)
         fault["target"] = f"pid {victim.pid} {title}"
     elif kind == "mlflow":
         outage = round(rng.uniform(5, 45), 1)
@@ -466,7 +478,7 @@ def stage_attempts(logs: Path) -> dict[str, int]:
 
 
 def report(calm_s: float, chaos: dict, results, redone: dict, out: Path, seed: int, every: float) -> dict:
-    faults = chaos["faults"]
+    faults = landed(chaos["faults"])
     by_kind = {}
     for kind in KINDS:
         rec = [f["recovered_s"] for f in faults if f["kind"] == kind and f["recovered_s"] is not None]
@@ -476,6 +488,7 @@ def report(calm_s: float, chaos: dict, results, redone: dict, out: Path, seed: i
     attempts = stage_attempts(out / "chaos")
     summary = {
         "seed": seed, "every_s": every, "faults": len(faults), "by_kind": by_kind,
+        "missed_kills": len(chaos["faults"]) - len(faults),
         "undisturbed_s": round(calm_s, 1), "chaos_s": round(chaos["total_s"], 1),
         "ratio": round(chaos["total_s"] / calm_s, 2),
         "driver_runs": len(chaos["drivers"]),
@@ -483,7 +496,7 @@ def report(calm_s: float, chaos: dict, results, redone: dict, out: Path, seed: i
                                                 for d in chaos["drivers"]),
         "stage_attempts": attempts, **redone,
         "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
-        "fault_log": faults,
+        "fault_log": chaos["faults"],
     }
     print(f"\n{'kind':<13} {'injected':>8} {'recovery median':>16} {'max':>6}")
     for kind, row in by_kind.items():

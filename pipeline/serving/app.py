@@ -119,6 +119,25 @@ class ConduitServer:
         self.answered = {"ok": 0, "errors": 0}
         self.latencies_s: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
 
+    def inject_step_faults(self, count: int, after: int = 0) -> None:
+        """A fault drill, through a deployment handle (never over HTTP): after ``after`` more forward
+        passes, the model's next ``count`` raise, as a failing device or kernel would. The requests in those steps get the
+        error (a 500 ``server_error``, or a stream's error event); the engine drops their rows and goes
+        on with the next. tests/jobs/test_deploy.py drills it; docs/reliability.md lists the fault."""
+        model = self.generator.model
+        forward = type(model).forward.__get__(model)
+        left, skip = [count], [after]
+
+        def failing(*args, **kwargs):
+            if skip[0] > 0:
+                skip[0] -= 1
+            elif left[0] > 0:
+                left[0] -= 1
+                raise RuntimeError(f"injected fault: forward pass {count - left[0]} of {count} failed")
+            return forward(*args, **kwargs)
+
+        model.forward = failing
+
     def _after_step(self) -> None:  # the engine's thread
         if self._outbox and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver)

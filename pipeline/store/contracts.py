@@ -125,6 +125,24 @@ def read_train_metrics(train_dir: Path) -> list[dict[str, float]]:
     return json.loads((Path(train_dir) / TRAIN_METRICS_FILE).read_text(encoding="utf-8"))
 
 
+INIT_DIGEST_TAG = "conduit.init_weights_sha256"  # train.init_from: the weights rank 0 started from (state_digest)
+
+
+def state_digest(state: dict) -> str:
+    """The sha256 of a model state (``{name: tensor}``): each name and its tensor's dtype, shape and bytes,
+    in name order. Two states have one digest only when every tensor is the same, bit for bit."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 TRAIN_STARTS_FILE = "train_starts.json"  # the step each start of the worker group began at: [0, 40, ...]
 
 

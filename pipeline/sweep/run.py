@@ -38,12 +38,14 @@ from pipeline.sweep.spec import SweepSpec
 from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+INCOMPLETE = "incomplete"  # ended without finishing, not stopped by ASHA and without an error (interrupted)
 
 
 @dataclass
 class TrialOutcome:
-    """How one trial ended: ``status`` (finished, stopped or failed), the last step and validation loss
-    it reported, the sweep's metric, its MLflow run and, for a failure, the error."""
+    """How one trial ended: ``status`` (finished, stopped by ASHA, failed, or incomplete: anything else,
+    with Tune's state of the trial in ``tune_status``), the last step and validation loss it reported,
+    the sweep's metric, its MLflow run and, for a failure, the error."""
 
     index: int
     values: dict
@@ -53,11 +55,15 @@ class TrialOutcome:
     metric: float | None = None
     run_id: str | None = None
     error: str | None = None
+    tune_status: str | None = None
 
     @property
     def label(self) -> str:
         if self.status == STOPPED:
             return f"stopped at step {self.step}"
+        if self.status == INCOMPLETE:
+            at = "before its first step" if self.step is None else f"at step {self.step}"
+            return f"incomplete {at} (Tune: {self.tune_status})"
         return self.status
 
 
@@ -201,7 +207,9 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
     """
     import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
+
+    from pipeline.sweep.scheduler import RecordingASHA
 
     base = resolve(spec.trials[0].cfg)
     uri = base.tracking_uri()
@@ -225,7 +233,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
             {"cpu": 0, "memory": 2**20})  # no CPU: its train stage's workers hold those (Tune needs a non-empty bundle)
         # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial that trains to
         # the end must go on to evaluate and report that it finished.
-        scheduler = (ASHAScheduler(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
+        scheduler = (RecordingASHA(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
                                    reduction_factor=spec.reduction_factor)
                      if spec.scheduler == "asha" else FIFOScheduler())
         storage = str(base.workdir() / "sweeps")
@@ -266,8 +274,8 @@ def _outcomes_class():
     from ray.tune import Callback
 
     class Outcomes(Callback):
-        """On the driver: each validation loss on the trial's MLflow run as the curve, and a trial that
-        ends without finishing (ASHA stopped it) marked so, its runs KILLED."""
+        """On the driver: each validation loss on the trial's MLflow run as the curve, a trial that ASHA
+        stopped marked so (its runs KILLED), and one that ended unfinished for another reason said so."""
 
         def __init__(self, uri: str, experiment_id: str, sweep_run: str, echo: Callable[[str], None]) -> None:
             self.uri, self.experiment_id, self.sweep_run, self.echo = uri, experiment_id, sweep_run, echo
@@ -286,6 +294,12 @@ def _outcomes_class():
             last = trial.last_result or {}
             if last.get("finished"):
                 self.echo(f"{_name(trial)}: finished at step {last.get('step')}, val_loss {last.get('val_loss')}")
+                return
+            from pipeline.sweep.scheduler import stopped_at
+
+            if stopped_at(trial) is None:
+                self.echo(f"{_name(trial)}: ended at step {last.get('step')} without finishing, not stopped by "
+                          f"the scheduler (Tune: {trial.status})")
                 return
             self.echo(f"{_name(trial)}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')})")
             _mark_stopped(self.uri, self.experiment_id, self.sweep_run, _name(trial), last)
@@ -325,6 +339,19 @@ def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last:
         tracking.end_run(uri, run_id, "KILLED")
 
 
+def trial_status(error: BaseException | None, last: dict, run_tags: dict) -> str:
+    """How a trial ended, from Tune's result (its error and last reported metrics) and its MLflow run's
+    tags: failed, finished, stopped (only where the sweep's callback tagged the run as ASHA stopping it:
+    ``RecordingASHA``), else incomplete (the sweep was interrupted before or while the trial ran)."""
+    if error is not None:
+        return FAILED
+    if last.get("finished"):
+        return FINISHED
+    if run_tags.get("conduit.sweep_status") == STOPPED:
+        return STOPPED
+    return INCOMPLETE
+
+
 def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: str,
                echo: Callable[[str], None]) -> SweepResult:
     """Each trial's outcome, the best finished one, the table and the pictures on the sweep's run."""
@@ -335,18 +362,18 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
     for r, tune_trial in zip(grid, tune_trials):
         o = outcomes[(r.config or tune_trial.config)["trial"]]
         last = r.metrics or {}
-        o.step, o.val_loss = last.get("step"), last.get("val_loss")
-        if r.error is not None:
-            o.status, o.error = FAILED, f"{type(r.error).__name__}: {r.error}"[:500]
-        elif last.get("finished"):
-            o.status, o.metric, o.run_id = FINISHED, last.get(spec.metric), last.get("run_id")
-        else:
-            o.status = STOPPED
+        o.step, o.val_loss, o.tune_status = last.get("step"), last.get("val_loss"), tune_trial.status
+        runs = ([] if last.get("finished") else
+                _trial_runs(uri, experiment_id, sweep_run, f"trial_{o.index:03d}", running=False))
+        tags = runs[0][1] if runs else {}
+        o.run_id = last.get("run_id") or (runs[0][0] if runs else None)
+        o.status = trial_status(r.error, last, tags)
+        if o.status == FAILED:
+            o.error = f"{type(r.error).__name__}: {r.error}"[:500]
+        elif o.status == FINISHED:
+            o.metric = last.get(spec.metric)
     trials = [outcomes[i] for i in sorted(outcomes)]
     for o in trials:
-        if o.run_id is None:
-            runs = _trial_runs(uri, experiment_id, sweep_run, f"trial_{o.index:03d}", running=False)
-            o.run_id = runs[0][0] if runs else None
         if o.status == FAILED and o.run_id is not None:
             tracking.StageTracker(uri, o.run_id).set_tags({"conduit.error": o.error or "",
                                                            "conduit.sweep_status": FAILED})
@@ -363,7 +390,8 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
     tracker.log_figure(metric_figure(spec, trials), "plots/metric_by_field.png")
     tags = {"conduit.sweep_finished": len(finished),
             "conduit.sweep_stopped": sum(o.status == STOPPED for o in trials),
-            "conduit.sweep_failed": sum(o.status == FAILED for o in trials)}
+            "conduit.sweep_failed": sum(o.status == FAILED for o in trials),
+            "conduit.sweep_incomplete": sum(o.status == INCOMPLETE for o in trials)}
     if best is not None:
         tags.update({"conduit.sweep_best_trial": f"trial_{best.index:03d}", "conduit.sweep_best_metric": best.metric,
                      "conduit.sweep_best_run": best.run_id or ""})

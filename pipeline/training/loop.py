@@ -51,7 +51,8 @@ from pipeline.config import RunConfig, config_from_dict
 from pipeline.data import span_corruption
 from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
 from pipeline.data.token_blocks import TokenBlocks
-from pipeline.store.contracts import TRAIN_METRICS_FILE, WEIGHTS_FILE, write_train_metrics, write_train_starts
+from pipeline.store.contracts import (INIT_DIGEST_TAG, TRAIN_METRICS_FILE, WEIGHTS_FILE, state_digest,
+                                      write_train_metrics, write_train_starts)
 from pipeline.training.checkpoint import CheckpointManager
 from pipeline.training.engine import (
     build_engine, engine_zero_stage, full_state_dict, local_threads, loss_definition, train_step,
@@ -117,6 +118,10 @@ def main(config: dict) -> None:
     if restored.loader_state is not None:
         run.loader.load_state_dict(restored.loader_state)
     run.start_step, run.history, run.starts = restored.step, restored.history, restored.starts
+    if outbox is not None and config.get("init_state") is not None and run.start_step == 0 \
+            and run.engine.zero_optimization_stage() < 3 and run.dims.ep_size == 1:  # else a rank holds a part
+        # train.init_from: the weights training starts from, by digest (the lineage test compares the parent's)
+        outbox.set_tags({INIT_DIGEST_TAG: state_digest(run.engine.module.state_dict())})
     if outbox is not None:  # the steps before the checkpoint, for a run that lacks them (a new driver's)
         for entry in run.history:
             outbox.log_metrics({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])

@@ -482,6 +482,19 @@ def test_a_context_extension_continues_the_registered_model_into_a_new_version(s
     assert train["init_from"]["conduit.init_from_train_hash"] == dense.artifacts["train"].hash
     parent_train = dense.artifacts["train"].manifest["counts"]
     assert train["first_loss"] < parent_train["first_loss"] - 1.0  # it started trained
+    # ... from exactly the parent version's weights: rank 0's model before its first step, by digest,
+    # against the weights the registry holds for that version (downloaded here, apart from the stage)
+    import tempfile
+
+    from models.export import load_safetensors
+    from pipeline.store.contracts import INIT_DIGEST_TAG, WEIGHTS_FILE, state_digest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        registered = load_safetensors(str(tracking.download_weights(dense.tracking_uri, ref, tmp))).state_dict()
+    started_from = tracking.client(result.tracking_uri).get_run(train_run_id(result)).data.tags[INIT_DIGEST_TAG]
+    assert started_from == state_digest(registered)
+    trained = load_safetensors(str(result.artifacts["train"].path / WEIGHTS_FILE)).state_dict()
+    assert started_from != state_digest(trained)  # and then trained on
     metrics = result.artifacts["evaluate"].manifest["counts"]
     assert {f"context_bits_per_byte_{L}" for L in (64, 128, 256)} <= set(metrics)
     child = tracking.version_by_alias(result.tracking_uri, cfg.register.model_name, "challenger")

@@ -104,6 +104,28 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
     assert len(after) == len(RATES)
     assert ray_cluster.is_initialized()  # the session's Ray is still up
 
+    # As the shipped sweep runs (configs/sweeps/smoke_lr.yaml: asha, the seeded shuffled order, two trials
+    # at once): the two trials train side by side, each worker on its share of the CPUs, and both finish
+    # (grace_steps 50 > 20 steps).
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(yaml.safe_dump({"sweep": {
+        "name": "e2e_defaults", "base": str(ROOT / "configs" / "smoke.yaml"),
+        "overrides": [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}",
+                      "train.steps=20", "validation.every=10", "validation.batches=1", "parallel.num_workers=1",
+                      "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]",
+                      "eval.max_text_tokens=512", "eval.lambada_max_examples=16", "train.progress_bar=false"],
+        "space": {"optimizer.lr": {"grid": [3e-3, 1e-2]}}, "max_concurrent": 2, "register": "none",
+    }}))
+    spec = load_sweep(defaults)
+    assert (spec.scheduler, spec.max_concurrent, spec.order) == ("asha", 2, "shuffled")
+    both = run_sweep(spec, echo=lines.append)
+    assert [o.status for o in both.trials] == [FINISHED, FINISHED], lines
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    trial_runs = [c.get_run(o.run_id) for o in both.trials]
+    assert {r.data.params["parallel.threads_per_worker"] for r in trial_runs} == {str(max(1, cpus // 2))}
+    (first, second) = sorted(trial_runs, key=lambda r: r.info.start_time)
+    assert second.info.start_time < first.info.end_time  # side by side, not one after the other
+
     # A sweep whose trials fail (each names a model to start from that does not exist: a real failure, at
     # its train stage; the data stages are the sweep's above, cached): each is tried max_failures + 1
     # times, then reported failed with its error, and the sweep goes on; a rerun tries neither again.

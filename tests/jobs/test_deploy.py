@@ -218,10 +218,44 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert _complete(served, prompt="KING:", max_tokens=2).status_code == 200
 
 
+def test_a_failing_generation_step_answers_500_or_an_error_event_and_serving_goes_on(served):
+    """The model's forward pass fails (a drill through the deployment's handle: a coming pass raises):
+    a plain request gets a 500 ``server_error`` naming the failure, a streamed one, after the text it had
+    been sent, the error event and [DONE]; /healthz counts both as errors; the next request is served as before."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ConduitServer", app_name=f"conduit-{MODEL_NAME}")
+    health = served.removesuffix("/v1") + "/healthz"
+    body = {"prompt": "KING:", "max_tokens": 6, "temperature": 0.0}
+    want = _complete(served, **body).json()["choices"][0]["text"]
+    before = requests.get(health, timeout=30).json()["completions"]
+    handle.inject_step_faults.remote(1).result()
+    r = _complete(served, **body)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and error["param"] is None
+    assert error["message"] == "generation failed: RuntimeError: injected fault: forward pass 1 of 1 failed"
+    handle.inject_step_faults.remote(1, after=3).result()  # the prompt's pass and two tokens' go through
+    with requests.post(f"{served}/completions", json={**body, "stream": True}, timeout=60, stream=True) as s:
+        assert s.status_code == 200  # the stream had started: the failure comes as its last event
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == b"data: [DONE]"
+    last = json.loads(lines[-2].removeprefix(b"data: "))
+    assert last == {"error": {"message": error["message"], "type": "server_error", "param": None, "code": None}}
+    sent = [json.loads(ln.removeprefix(b"data: "))["choices"][0]["text"] for ln in lines[:-2]]
+    assert sent and want.startswith("".join(sent)), (sent, want)  # what was made before the failure, as made
+    again = _complete(served, **body)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == want
+    after = requests.get(health, timeout=30).json()["completions"]
+    assert after["errors"] - before["errors"] == 1 and after["ok"] - before["ok"] == 2  # the stream "ok": it began
+
+
 def test_a_client_that_disconnects_stops_its_rows_within_a_step(served):
     """32 streamed rows (2 prompts x n=16) of 50 tokens; the client reads the first event and hangs up.
     The replica counts the rows it stopped early and the steps each took after its cancel; the batch
-    made far fewer steps than the 50 the rows would have taken."""
+    made far fewer steps than the 50 the rows would have taken. This is also what shows that a stream's
+    first event reaches the client before its last token is made: had the server held the events back
+    until the end, every row would have finished (none stopped early) in 50 steps."""
     health = served.removesuffix("/v1") + "/healthz"
     before = requests.get(health, timeout=30).json()["batches"]
     body = {"model": MODEL_NAME, "prompt": ["KING:", "The old man said"], "n": 16, "max_tokens": 50,

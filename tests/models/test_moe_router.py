@@ -126,11 +126,19 @@ def test_every_group_choice_is_a_valid_topk():
         if topk_group > n_group:
             continue
         moe = layer(moe_router="sigmoid", moe_n_group=n_group, moe_topk_group=topk_group, moe_top_k=k)
+        moe.score_bias.copy_(torch.linspace(0.3, -0.2, 8))  # a bias that reorders some tokens' picks
         routing = moe.route(torch.randn(16, 16))
         idx = routing.expert_indices_NK
         assert all(len(set(row)) == k for row in idx.tolist())
         groups_used = (idx // (8 // n_group))
         assert all(len(set(row)) <= topk_group for row in groups_used.tolist())
+        # Best first: each token's picks in descending order of their biased score, ...
+        biased = torch.sigmoid(routing.router_logits_NE) + moe.score_bias
+        picked = biased.gather(1, idx)
+        assert (picked[:, :-1] >= picked[:, 1:]).all(), (picked, idx)
+        # ... and exactly DeepSeek-V3's picks, order included (the reference sorts them best first).
+        chosen, _ = v3_reference(routing.router_logits_NE, moe.score_bias, n_group, topk_group, k, 1.0)
+        assert idx.tolist() == chosen
 
 
 def test_the_bias_step_moves_each_bias_by_the_rate_towards_balance():

@@ -203,3 +203,61 @@ def test_a_create_that_is_not_looked_up_is_not_sent_again(mlflow_server, proxy):
         tracking.client(proxy.uri).create_registered_model("made-once")
     assert MlflowClient(mlflow_server.uri).get_registered_model("made-once").name == "made-once"
     assert proxy.paths.count("/api/2.0/mlflow/registered-models/create") == 1
+
+
+def test_the_drivers_and_a_sweeps_calls_wait_out_an_mlflow_restart(mlflow_server, monkeypatch):
+    """The calls a pipeline driver and a sweep make (the experiment, runs and their lookup, a trial's run,
+    ASHA's stop marking it KILLED, the trial restarted: its run RUNNING again), started while the server is down: they
+    wait, land once it is back, and each run exists once. MLflow's own retries are off, so the waiting is
+    Conduit's."""
+    import time
+
+    from pipeline.sweep.run import STOPPED, _mark_stopped, _trial_run, _trial_runs
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = mlflow_server.uri
+    mlflow_server.stop()
+    done = threading.Event()
+    errors: list[BaseException] = []
+    made: dict = {}
+
+    def driver_and_sweep() -> None:
+        try:
+            exp = made["exp"] = tracking.ensure_experiment(uri, "restarting-driver")
+            sweep = made["sweep"] = tracking.start_run(uri, exp, "sweep", tags={"conduit.sweep": "s"})
+            stage = made["stage"] = tracking.start_run(uri, exp, "train", parent_id=sweep,
+                                                       tags={"conduit.hash": "feedbeef"})
+            made["found"] = tracking.search_runs(uri, exp, "tags.`conduit.hash` = 'feedbeef'")
+            tracking.end_run(uri, stage)
+            trial = made["trial"] = _trial_run(uri, exp, sweep, "trial_000")
+            _mark_stopped(uri, exp, sweep, "trial_000", {"step": 10, "val_loss": 3.0})
+            stopped = tracking.client(uri).get_run(trial)
+            made["stopped"] = (stopped.info.status, stopped.data.tags["conduit.sweep_status"],
+                               stopped.data.tags["conduit.sweep_stopped_at_step"])
+            made["trial_again"] = _trial_run(uri, exp, sweep, "trial_000")  # a restarted trial: the same run
+            assert made["trial_again"] == trial
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        done.set()
+
+    try:
+        threading.Thread(target=driver_and_sweep, daemon=True).start()
+        time.sleep(4)
+        assert not done.is_set(), (errors, made)  # nothing gave up while the server was down
+        assert made == {}
+        mlflow_server.start()
+        assert done.wait(180) and not errors, errors
+    finally:
+        if not mlflow_server.running:
+            mlflow_server.start()
+    c = MlflowClient(uri)
+    assert [r[0] for r in made["found"]] == [made["stage"]]
+    runs = c.search_runs([made["exp"]], run_view_type=ViewType.ALL, max_results=100)
+    assert sorted(r.info.run_name for r in runs) == ["sweep", "train", "trial_000"]  # each made once
+    assert c.get_run(made["stage"]).info.status == "FINISHED"
+    assert [r[0] for r in _trial_runs(uri, made["exp"], made["sweep"], "trial_000", running=False)] == [made["trial"]]
+    trial = c.get_run(made["trial"])
+    assert trial.data.tags["conduit.sweep_status"] == "running"  # set RUNNING again by the second _trial_run
+    assert trial.data.tags["conduit.sweep_attempts"] == "2" and trial.info.status == "RUNNING"
+    assert made["stopped"] == ("KILLED", STOPPED, "10")
+    assert c.get_run(made["sweep"]).info.status == "RUNNING"

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from models import ModelConfig, build_model
@@ -43,6 +44,12 @@ def test_compiled_equals_eager_at_the_first_step(case):
     counters.clear()
     got, grads = first_step(compiled, x[:, :-1], y, **options)
     assert counters["stats"]["unique_graphs"] >= 2  # the blocks' graph and the output end's
+    # The output end (final norm, LM head and loss: the model's ``output`` method, which returns the loss)
+    # is a compiled region of its own: this model's method wrapped by Dynamo, which holds compiled code
+    # for it.
+    assert compiled.output._torchdynamo_orig_callable.__self__ is compiled
+    assert not hasattr(eager.output, "_torchdynamo_orig_callable")
+    assert _debug_get_cache_entry_list(type(compiled).output.__code__)
     assert abs(got.loss.item() - ref.loss.item()) < 1e-6
     assert abs(got.aux_loss.item() - ref.aux_loss.item()) < 1e-6
     if cfg is MOE:

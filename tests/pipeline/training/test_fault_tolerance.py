@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from models.accounting import param_counts
 from pipeline import tracking
 from pipeline.config import config_from_dict, load_config
+from pipeline.console import describe
 from pipeline.runner import make_plan, resolve
 from pipeline.store.contracts import read_train_starts
 from pipeline.stages import STAGES
@@ -106,13 +107,15 @@ DATA_STAGES = ("shard", "tokenizer", "tokenize")
 
 
 def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root: str, prune: bool = True,
-               damaged: list[int] | None = None):
+               damaged: list[int] | None = None, status_lines: list[str] | None = None):
     """The smoke config's train stage, called directly, on the data stages the session's smoke run
     sealed under ``data_root`` (tests/smoke_run.py: the same data config, so the same hashes). The
     stage writes into ``<tmp>/<name>/train/<hash>`` and keeps its checkpoints in
     ``<tmp>/<name>/checkpoints`` (unless ``overrides`` name a ``checkpoint.storage``), so runs
     of one config never see each other's. With ``kill``, workers of the train stage are SIGKILLed
-    (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``)."""
+    (``kill_workers``; the step of the checkpoint it damaged goes to ``damaged``). With ``status_lines``,
+    the driver's status line (``console.describe`` of ``tracking.stage_progress``, as ``StageStatus``
+    polls it) is read every 0.2 s while the stage runs, and each new line appended."""
     work = tmp / name
     cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [
         f"run.workdir={work}", f"run.artifact_root={data_root}", f"checkpoint.storage={work / 'checkpoints'}",
@@ -124,9 +127,22 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root
     store = store_for(cfg.artifact_root())
     arts = {stage: store.load(stage, plan[stage].hash) for stage in DATA_STAGES}
     assert all(store.check(a) is None for a in arts.values()), "the smoke run's data stages are not sealed"
-    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "train"))
+    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "train", tags={"conduit.hash": plan["train"].hash}))
     killed: list[int] = []
     killer, done = None, threading.Event()
+    watcher = None
+    if status_lines is not None:
+        def watch() -> None:
+            t0 = time.monotonic()
+            while not done.wait(0.2):
+                line = describe("train", time.monotonic() - t0, tracking.stage_progress(uri, "fault", plan["train"].hash,
+                                                                                        timeout_s=5), cfg)
+                line = line.split(", ", 1)[1] if ", " in line else ""  # without the time, which always changes
+                if line and (not status_lines or status_lines[-1] != line):
+                    status_lines.append(line)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
     if kill:
         killer = threading.Thread(target=kill_workers,
                                   args=(ray_run_dir(cfg, plan["train"].hash), killed, done, cfg.train.steps,
@@ -140,6 +156,8 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root
         done.set()
         if killer:
             killer.join()
+        if watcher:
+            watcher.join()
     history = json.loads((arts["train"].path / "train_metrics.json").read_text())
     return load_file(arts["train"].path / "model.safetensors"), history, killed, arts["train"]
 
@@ -150,6 +168,14 @@ def straight(tmp_path_factory, smoke_artifact_root):
                       prune=False)
 
 
+def loss_history(art) -> list[tuple[int, float]]:
+    """The train run's ``loss`` history in MLflow, as (step, value) in step order (repeats kept)."""
+    uri = config_from_dict(art.manifest["run_config"]).tracking_uri()
+    c = tracking.client(uri)
+    (run,) = c.search_runs([tracking.ensure_experiment(uri, "fault")], filter_string="attributes.run_name = 'train'")
+    return sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, "loss"))
+
+
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a), "the weights differ from the uninterrupted run's"
@@ -158,11 +184,13 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smoke_artifact_root, monkeypatch):
     """One worker killed mid-run, and one of the restarted group killed after the final checkpoint
     (before the weights are written): the stage still seals, with the uninterrupted run's weights."""
-    straight, straight_history, _, _ = straight
+    straight, straight_history, _, straight_art = straight
     monkeypatch.setenv("CONDUIT_FAILPOINTS", json.dumps({"pause_after_final_checkpoint_s": 120}))
     damaged: list[int] = []
+    lines: list[str] = []
     resumed, resumed_history, killed, art = train_once(tmp_path, "killed", ["checkpoint.max_failures=2"], kill=True,
-                                                       data_root=smoke_artifact_root, damaged=damaged)
+                                                       data_root=smoke_artifact_root, damaged=damaged,
+                                                       status_lines=lines)
     assert len(killed) == 2
     # The group restarted past a checkpoint, then at the final one; the history is whole: every
     # logged step once, as in the uninterrupted run, with the same losses.
@@ -179,6 +207,16 @@ def test_killed_workers_resume_from_checkpoints_exactly(tmp_path, straight, smok
     tags = tracking.client(uri).search_runs([tracking.ensure_experiment(uri, "fault")])[0].data.tags
     assert tags["conduit.restarts"] == "2" and tags["conduit.last_failure"].startswith("rank "), tags
     assert tags["conduit.phase"] == "writing the model", tags
+    # ... and the driver's status line said it while no step went by: read as the driver reads it, during
+    # the run, it went from steps to the restart (which attempt, which rank failed and why) and back.
+    restarts = [i for i, ln in enumerate(lines) if ln.startswith("step ") and "restarting after a failure (attempt "
+                in ln and ": rank " in ln]
+    assert restarts and any(ln.startswith("step ") and "loss " in ln for ln in lines[:restarts[0]]), lines
+    assert any("loading the checkpoint checkpoint_" in ln or "building the model" in ln
+               for ln in lines[restarts[0] + 1:]), lines
+    # MLflow holds each logged step once, with the uninterrupted run's values: the restarted groups
+    # recomputed steps their predecessors had logged, and sent none of them again.
+    assert loss_history(art) == loss_history(straight_art) != []
     assert [h["step"] for h in resumed_history] == [h["step"] for h in straight_history]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in straight_history]
     assert art.manifest["counts"]["first_loss"] == straight_history[0]["loss"]

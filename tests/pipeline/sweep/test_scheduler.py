@@ -1,0 +1,52 @@
+"""A sweep labels as stopped only what ASHA stopped (issue #51): ``RecordingASHA`` makes Tune's own
+ASHA decisions and marks each trial it stops on Tune's Trial; a trial that ended unfinished for any
+other reason (the sweep interrupted) is reported as incomplete, with Tune's state, not as pruned."""
+
+from __future__ import annotations
+
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+from pipeline.sweep.run import FAILED, FINISHED, INCOMPLETE, STOPPED, TrialOutcome, trial_status
+from pipeline.sweep.scheduler import RecordingASHA, stopped_at
+
+# (trial, step, val_loss) in the order Tune delivers them: trial 0 sets the bar at each rung, trial 1
+# trails it at the first rung (step 10), trial 2 beats it there and trails at the second (step 20).
+RESULTS = [(0, 10, 2.0), (0, 20, 1.5), (0, 30, 1.2), (1, 10, 3.0), (2, 10, 1.9), (2, 20, 1.8), (2, 30, 1.0)]
+
+
+def _decisions(scheduler) -> tuple[list[str], list[Trial]]:
+    scheduler.set_search_properties("val_loss", "min")
+    trials = [Trial("trainable", config={"trial": i}, stub=True) for i in range(3)]
+    for t in trials:
+        scheduler.on_trial_add(None, t)
+    decisions = []
+    for i, step, loss in RESULTS:
+        if decisions and any(d == TrialScheduler.STOP and RESULTS[k][0] == i for k, d in enumerate(decisions)):
+            continue  # a stopped trial reports nothing more
+        decisions.append(scheduler.on_trial_result(None, trials[i], {"step": step, "val_loss": loss}))
+    return decisions, trials
+
+
+def test_recording_asha_decides_as_asha_and_marks_only_what_it_stopped():
+    args = dict(time_attr="step", max_t=31, grace_period=10, reduction_factor=2)
+    theirs, _ = _decisions(ASHAScheduler(**args))
+    ours, trials = _decisions(RecordingASHA(**args))
+    assert ours == theirs
+    assert theirs.count(TrialScheduler.STOP) == 2  # the sequence does exercise stopping, at two rungs
+    assert [stopped_at(t) for t in trials] == [None, 10, 20]
+
+
+def test_an_unfinished_trial_is_stopped_only_when_its_run_says_asha_stopped_it():
+    stopped_tags = {"conduit.sweep_status": STOPPED, "conduit.sweep_stopped_at_step": "10"}
+    assert trial_status(None, {"step": 10, "val_loss": 3.0}, stopped_tags) == STOPPED
+    assert trial_status(None, {"step": 30, "finished": True}, {}) == FINISHED
+    assert trial_status(RuntimeError("boom"), {"step": 10}, stopped_tags) == FAILED
+    # Interrupted: while running (its run says running), or before it ran (no result, no run).
+    assert trial_status(None, {"step": 20, "val_loss": 1.8}, {"conduit.sweep_status": "running"}) == INCOMPLETE
+    assert trial_status(None, {}, {}) == INCOMPLETE
+    o = TrialOutcome(0, {}, status=INCOMPLETE, step=20, tune_status=Trial.PENDING)
+    assert o.label == "incomplete at step 20 (Tune: PENDING)"
+    assert TrialOutcome(1, {}, status=INCOMPLETE, tune_status=Trial.PENDING).label == \
+        "incomplete before its first step (Tune: PENDING)"
+    assert TrialOutcome(2, {}, status=STOPPED, step=10).label == "stopped at step 10"
