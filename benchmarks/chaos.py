@@ -337,7 +337,8 @@ def kill(victim: psutil.Process) -> tuple[bool, str]:
     """SIGKILL ``victim``: (whether the kill landed, what it was). A process that ended between being
     listed and being killed was no fault of ours: it does not count towards ``--min-faults``."""
     try:
-        title = " ".join(victim.cmdline())[:60]
+        argv = victim.cmdline()
+        title = " ".join([os.path.basename(argv[0]), *argv[1:]] if argv else [victim.name()])[:60]
         victim.kill()
     except psutil.Error as e:
         return False, f"(gone before the kill: {type(e).__name__})"
