@@ -33,6 +33,7 @@ from pipeline.base import DEFAULT_DATA_ROOT, ConfigError, is_uri
 from pipeline.config import limits
 from pipeline.config.dialect import DuplicateKeyError, load_yaml
 from pipeline.config.ranges import out_of_range
+from pipeline.config.data_filters import NearDedupSection, QualitySection, check_near_dedup, check_quality
 from pipeline.tokenization.spm import NUM_SPECIAL
 
 
@@ -87,6 +88,11 @@ class DataSection:
     # (invalid UTF-8 under encoding_errors=error, NUL bytes): error stops the run naming the file and
     # place; skip leaves it out and counts it by reason (the shard manifest's counts.skipped).
     on_bad_document: Literal["error", "skip"] = "error"
+    # Near-duplicates across the whole corpus (MinHash LSH; pipeline.data.near_dedup) and per-document
+    # quality filters (language, Gopher's repetition and quality rules, C4's lines; pipeline.data.quality),
+    # each off unless enabled, each counted in the shard manifest and MLflow.
+    near_dedup: NearDedupSection = field(default_factory=NearDedupSection)
+    quality: QualitySection = field(default_factory=QualitySection)
 
 
 @dataclass
@@ -596,6 +602,8 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     need(d.min_doc_chars >= 0, f"data.min_doc_chars={d.min_doc_chars} must be >= 0")
     need(d.separator is None or d.separator != "", "data.separator must be null or a non-empty string")
     need(0.0 <= d.test_fraction < 1.0, f"data.test_fraction={d.test_fraction} must be in [0, 1)")
+    within(check_near_dedup(d.near_dedup))
+    within(check_quality(d.quality))
     need(
         d.validation_fraction + d.test_fraction < 1.0,
         f"data.validation_fraction={d.validation_fraction} + data.test_fraction={d.test_fraction} must be < 1",

@@ -28,6 +28,16 @@ bounds; each shard is then encoded to parquet by a task of its own from the inpu
 and the stage process writes one shard's bytes at a time (a few shards in flight). No process holds
 the corpus, only the largest input (its read task) or the largest shard (its writer).
 
+Quality and near-duplicates (both off unless enabled): ``data.quality``'s filters run in each read task
+after cleaning (``pipeline.data.quality``), each removed document counted under its filter in
+``counts.removed`` and the rule inside it in ``counts.quality``. ``data.near_dedup`` removes documents
+whose MinHash signatures mark them as near-copies of an earlier one anywhere in the corpus
+(``pipeline.data.near_dedup``): the signatures and band keys are made in the read tasks, the keys are
+joined in one task per partition, and the stage's process resolves the clusters from the verified
+pairs (``counts.removed.near_duplicate``, ``counts.near_dedup``: pairs, clusters, the largest and the
+histogram of sizes; ``near_duplicates.jsonl``: a sample of removed documents beside the one kept;
+MLflow: the counts and ``plots/near_duplicate_clusters.png``). Exact duplicates are removed first.
+
 Output: ``train-NNNNN.parquet``, ``validation-00000.parquet`` (``test-00000.parquet`` when
 ``data.test_fraction > 0``), columns ``text`` (string), ``doc_id`` (sha256 hex of the text) and
 ``source`` (input URI).
@@ -35,6 +45,8 @@ Output: ``train-NNNNN.parquet``, ``validation-00000.parquet`` (``test-00000.parq
 
 from __future__ import annotations
 
+import collections
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,7 +60,10 @@ from tqdm import tqdm
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.data import DataError, ray_running
-from pipeline.data.clean import DOCUMENT_SCHEMA, REMOVAL_RULES, CleanOptions
+from pipeline.data import near_dedup
+from pipeline.data.clean import DOCUMENT_SCHEMA, REMOVAL_RULES, CleanOptions, doc_id
+from pipeline.config.data_filters import NearDedupSection, QualitySection
+from pipeline.data.quality import Filters
 from pipeline.data.fs import InputFile
 from pipeline.data.readers import read_and_clean
 from pipeline.data.stream import SKIP_REASONS
@@ -83,18 +98,45 @@ def split_of(doc_id: str, validation_fraction: float, test_fraction: float = 0.0
     return "test" if u < validation_fraction + test_fraction else "train"
 
 
-def read_for_shards(src: InputFile, *args) -> tuple[dict, dict, pa.Table]:
-    """Read and clean one input (a Ray task in the pipeline).
+def read_for_shards(src: InputFile, *args, quality_cfg: QualitySection | None = None,
+                    near: NearDedupSection | None = None, index: int = 0, partitions: int = 1) -> tuple:
+    """Read, clean and filter one input (a Ray task in the pipeline).
 
     Returns:
         (its documents' ``doc_id`` list and UTF-8 ``bytes`` array, the input's stats, the documents):
         the stage's own process takes only the first two; the table goes from this task's object
-        straight to the tasks that write the shards holding its documents.
+        straight to the tasks that write the shards holding its documents. With ``near`` enabled, then
+        the ``partitions`` parts of its documents' MinHash band keys (``near_dedup``).
     """
     table, stats = read_and_clean(src, *args)
+    if quality_cfg is not None and quality_cfg.enabled():
+        table = _filter_quality(table, stats, quality_cfg)
     keys = {"doc_id": table.column("doc_id").to_pylist(),
             "bytes": pc.binary_length(table.column("text")).to_numpy(zero_copy_only=False)}
-    return keys, stats, table
+    if near is None or not near.enabled:
+        return keys, stats, table
+    sigs = near_dedup.signatures(table.column("text").to_pylist(), near)
+    parts = near_dedup.partition(near_dedup.band_keys(sigs, near), index, np.arange(len(sigs)), partitions)
+    return (keys, stats, table, *parts)
+
+
+def _filter_quality(table: pa.Table, stats: dict, q: QualitySection) -> pa.Table:
+    """The documents the enabled quality filters keep (a filter that rewrites a document, C4's lines,
+    gives it a new id); each removed document counted under its filter in ``stats``."""
+    filters = Filters(q)
+    for name in filters.names:
+        stats["removed"][name] = 0
+    texts, ids, sources = [], [], []
+    for text, did, source in zip(*(table.column(c).to_pylist() for c in ("text", "doc_id", "source"))):
+        kept, by = filters.apply(text)
+        if kept is None:
+            stats["removed"][by] += 1
+            continue
+        texts.append(kept)
+        ids.append(did if kept == text else doc_id(kept))
+        sources.append(source)
+    stats["quality"] = filters.counts()
+    return pa.table({"text": texts, "doc_id": ids, "source": sources}, schema=DOCUMENT_SCHEMA)
 
 
 def encode_shard(pieces: list[np.ndarray], *tables: pa.Table) -> pa.Buffer:
@@ -105,25 +147,36 @@ def encode_shard(pieces: list[np.ndarray], *tables: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def _read_all(files: list[InputFile], cfg: RunConfig) -> Iterator[tuple[dict, dict, object]]:
+def _read_all(files: list[InputFile], cfg: RunConfig, near_out: list | None = None,
+              partitions: int = 1) -> Iterator[tuple[dict, dict, object]]:
     """Read and clean every input, in input order: in parallel Ray tasks when Ray is running, each
-    input's table then staying in Ray's object store (the third item is its ``ObjectRef``)."""
+    input's table then staying in Ray's object store (the third item is its ``ObjectRef``). With
+    near-duplicate removal on, each input's band-key parts go to ``near_out`` (refs with Ray)."""
     d = cfg.data
     opts = CleanOptions(d.normalize, d.strip_control_chars, d.min_doc_chars, d.max_doc_chars)
     args = (d.text_field, d.separator, d.encoding_errors, opts, d.reader, d.on_bad_document)
+    near = d.near_dedup if d.near_dedup.enabled else None
+    kw = {"quality_cfg": d.quality, "near": near, "partitions": partitions}
     if not ray_running():
-        for src in tqdm(files, desc="shard: read", unit="file", disable=None):
-            yield read_for_shards(src, *args)
+        for i, src in enumerate(tqdm(files, desc="shard: read", unit="file", disable=None)):
+            keys, stats, table, *extra = read_for_shards(src, *args, index=i, **kw)
+            if near is not None:
+                near_out.append(extra)
+            yield keys, stats, table
         return
     import ray
 
-    task = ray.remote(num_cpus=1, num_returns=3)(read_for_shards)
-    refs = [task.options(name=f"conduit.shard.read[{i}]").remote(src, *args) for i, src in enumerate(files)]
-    for keys_ref, stats_ref, table_ref in tqdm(refs, desc="shard: read", unit="file", disable=None):
+    returns = 3 if near is None else 3 + partitions
+    task = ray.remote(num_cpus=1, num_returns=returns)(read_for_shards)
+    refs = [task.options(name=f"conduit.shard.read[{i}]").remote(src, *args, index=i, **kw)
+            for i, src in enumerate(files)]
+    for keys_ref, stats_ref, table_ref, *extra in tqdm(refs, desc="shard: read", unit="file", disable=None):
         try:
             keys, stats = ray.get([keys_ref, stats_ref])
         except ray.exceptions.RayTaskError as e:
             raise e.cause  # the DataError itself, naming the file, not Ray's wrapper
+        if near is not None:
+            near_out.append(extra)
         yield keys, stats, table_ref
 
 
@@ -177,20 +230,32 @@ class SplitRows:
         return inputs, pieces
 
 
-def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list, tables: list) -> dict[str, SplitRows]:
+def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list, tables: list,
+                     near: NearResult | None = None) -> dict[str, SplitRows]:
     seen: set[str] = set()
     by_split = {s: SplitRows() for s in SPLITS}
+    all_keys, exact = [], set()
     for index, (keys, stats, table) in enumerate(parts):
         per_input.append(stats)
         tables.append(table)
         for rule, n in stats["removed"].items():
-            removed[rule] += n
-        picks: dict[str, list[int]] = {s: [] for s in SPLITS}
+            removed[rule] = removed.get(rule, 0) + n
         for i, did in enumerate(keys["doc_id"]):
             if did in seen:
+                exact.add((index << near_dedup.ROW_BITS) | i)
+            seen.add(did)
+        all_keys.append(keys)
+    near_removed = near.run(exact) if near is not None else set()
+    for index, keys in enumerate(all_keys):
+        picks: dict[str, list[int]] = {s: [] for s in SPLITS}
+        for i, did in enumerate(keys["doc_id"]):
+            g = (index << near_dedup.ROW_BITS) | i
+            if g in exact:
                 removed["duplicate"] += 1
                 continue
-            seen.add(did)
+            if g in near_removed:
+                removed["near_duplicate"] += 1
+                continue
             picks[split_of(did, cfg.data.validation_fraction, cfg.data.test_fraction)].append(i)
         for s in SPLITS:
             if picks[s]:
@@ -199,6 +264,110 @@ def _dedup_and_split(parts, cfg: RunConfig, removed: dict, per_input: list, tabl
                 by_split[s].rows.append(rows)
                 by_split[s].sizes.append(np.asarray(keys["bytes"], dtype=np.int64)[rows])
     return by_split
+
+
+def _join(parts: list[tuple]) -> np.ndarray:
+    """Candidate pairs from every input's band-key parts: one join per partition (a Ray task each with Ray)."""
+    if not parts:
+        return np.empty((0, 2), dtype=np.int64)
+    partitions = len(parts[0])
+    if not ray_running():
+        found = [near_dedup.candidates(*[p[k] for p in parts]) for k in range(partitions)]
+    else:
+        import ray
+
+        task = ray.remote(num_cpus=1)(near_dedup.candidates)
+        refs = [task.options(name=f"conduit.shard.near_join[{k}]").remote(*[p[k] for p in parts])
+                for k in range(partitions)]
+        found = [ray.get(r) for r in tqdm(refs, desc="shard: near-duplicate join", unit="part", disable=None)]
+    found = [f for f in found if len(f)]
+    return np.unique(np.concatenate(found), axis=0) if found else np.empty((0, 2), dtype=np.int64)
+
+
+def _take_texts(table: pa.Table, rows: list[int]) -> list[str]:
+    return table.take(pa.array(rows, type=pa.int64())).column("text").to_pylist()
+
+
+def _pair_similarities(table_a: pa.Table, rows_a: np.ndarray, table_b: pa.Table, rows_b: np.ndarray,
+                       n: int) -> np.ndarray:
+    """Exact shingle Jaccard of documents rows_a[k] of one input and rows_b[k] of another (a Ray task)."""
+    return near_dedup.similarities(_take_texts(table_a, rows_a.tolist()), _take_texts(table_b, rows_b.tolist()), n)
+
+
+class NearResult:
+    """Near-duplicate removal over every input read (``pipeline.data.near_dedup``): run once the exact
+    duplicates are known; keeps its counts and a sample of removed documents beside the one kept."""
+
+    def __init__(self, nd: NearDedupSection, tables: list):
+        self.nd, self.tables = nd, tables
+        self.parts: list[list] = []  # per input: its band-key parts (refs with Ray)
+        self.counts: dict = {}
+        self.sample: list[dict] = []
+        self.sizes: list[int] = []
+
+    def _texts(self, i: int, rows: list[int]) -> list[str]:
+        table = self.tables[i]
+        if ray_running() and not isinstance(table, pa.Table):
+            import ray
+
+            return ray.get(ray.remote(num_cpus=0)(_take_texts).remote(table, rows))
+        return _take_texts(table, rows)
+
+    def _similarities(self, a: int, rows_a: np.ndarray, b: int, rows_b: np.ndarray) -> np.ndarray:
+        ta, tb = self.tables[a], self.tables[b]
+        if ray_running() and not isinstance(ta, pa.Table):
+            import ray
+
+            task = ray.remote(num_cpus=1)(_pair_similarities)
+            return ray.get(task.options(name=f"conduit.shard.near_verify[{a},{b}]").remote(
+                ta, rows_a, tb, rows_b, self.nd.ngram))
+        return _pair_similarities(ta, rows_a, tb, rows_b, self.nd.ngram)
+
+    def run(self, exact: set[int]) -> set[int]:
+        pairs = _join(self.parts)
+        joined, sim = near_dedup.verify(pairs, self._similarities, self.nd.threshold)
+        remove, clusters = near_dedup.resolve(joined, exact)
+        self.sizes = [len(c) for c in clusters]
+        self.counts = {
+            "candidate_pairs": int(len(pairs)), "joined_pairs": int(len(joined)),
+            "clusters": len(clusters), "largest_cluster": max(self.sizes, default=0),
+            "cluster_sizes": {str(k): v for k, v in sorted(collections.Counter(self.sizes).items())},
+        }
+        for c in clusters[: self.nd.sample_pairs]:
+            keep, gone = c[0], c[1]
+            (ki, kr), (gi, gr) = near_dedup.split_gidx(keep), near_dedup.split_gidx(gone)
+            kept_text, removed_text = self._texts(ki, [kr])[0], self._texts(gi, [gr])[0]
+            self.sample.append({
+                "kept": kept_text, "removed": removed_text, "cluster_size": len(c),
+                "kept_at": [ki, kr], "removed_at": [gi, gr],
+                "jaccard": round(near_dedup.jaccard(kept_text, removed_text, self.nd.ngram), 4)})
+        return remove
+
+    def write(self, out_dir: Path, tracker) -> None:
+        with open(out_dir / "near_duplicates.jsonl", "w", encoding="utf-8") as f:
+            for row in self.sample:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tracker.log_metrics({"near_dedup_clusters": self.counts["clusters"],
+                             "near_dedup_largest_cluster": self.counts["largest_cluster"],
+                             "near_dedup_candidate_pairs": self.counts["candidate_pairs"]})
+        if self.sizes:
+            tracker.log_figure(cluster_figure(self.sizes), "plots/near_duplicate_clusters.png")
+
+
+def cluster_figure(sizes: list[int]):
+    """How many near-duplicate clusters there are of each size (documents per cluster)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.add_subplot()
+    counts = collections.Counter(sizes)
+    ax.bar(list(counts), list(counts.values()), width=0.8)
+    ax.set_xlabel("documents in the cluster (one kept)")
+    ax.set_ylabel("clusters")
+    ax.set_yscale("log")
+    ax.set_title(f"near-duplicate clusters: {len(sizes)}, {sum(sizes) - len(sizes)} documents removed")
+    fig.tight_layout()
+    return fig
 
 
 def _write_shards(jobs: list[tuple[str, list[int], list[np.ndarray]]], tables: list, out_dir: Path) -> None:
@@ -226,10 +395,13 @@ def _write_shards(jobs: list[tuple[str, list[int], list[np.ndarray]]], tables: l
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     d = cfg.data
     files = resolve_inputs(cfg)
-    removed = {**dict.fromkeys(REMOVAL_RULES, 0), "duplicate": 0, "over_max_documents": 0}
+    removed = {**dict.fromkeys(REMOVAL_RULES, 0), **dict.fromkeys(d.quality.enabled(), 0), "duplicate": 0,
+               **({"near_duplicate": 0} if d.near_dedup.enabled else {}), "over_max_documents": 0}
     per_input: list[dict] = []
     tables: list = []  # per input: its documents (or, with Ray, the ref of the task's table)
-    by_split = _dedup_and_split(_read_all(files, cfg), cfg, removed, per_input, tables)
+    near = NearResult(d.near_dedup, tables) if d.near_dedup.enabled else None
+    reads = _read_all(files, cfg, near.parts if near else None, near_partitions(files))
+    by_split = _dedup_and_split(reads, cfg, removed, per_input, tables, near)
     splits = [s for s in SPLITS if s != "test" or d.test_fraction > 0]
     unique = sum(len(by_split[s]) for s in SPLITS)
     if d.max_documents is not None:
@@ -274,6 +446,16 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if read != kept + sum(removed.values()):
         raise AssertionError(f"shard: {read} documents read but {kept} kept + {removed} removed")  # a bug here
     counts["documents_read"] = read
+    if d.quality.enabled():
+        counts["quality"] = {name: dict(sum((collections.Counter(s.get("quality", {}).get(name, {}))
+                                            for s in per_input), collections.Counter()))
+                             for name in d.quality.enabled()}
+        if d.quality.c4_lines.enabled:
+            counts["quality"]["c4_lines_dropped_lines"] = sum(s.get("quality", {}).get("c4_lines_dropped_lines", 0)
+                                                              for s in per_input)
+    if near is not None:
+        counts["near_dedup"] = near.counts
+        near.write(out_dir, tracker)
     tracker.log_metrics({
         "documents_read": read, "bytes_read": sum(s["bytes"] for s in per_input),
         **{f"documents_{s}": n for s, n in sizes_by_split.documents.items()},
@@ -282,6 +464,18 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         **{f"skipped_{k}": v for k, v in counts["skipped"].items()},
     })
     return counts
+
+
+def near_partitions(files: list[InputFile]) -> int:
+    """Parts the band keys are split into: the cluster's CPUs, and one more per 256 MiB of input, so a
+    join task's share stays bounded as the corpus grows."""
+    corpus = sum(f.size for f in files)
+    cpus = 1
+    if ray_running():
+        import ray
+
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(cpus, math.ceil(corpus / 2**28), 1)
 
 
 def read_texts(artifact_path: Path, split: str) -> list[str]:
