@@ -13,7 +13,7 @@ A Mamba model has no positions: it zeroes masked inputs, so pads before a prompt
 without them.
 
 An encoder-decoder's requests (text with sentinels; the answer is the spans that fill them) run one
-row at a time through ``models.encdec.generate_encdec`` (the encoder once, a KV-cached decoder), each
+row at a time through ``models.families.encdec.model.generate_encdec`` (the encoder once, a KV-cached decoder), each
 from its own seeded generator: the same output as alone, without the batching speed-up.
 
 The KV cache's slots may outnumber ``max_seq_len`` (a long prompt in one row, a long budget in
@@ -70,7 +70,7 @@ def check_fits(request: GenRequest, max_seq_len: int) -> None:
 
 def _fill_spans(model: torch.nn.Module, r: GenRequest, eos_id: int) -> list[int]:
     """An encoder-decoder's answer to one request: the decoder's tokens up to EOS or the budget."""
-    from models.encdec import generate_encdec
+    from models.families.encdec.model import generate_encdec
     from pipeline.data.span_corruption import DECODER_START_ID
 
     device = model.tok_embeddings.weight.device

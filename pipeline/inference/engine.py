@@ -31,7 +31,7 @@ A Mamba model's state does not grow with length; the same bound limits its rows.
 engine is empty (waiting up to ``wait_s`` for more requests), and later requests wait until its last
 row has finished.
 
-An encoder-decoder's requests run one at a time, each alone through ``models.encdec``; their tokens
+An encoder-decoder's requests run one at a time, each alone through ``models.families.encdec.model``; their tokens
 arrive together when it finishes.
 
 Threads: ``submit`` and ``Ticket.cancel`` may be called from any thread; ``step`` from one thread at a
@@ -47,9 +47,9 @@ from typing import Callable
 
 import torch
 
-from models.attention import KVCache
 from models.families import family
 from models.generate import sample_next
+from models.layers.attention import KVCache
 from pipeline.inference.batched import GenRequest, _fill_spans, _pad_left, check_fits
 
 FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "eos", "length", "cancelled", "error"
