@@ -51,13 +51,12 @@ class MultiHeadLatentAttention(nn.Module):
     kv_a_layernorm), kv_b_proj, o_proj.
 
     Args:
-        cfg: model config with attention "mla".
+        cfg: model config with attention "mla" (the attention-kind table, ``models.layers.kinds``, builds
+            this module for those configs only; its MLA checks have run on ``cfg``).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.attention != "mla":  # this module is the kind's own; the table (models.layers.kinds) names it
-            raise ValueError(f"MultiHeadLatentAttention needs attention='mla', got {cfg.attention!r}")
         self.n_heads = cfg.n_heads
         self.kv_lora_rank = cfg.resolved_kv_lora_rank
         self.nope_dim = cfg.resolved_qk_nope_head_dim
