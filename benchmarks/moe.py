@@ -82,8 +82,8 @@ def _module_at(ref: str, path: str, name: str, replace: tuple[str, str] | None =
 
 
 def load_moe_module_at(ref: str):
-    """``models/layers/moe.py`` and the ``models/layers/grouped_experts.py`` it runs, as they were at git ``ref``, loaded
-    beside today's (they share models.config and ffn)."""
+    """``models/layers/moe.py`` and the ``models/layers/grouped_experts.py`` it runs, as they were at git ``ref``,
+    loaded beside today's (they share models.config and ffn)."""
     grouped = _module_at(ref, "models/layers/grouped_experts.py", f"grouped_experts_at_{ref}")
     return _module_at(ref, "models/layers/moe.py", f"moe_at_{ref}",
                       ("from models.layers.grouped_experts import", f"from {grouped.__name__} import"))

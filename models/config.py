@@ -200,9 +200,10 @@ class ModelConfig:
     # counted over the whole global batch. 0: the bias stays as it is. Needs moe_router "sigmoid".
     moe_bias_update_rate: float = 0.0
 
-    # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/families/mamba/model.py), which
-    # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
-    # the ssm_* fields; the attention, position, FFN and MoE fields do not apply (see models/families/mamba/__init__.py).
+    # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks
+    # (models/families/mamba/model.py), which use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias,
+    # tie_embeddings, dropout, init_std and the ssm_* fields; the attention, position, FFN and MoE fields do not
+    # apply (see models/families/mamba/__init__.py).
     arch: str = "decoder"
     ssm_state_size: int = 16  # N, the SSM state per channel
     ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
@@ -212,9 +213,10 @@ class ModelConfig:
     ssm_head_dim: int = 16  # P: the inner width splits into ssm_expand * d_model / P heads, one decay each
     ssm_n_groups: int = 1  # G: groups of B and C, each shared by heads / G heads
     ssm_chunk_size: int = 64  # Q: tokens per chunk of the chunked scan (a speed setting: any Q, the same function)
-    # "hybrid" (models/families/hybrid/model.py, as Jamba, Bamba, Nemotron-H and Granite 4.0): one letter per layer, "A" an
-    # attention layer (the attention, position and MoE fields above) or "M" a Mamba-2 layer (the ssm_* fields),
-    # each followed by the feed-forward (dense, or MoE by moe_every / moe_first_dense_layers), e.g. "MMMA" * 2.
+    # "hybrid" (models/families/hybrid/model.py, as Jamba, Bamba, Nemotron-H and Granite 4.0): one letter per
+    # layer, "A" an attention layer (the attention, position and MoE fields above) or "M" a Mamba-2 layer (the
+    # ssm_* fields), each followed by the feed-forward (dense, or MoE by moe_every / moe_first_dense_layers), e.g.
+    # "MMMA" * 2.
     hybrid_layers: str = ""
 
     # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its

@@ -45,7 +45,8 @@ class KVCache:
     - attention 'mla': the compressed latent c_KV, (B, 1, S, kv_lora_rank), and the one RoPE'd key
       shared by all heads, (B, 1, S, qk_rope_head_dim) (see models.layers.mla). Per-head keys and values are
       re-expanded from these at every step; storing them would defeat MLA's purpose.
-    `for_config` picks the sizes; `models.accounting.kv_cache_bytes_per_token` counts them.
+    `for_config` allocates them at the shape the attention kind gives (`models.layers.kinds`, asked by the
+    model that owns the cache); `models.accounting.kv_cache_bytes_per_token` counts them.
 
     Attributes:
         length: number of filled slots (same for every row).

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.layers.ffn import FeedForward
-from models.layers.grouped_experts import (GroupedMatmul, StackedExperts, _grouped_mm_runs, grouped_experts, looped_experts,
-                                    resolve_impl, stack_expert_state, unstack_expert_state)
+from models.layers.grouped_experts import (GroupedMatmul, StackedExperts, _grouped_mm_runs, grouped_experts,
+                                           looped_experts, resolve_impl, stack_expert_state, unstack_expert_state)
 from models.layers.moe import MoEFeedForward
 
 

@@ -52,7 +52,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_encoding == "learned" else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i, attention_kind(cfg).build(cfg)) for i in range(cfg.n_layers))
+        kind = attention_kind(cfg)  # the block takes its attention module from the kind table (models.layers.kinds)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, kind.build(cfg)) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg) if cfg.norm_position == "pre" else None
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()

@@ -3,8 +3,8 @@ with cross-attention over its output, trained to denoise (T5 span corruption).
 
 Built as `models.families.encdec.model.EncoderDecoderLM`, exported as MarianMTModel (sinusoidal positions) or BART
 (learned positions, embedding_norm) by `models.families.encdec.hf_marian`. Its own fields: the encoder depth, the
-embedding norm and the denoising objective's two settings, whose arithmetic (`span_counts`,
-`denoising_lengths`) lives here so that the config, the data and evaluation all read it from the family.
+embedding norm and the denoising objective's two settings, whose arithmetic (`span_counts`, `denoising_lengths`)
+lives here so that the config, the data and evaluation all read it from the family.
 
 Accounting: N and the attention term per token of either stack, with the source and target streams
 taken as equally long (S = T = seq_len): half the FLOPs of one source token through the encoder plus one

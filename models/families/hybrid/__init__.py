@@ -1,11 +1,11 @@
 """Hybrid attention + Mamba-2 models (``arch: hybrid``): a layer pattern of the two mixers, each layer with a
 feed-forward (Jamba, Bamba, Nemotron-H, Granite 4.0).
 
-Built as `models.families.hybrid.model.HybridLM`; exported as GraniteMoeHybridForCausalLM (`models.families.hybrid.hf_granite_hybrid`),
-the transformers class that takes any pattern of attention and Mamba-2 layers with full RoPE (or none)
-and a dense SwiGLU after each. Its own field is ``hybrid_layers`` (one letter per layer, "A" attention, "M"
-Mamba-2); it reads Mamba-2's ssm_* fields and every attention, position, FFN and MoE field of the
-decoder. The layers are pre-norm, as every hybrid above.
+Built as `models.families.hybrid.model.HybridLM`; exported as GraniteMoeHybridForCausalLM
+(`models.families.hybrid.hf_granite_hybrid`), the transformers class that takes any pattern of attention and
+Mamba-2 layers with full RoPE (or none) and a dense SwiGLU after each. Its own field is ``hybrid_layers`` (one
+letter per layer, "A" attention, "M" Mamba-2); it reads Mamba-2's ssm_* fields and every attention, position, FFN
+and MoE field of the decoder. The layers are pre-norm, as every hybrid above.
 
 Accounting: per layer two norms, the mixer (the attention kind's parameters, or a Mamba-2 mixer's) and
 the FFN (dense, or MoE counted as the decoder counts it); the final norm and the embedding. FLOPs per

@@ -1,7 +1,7 @@
 """Mamba (``arch: mamba``, Gu & Dao 2023): selective state-space blocks, no attention.
 
-Built as `models.families.mamba.model.MambaLM`, exported as MambaForCausalLM (`models.families.mamba.hf_mamba`). Its own fields are
-the ssm_* sizes. A Mamba block is pre-norm RMSNorm with no positions, attention or experts, so a
+Built as `models.families.mamba.model.MambaLM`, exported as MambaForCausalLM (`models.families.mamba.hf_mamba`).
+Its own fields are the ssm_* sizes. A Mamba block is pre-norm RMSNorm with no positions, attention or experts, so a
 config asking for those is refused rather than silently ignored.
 
 Accounting: per layer a norm, in_proj (D -> 2E), the depthwise conv (E x K and its bias), x_proj

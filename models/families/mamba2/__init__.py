@@ -1,8 +1,9 @@
 """Mamba-2 (``arch: mamba2``, Dao & Gu 2024): state-space dual blocks, trained by the chunked algorithm.
 
-Built as `models.families.mamba2.model.Mamba2LM`, exported as Mamba2ForCausalLM (`models.families.mamba2.hf_mamba2`). Its own fields
-are ssm_head_dim, ssm_n_groups and ssm_chunk_size, beside the ssm_state_size, ssm_conv_kernel and
-ssm_expand it shares with Mamba. Like Mamba, no positions, attention or experts.
+Built as `models.families.mamba2.model.Mamba2LM`, exported as Mamba2ForCausalLM
+(`models.families.mamba2.hf_mamba2`). Its own fields are ssm_head_dim, ssm_n_groups and ssm_chunk_size, beside the
+ssm_state_size, ssm_conv_kernel and ssm_expand it shares with Mamba. Like Mamba, no positions, attention or
+experts.
 
 Accounting: per layer a norm, in_proj (D -> E + C + H, C = E + 2 G N the conv width), the depthwise
 conv (C x K and its bias), dt_bias, A_log and D (H each), the gated norm (E) and out_proj (E -> D).
