@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import summary, write_result
 from models import build_model, get_preset
 from models.accounting import param_counts
-from models.encdec import generate_encdec
+from models.families.encdec.model import generate_encdec
 from models.generate import generate
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from pipeline.data.span_corruption import SpanCorruption
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import summary, write_result  # noqa: E402
 from models import build_model, get_preset  # noqa: E402
-from models.loss import lm_loss  # noqa: E402
+from models.layers.loss import lm_loss  # noqa: E402
 
 PHASES = ("forward", "backward", "step")
 

@@ -83,7 +83,7 @@ def run_model(preset: str, args, device: torch.device, peak: float) -> dict:
 
 
 def main() -> None:
-    from models.loss import DEFAULT_CHUNK_TOKENS
+    from models.layers.loss import DEFAULT_CHUNK_TOKENS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])

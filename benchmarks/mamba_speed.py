@@ -8,7 +8,7 @@ Interleaved A/B pairs, repeated (``--repeats``), median and range:
 1. Training (one process, ``--threads`` threads, fp32, AdamW, random tokens, LM loss): tokens/s of
    the Transformer, of Mamba with the chunked parallel scan at each ``--chunks`` length, and of Mamba
    with a per-token loop for the scan (chunk 1: what the parallel scan replaces). The ratio
-   Mamba / Transformer uses the default chunk (``models.mamba.SCAN_CHUNK``).
+   Mamba / Transformer uses the default chunk (``models.families.mamba.model.SCAN_CHUNK``).
 2. Generation (batch 1, greedy, eval mode): milliseconds per new token after a short and after a long
    context. The Transformer's KV cache grows with the context; Mamba's state does not.
 
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import summary, write_result
 from models import ModelConfig, build_model, get_preset
-from models import mamba as mamba_module
 from models.accounting import param_counts
-from models.loss import lm_loss
+from models.families.mamba import model as mamba_module
+from models.layers.loss import lm_loss
 
 
 def mamba_like(cfg: ModelConfig) -> ModelConfig:

@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import FullPath, summary, write_result
 from models import ModelConfig, Transformer, build_model, get_preset
 from models.accounting import flops_per_token, param_counts
-from models.loss import lm_loss
-from models.ffn import FeedForward
-from models.grouped_experts import StackedExperts, unstack_expert_state
-from models.moe import MoEFeedForward
+from models.layers.ffn import FeedForward
+from models.layers.grouped_experts import StackedExperts, unstack_expert_state
+from models.layers.loss import lm_loss
+from models.layers.moe import MoEFeedForward
 from pipeline.training.metrics import measure_matmul_flops
 from pipeline.training.engine import fused_adamw
 
@@ -82,11 +82,11 @@ def _module_at(ref: str, path: str, name: str, replace: tuple[str, str] | None =
 
 
 def load_moe_module_at(ref: str):
-    """``models/moe.py`` and the ``models/grouped_experts.py`` it runs, as they were at git ``ref``, loaded
-    beside today's (they share models.config and ffn)."""
-    grouped = _module_at(ref, "models/grouped_experts.py", f"grouped_experts_at_{ref}")
-    return _module_at(ref, "models/moe.py", f"moe_at_{ref}",
-                      ("from models.grouped_experts import", f"from {grouped.__name__} import"))
+    """``models/layers/moe.py`` and the ``models/layers/grouped_experts.py`` it runs, as they were at git ``ref``,
+    loaded beside today's (they share models.config and ffn)."""
+    grouped = _module_at(ref, "models/layers/grouped_experts.py", f"grouped_experts_at_{ref}")
+    return _module_at(ref, "models/layers/moe.py", f"moe_at_{ref}",
+                      ("from models.layers.grouped_experts import", f"from {grouped.__name__} import"))
 
 
 def as_moe_at(model: Transformer, module) -> Transformer:
@@ -257,7 +257,7 @@ def top_ops(layer: MoEFeedForward, n_tokens: int, count: int = 6) -> list[dict]:
 
 
 def bare_loop(args: argparse.Namespace, dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> dict:
-    """Dense, MoE (and with ``--before-ref`` the MoE on that commit's models/moe.py), interleaved."""
+    """Dense, MoE (and with ``--before-ref`` the MoE on that commit's models/layers/moe.py), interleaved."""
     tokens_per_step = args.batch * args.seq_len
     names = ["dense", "moe"] + (["moe_before"] if args.before_ref else [])
     moe_names = [n for n in names if n != "dense"]
@@ -387,7 +387,7 @@ def main() -> None:
     p.add_argument("--no-full-path", action="store_true", help="skip the Ray Train + DeepSpeed ep comparison")
     p.add_argument("--result-name", default="moe",
                    help="benchmarks/results/<name>.json (e.g. moe_cpu_medium for another --preset)")
-    p.add_argument("--before-ref", help="also time the MoE with models/moe.py of this git commit (same run, "
+    p.add_argument("--before-ref", help="also time the MoE with models/layers/moe.py of this git commit (same run, "
                                         "interleaved), e.g. the commit before a change")
     args = p.parse_args()
 

@@ -276,7 +276,7 @@ def moe_tables(d: dict) -> list[str]:
                  [[k, v["ffn_d_ff"], v["params_active"], v["flops_per_token"], v["tokens_per_s"]["median"],
                    span(v["tokens_per_s"]), num(v["mfu"], True), num(syncs[k])] for k, v in impls.items()])
     if "before_ref" in bare:
-        out += [f"`moe_before` is the same MoE model run by `models/moe.py` of commit {bare['before_ref']} "
+        out += [f"`moe_before` is the same MoE model run by `models/layers/moe.py` of commit {bare['before_ref']} "
                 "(interleaved in the same run). Host syncs by kind: "
                 + "; ".join(f"{k} {v.get('host_syncs_per_step')}" for k, v in impls.items() if k != "dense") + ".", ""]
 

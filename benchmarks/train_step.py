@@ -9,7 +9,7 @@ median step), ``--repeats`` times:
 - ``bare_compile``: the same step with the forward and the loss compiled as one function;
 - ``engine``: Conduit's step (``build_engine`` + ``train_step``), eager, the whole logits
   (``train.loss_chunk_tokens`` 0);
-- ``engine_chunked``: eager, the loss chunked at the default (``models.loss.DEFAULT_CHUNK_TOKENS``);
+- ``engine_chunked``: eager, the loss chunked at the default (``models.layers.loss.DEFAULT_CHUNK_TOKENS``);
 - ``engine_compile``: ``train.compile`` (the blocks and the output end compiled), the whole logits;
 - ``engine_compile_chunked``: both;
 - ``engine_compile_chunk<N>``: compiled, chunks of N tokens, for each of ``--chunk-sweep``.
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import peak_at_model_shapes, summary, write_result  # noqa: E402
 from models import build_model, get_preset  # noqa: E402
 from models.accounting import flops_per_token  # noqa: E402
-from models.loss import DEFAULT_CHUNK_TOKENS, lm_loss  # noqa: E402
+from models.layers.loss import DEFAULT_CHUNK_TOKENS, lm_loss  # noqa: E402
 
 CPU = torch.device("cpu")
 # What is known about a check that lands below its target (RESULTS.md prints it as the cause), by what

@@ -46,7 +46,7 @@ from benchmarks.common import FullPath, peak_at_model_shapes, summary, write_res
 from models import build_model  # noqa: E402
 from models.accounting import flops_per_token  # noqa: E402
 from models.export import save_hf  # noqa: E402
-from models.loss import lm_loss  # noqa: E402
+from models.layers.loss import lm_loss  # noqa: E402
 from pipeline.training.metrics import measure_matmul_flops  # noqa: E402
 from pipeline.training.engine import fused_adamw  # noqa: E402
 

@@ -40,7 +40,7 @@ cross-attention. Span corruption makes the source longer than the target, so thi
 The decoder's cache holds what the formula below gives per target token, and the cross-attention keys
 and values take the same bytes per source token, once per request.
 
-KV-cache bytes per token (`kv_cache_bytes_per_token`), what `models.attention.KVCache` stores per
+KV-cache bytes per token (`kv_cache_bytes_per_token`), what `models.layers.attention.KVCache` stores per
 generated or prompt token, over all layers:
     mha / gqa / mqa:  L * 2 * G * K * bytes       (a key and a value for each of G key/value heads)
     mla:              L * (R + P) * bytes          (the latent c_KV and the one shared RoPE key)

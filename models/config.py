@@ -4,6 +4,13 @@
 `__post_init__` rejects bad values early with an error that names the field and the allowed values.
 Derived sizes (`head_dim`, `resolved_d_ff`, ...) are properties so that they can never disagree with the
 fields they come from.
+
+This module is data: it imports no other module of `models` at its top. The rules that depend on a
+config's family and attention kind (which values ``arch`` and ``attention`` may take, the fields of
+every other family left at their defaults, each family's own checks) belong to the family table,
+`models.families`, which sits above this module. The table hands them in through
+`register_family_rules` when it is imported, and importing any module of `models` imports the table
+first (``models/__init__.py`` imports it), so ``ModelConfig(...)`` and every config load run them.
 """
 
 from __future__ import annotations
@@ -12,17 +19,17 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 POS_ENCODINGS = ("rope", "alibi", "sinusoidal", "learned", "none")
 FFN_KINDS = ("swiglu", "gelu", "relu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
-# How MoE experts run (models/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
+# How MoE experts run (models/layers/grouped_experts.py): one grouped matmul per projection where it works, or a loop.
 MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_AUX_LOSS_SCOPES = ("batch", "sequence")
-ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")  # models.positions.RopeScaling
+ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")  # models.layers.positions.RopeScaling
 # Optional sizes: None (derived) or an int >= 1.
 _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")
@@ -47,6 +54,44 @@ def continuation_problems(parent: "ModelConfig", child: "ModelConfig") -> list[s
         problems.append(f"max_seq_len: {parent.max_seq_len} -> {child.max_seq_len} with learned positions (a table "
                         "of max_seq_len rows; RoPE extends, a learned table does not)")
     return problems
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """What the family table (`models.families`) tells the config about families and attention kinds.
+
+    Attributes:
+        families: the family table, read live: its keys are the values ``arch`` may take.
+        attention_kinds: the attention-kind table, read live: its keys are the values ``attention`` may take.
+        check: the rules that depend on the family and the attention kind; raises ValueError naming the
+            field. Called with the config and the fields' defaults.
+        rope_head_dim: how many features of each query/key head RoPE rotates, by attention kind.
+    """
+
+    families: Mapping[str, Any]
+    attention_kinds: Mapping[str, Any]
+    check: Callable[["ModelConfig", dict], None]
+    rope_head_dim: Callable[["ModelConfig"], int]
+
+
+_FAMILY_RULES: list[FamilyRules] = []  # one entry, set by models.families when it is imported
+
+
+def register_family_rules(rules: FamilyRules) -> None:
+    """Install the family table's rules (`models.families` calls this once, at its import)."""
+    _FAMILY_RULES[:] = [rules]
+
+
+def family_rules() -> FamilyRules:
+    """The family table's rules.
+
+    Raises:
+        RuntimeError: the table has not been imported (it always is once any module of `models` is).
+    """
+    if not _FAMILY_RULES:
+        raise RuntimeError("the family table (models.families) has not registered its rules with models.config; "
+                           "import models (or models.families) before building a ModelConfig")
+    return _FAMILY_RULES[0]
 
 
 def _swiglu_hidden(d_model: int, multiple_of: int) -> int:
@@ -100,7 +145,7 @@ class ModelConfig:
 
     pos_encoding: str = "rope"
     rope_base: float = 10000.0
-    # Context extension (models.positions.RopeScaling): rope_scaling is the factor s (1 = none),
+    # Context extension (models.layers.positions.RopeScaling): rope_scaling is the factor s (1 = none),
     # rope_scaling_type the method: linear (position interpolation: RoPE sees position / s), ntk,
     # dynamic, yarn or llama3. dynamic, yarn and llama3 need rope_original_max_seq_len, the context
     # the model was trained at; the yarn_* and llama3_* fields are those methods' parameters.
@@ -155,28 +200,30 @@ class ModelConfig:
     # counted over the whole global batch. 0: the bias stays as it is. Needs moe_router "sigmoid".
     moe_bias_update_rate: float = 0.0
 
-    # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks (models/mamba.py), which
-    # use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias, tie_embeddings, dropout, init_std and
-    # the ssm_* fields; the attention, position, FFN and MoE fields do not apply (see models/families/mamba.py).
+    # Architecture family. "decoder": the Transformer above. "mamba": Mamba blocks
+    # (models/families/mamba/model.py), which use vocab_size, d_model, n_layers, max_seq_len, norm_eps, bias,
+    # tie_embeddings, dropout, init_std and the ssm_* fields; the attention, position, FFN and MoE fields do not
+    # apply (see models/families/mamba/__init__.py).
     arch: str = "decoder"
     ssm_state_size: int = 16  # N, the SSM state per channel
     ssm_conv_kernel: int = 4  # width of the causal depthwise convolution
     ssm_expand: int = 2  # inner width = ssm_expand * d_model
     ssm_dt_rank: int | None = None  # rank of the delta projection; None = ceil(d_model / 16)
-    # Mamba-2 (arch mamba2, models/mamba2.py) also reads ssm_state_size, ssm_conv_kernel and ssm_expand.
+    # Mamba-2 (arch mamba2, models/families/mamba2/model.py) also reads ssm_state_size, ssm_conv_kernel and ssm_expand.
     ssm_head_dim: int = 16  # P: the inner width splits into ssm_expand * d_model / P heads, one decay each
     ssm_n_groups: int = 1  # G: groups of B and C, each shared by heads / G heads
     ssm_chunk_size: int = 64  # Q: tokens per chunk of the chunked scan (a speed setting: any Q, the same function)
-    # "hybrid" (models/hybrid.py, as Jamba, Bamba, Nemotron-H and Granite 4.0): one letter per layer, "A" an
-    # attention layer (the attention, position and MoE fields above) or "M" a Mamba-2 layer (the ssm_* fields),
-    # each followed by the feed-forward (dense, or MoE by moe_every / moe_first_dense_layers), e.g. "MMMA" * 2.
+    # "hybrid" (models/families/hybrid/model.py, as Jamba, Bamba, Nemotron-H and Granite 4.0): one letter per
+    # layer, "A" an attention layer (the attention, position and MoE fields above) or "M" a Mamba-2 layer (the
+    # ssm_* fields), each followed by the feed-forward (dense, or MoE by moe_every / moe_first_dense_layers), e.g.
+    # "MMMA" * 2.
     hybrid_layers: str = ""
 
     # "encoder_decoder": a Transformer encoder over the source and a decoder with cross-attention over its
-    # output (models/encdec.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
+    # output (models/families/encdec/model.py). n_layers is the decoder's depth, n_encoder_layers the encoder's. Both
     # stacks use the attention, position, FFN and norm fields above and share one embedding table; the
     # original paper's choices (Post-LN LayerNorm, sinusoidal, ReLU, tied embeddings) are the presets
-    # debug_encdec and encdec (see models/families/encdec.py for what does not apply).
+    # debug_encdec and encdec (see models/families/encdec/__init__.py for what does not apply).
     n_encoder_layers: int | None = None  # None = n_layers
     embedding_norm: bool = False  # a norm over each stack's summed embeddings, before its first layer (BART)
     # The denoising objective it is trained with (T5 span corruption, pipeline/data/span_corruption.py):
@@ -203,10 +250,9 @@ class ModelConfig:
         for name in ("bias", "tie_embeddings", "moe_renormalize", "embedding_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (True or False), got {getattr(self, name)!r}")
-        from models.families import ATTENTION_KINDS, FAMILIES, check_family  # the table imports this module
-
-        _check_choice("arch", self.arch, tuple(FAMILIES))
-        _check_choice("attention", self.attention, tuple(ATTENTION_KINDS))
+        rules = family_rules()
+        _check_choice("arch", self.arch, tuple(rules.families))
+        _check_choice("attention", self.attention, tuple(rules.attention_kinds))
         _check_choice("pos_encoding", self.pos_encoding, POS_ENCODINGS)
         _check_choice("ffn", self.ffn, FFN_KINDS)
         _check_choice("norm", self.norm, NORM_KINDS)
@@ -268,7 +314,7 @@ class ModelConfig:
             raise ValueError(f"denoise_noise_density must be in (0, 1), got {self.denoise_noise_density!r}")
         if self.denoise_mean_span_length < 1.0:
             raise ValueError(f"denoise_mean_span_length must be >= 1, got {self.denoise_mean_span_length!r}")
-        check_family(self, _DEFAULTS)
+        rules.check(self, _DEFAULTS)
 
     def _check_groups(self) -> None:
         """Group-limited routing must be able to route: the groups split the experts evenly, a group has
@@ -321,9 +367,7 @@ class ModelConfig:
     @property
     def rope_head_dim(self) -> int:
         """How many features of each query/key head RoPE rotates: head_dim (mha) or qk_rope_head_dim (mla)."""
-        from models.families import attention_kind
-
-        return attention_kind(self).rope_head_dim(self)
+        return family_rules().rope_head_dim(self)
 
     @property
     def resolved_num_kv_heads(self) -> int:
@@ -420,8 +464,8 @@ class ModelConfig:
 
     @property
     def rope(self):
-        """The context-extension method and its parameters (``models.positions.RopeScaling``)."""
-        from models.positions import RopeScaling
+        """The context-extension method and its parameters (``models.layers.positions.RopeScaling``)."""
+        from models.layers.positions import RopeScaling
 
         return RopeScaling(self.rope_scaling_type, self.rope_scaling, self.rope_original_max_seq_len,
                            self.rope_yarn_beta_fast, self.rope_yarn_beta_slow, self.rope_yarn_mscale,

@@ -5,13 +5,13 @@ Own format (`save_safetensors` / `load_safetensors`): one .safetensors file hold
 ModelConfig as JSON. This is what the pipeline's evaluate and register stages read.
 
 Hugging Face format (`save_hf` / `load_hf`): a folder with config.json and model.safetensors that
-`transformers` loads as the class the model's family names (`models.families`): a decoder as
-LlamaForCausalLM (dense) or MixtralForCausalLM (MoE) (`models.hf_llama`), or with multi-head latent
-attention as DeepseekV2ForCausalLM or, with the sigmoid router, DeepseekV3ForCausalLM
-(`models.hf_deepseek`); a Mamba model as MambaForCausalLM (`models.hf_mamba`); an encoder-decoder as MarianMTModel or BartForConditionalGeneration
-(`models.hf_marian`). Each of those modules is one `HFFormat`: names, config.json and their inverses.
-Our full config also goes into the safetensors metadata, so `load_hf` returns exactly the saved
-ModelConfig (dropout, loss coefficients, ... included, which config.json cannot hold) as long as
+`transformers` loads as the class the model's family names (`models.families`): a decoder as LlamaForCausalLM
+(dense) or MixtralForCausalLM (MoE) (`models.families.decoder.hf_llama`), or with multi-head latent attention as
+DeepseekV2ForCausalLM or, with the sigmoid router, DeepseekV3ForCausalLM (`models.families.decoder.hf_deepseek`); a
+Mamba model as MambaForCausalLM (`models.families.mamba.hf_mamba`); an encoder-decoder as MarianMTModel or
+BartForConditionalGeneration (`models.families.encdec.hf_marian`). Each of those modules is one `HFFormat`: names,
+config.json and their inverses. Our full config also goes into the safetensors metadata, so `load_hf` returns
+exactly the saved ModelConfig (dropout, loss coefficients, ... included, which config.json cannot hold) as long as
 config.json still describes the same architecture.
 
 Only configurations HF's classes compute identically are exported; anything else raises ValueError
@@ -31,11 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
-from models.encdec import EncoderDecoderLM
 from models.families import family, hf_format_of_model_type
-from models.mamba import MambaLM
+from models.families.decoder.model import Transformer
+from models.families.encdec.model import EncoderDecoderLM
+from models.families.mamba.model import MambaLM
 from models.presets import model_class
-from models.transformer import Transformer
 
 CONFIG_METADATA_KEY = "conduit_model_config"
 

@@ -23,10 +23,10 @@ import difflib
 import torch
 
 from models.config import ModelConfig
-from models.encdec import EncoderDecoderLM
 from models.families import family
-from models.mamba import MambaLM
-from models.transformer import Transformer
+from models.families.decoder.model import Transformer
+from models.families.encdec.model import EncoderDecoderLM
+from models.families.mamba.model import MambaLM
 
 _debug_dense = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
 _cpu_small = ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256)

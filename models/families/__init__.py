@@ -1,11 +1,13 @@
 """Model families as entries in one table: `FAMILIES`, keyed by ``ModelConfig.arch``.
 
-Each family is one module here that declares its config fields and their checks, the nn.Module it
-builds, its Hugging Face export and import, and its accounting (parameters, FLOPs, KV-cache bytes)
-as a `Family` record (`models.families.spec`). The attention kinds of its Transformer layers are a
-table of their own (`models.families.attention`). Everything else asks the table (`family(cfg)`,
-`family_of_model_type(...)`) and never compares family names: adding a family is one new module
-and one line below.
+Each family is one package here (``models/families/<name>/``): its nn.Module (``model.py``), its
+Hugging Face format(s) (``hf_*.py``: config.json both ways, ``to_hf``/``from_hf``), and in its
+``__init__`` its config checks, its accounting (parameters, FLOPs, cache bytes) and its `Family`
+record (`models.families.spec`). The attention kinds of Transformer layers are a table of their own
+beside the layers (`models.layers.kinds`). Everything above asks this table (`family(cfg)`,
+`hf_format_of_model_type(...)`) and never compares family names: adding a family is one new package
+and one line below. Nothing below the table imports it: the config learns the family-dependent rules
+through `models.config.register_family_rules`, called at the bottom of this module.
 
 Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or mla attention),
 ``mamba`` (Mamba), ``mamba2`` (Mamba-2), ``hybrid`` (attention and Mamba-2 layers in one stack) and
@@ -14,10 +16,10 @@ Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or 
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from models.config import FamilyRules, ModelConfig, register_family_rules
 from models.families import decoder, encdec, hybrid, mamba, mamba2
-from models.families.attention import ATTENTION_KINDS, attention_kind
-from models.families.spec import AttentionKind, Family, HFFormat
+from models.families.spec import Family, HFFormat
+from models.layers.kinds import ATTENTION_KINDS, AttentionKind, attention_kind
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (decoder.FAMILY, mamba.FAMILY, mamba2.FAMILY, hybrid.FAMILY,
                                                    encdec.FAMILY)}
@@ -62,6 +64,9 @@ def check_family(cfg: ModelConfig, defaults: dict) -> None:
     family(cfg).check(cfg)
     attention_kind(cfg).check(cfg)
 
+
+register_family_rules(FamilyRules(families=FAMILIES, attention_kinds=ATTENTION_KINDS, check=check_family,
+                                  rope_head_dim=lambda cfg: attention_kind(cfg).rope_head_dim(cfg)))
 
 __all__ = ["ATTENTION_KINDS", "AttentionKind", "FAMILIES", "Family", "HFFormat", "attention_kind", "check_family",
            "family", "hf_format_of_model_type"]

@@ -1,4 +1,5 @@
-"""The records of the family table: what a model family, an attention kind and an HF format declare.
+"""The records of the family table: what a model family and an HF format declare (an attention kind's
+record, ``AttentionKind``, lives with the layers, in `models.layers.kinds`).
 
 Nothing here knows a family by name; `models.families` holds the table, and every question about a
 config's family (how it is checked, built, exported, counted) is asked through these records.
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
     from models.config import ModelConfig
 
@@ -42,37 +42,6 @@ class HFFormat:
     from_hf: Callable[[dict, "ModelConfig"], dict]
     architecture: Callable[["ModelConfig"], tuple]
     config_defaults: Callable[[dict], dict] = lambda hf_cfg: {}
-
-
-@dataclass(frozen=True)
-class AttentionKind:
-    """One value of ``ModelConfig.attention``: its module, its own fields and checks, its sizes.
-
-    Attributes:
-        name: the value of ``attention``.
-        fields: ModelConfig fields only this kind reads; under another kind they must stay at their default.
-        check: raises ValueError, naming the field, on a config this kind cannot run.
-        build: the attention module of one layer.
-        params: one layer's attention parameters.
-        score_and_value_width: per head, the width of Q K^T plus that of A V (the attention FLOPs term).
-        cache_width: per layer and token, the elements the KV cache holds.
-        cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
-        rope_head_dim: how many features of each query/key head RoPE rotates.
-        hf_format: the Hugging Face class a decoder of a config with this attention exports as.
-        hf_formats: every Hugging Face class a decoder with this attention reads.
-    """
-
-    name: str
-    fields: tuple[str, ...]
-    check: Callable[["ModelConfig"], None]
-    build: Callable[["ModelConfig"], "nn.Module"]
-    params: Callable[["ModelConfig"], int]
-    score_and_value_width: Callable[["ModelConfig"], int]
-    cache_width: Callable[["ModelConfig"], int]
-    cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
-    rope_head_dim: Callable[["ModelConfig"], int]
-    hf_format: Callable[["ModelConfig"], HFFormat]
-    hf_formats: tuple[HFFormat, ...]
 
 
 @dataclass(frozen=True)

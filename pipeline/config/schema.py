@@ -27,7 +27,7 @@ import yaml
 from models import PRESETS, ModelConfig
 from models.families import family
 from models.families.encdec import denoising_lengths, span_counts
-from models.loss import DEFAULT_CHUNK_TOKENS
+from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline import credentials
 from pipeline.base import DEFAULT_DATA_ROOT, ConfigError, is_uri
 from pipeline.config import limits
@@ -143,7 +143,7 @@ class TrainSection:
     # loss); not with zero_stage 3.
     compile: bool = False
     # The LM head and the cross-entropy a chunk of this many tokens at a time, never holding the whole
-    # logits (models.loss.linear_cross_entropy); 0: the whole logits at once.
+    # logits (models.layers.loss.linear_cross_entropy); 0: the whole logits at once.
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # Continue a model instead of starting from random weights: a registered version (models:/NAME/VERSION)
     # or a finished train artifact under run.artifact_root (train:HASH). Its

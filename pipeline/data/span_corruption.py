@@ -7,7 +7,7 @@ with sentinels where spans were dropped, and a decoder target that lists the dro
     target  : <s0> c d <s1> h </s>      decoder input: <pad> <s0> c d <s1> h
 
 The arithmetic is T5's `random_spans_noise_mask` (`span_counts`, in the encoder-decoder family's module
-models/families/encdec.py, where the config's checks read it too): of a block of L tokens, exactly
+models/families/encdec/__init__.py, where the config's checks read it too): of a block of L tokens, exactly
 round(L * noise_density) (at least 1, at most L - 1) are noise, in exactly
 max(1, round(noise / mean_span_length)) spans; the noise and the kept tokens are each cut into that many
 non-empty runs at uniformly random places, and the runs alternate kept, noise, kept, noise, ... so a block

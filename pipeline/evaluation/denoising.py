@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from models.loss import DEFAULT_CHUNK_TOKENS
+from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.evaluation.device import on_model
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import torch
 
-from models.moe import MoEFeedForward
+from models.layers.moe import MoEFeedForward
 from pipeline.evaluation.device import on_model
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.loss import DEFAULT_CHUNK_TOKENS
+from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.data.corpora import data_root_hint
 from pipeline.evaluation.device import on_model
 from pipeline.tokenization.spm import EOS_ID
@@ -136,7 +136,7 @@ def windows(doc_ids: list[list[int]], context: int) -> tuple[np.ndarray, np.ndar
 def summed_nll(model: torch.nn.Module, inputs: np.ndarray, targets: np.ndarray, batch_size: int,
                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[float, int]:
     """Total next-token negative log-likelihood (nats) over the non-ignored targets, and their count.
-    The model sums each batch's loss itself, ``chunk_tokens`` tokens at a time (``models.head.LMHead``),
+    The model sums each batch's loss itself, ``chunk_tokens`` tokens at a time (``models.layers.head.LMHead``),
     so a large vocabulary's logits are never all held at once."""
     model.eval()
     total, count = 0.0, 0

@@ -31,7 +31,7 @@ A Mamba model's state does not grow with length; the same bound limits its rows.
 engine is empty (waiting up to ``wait_s`` for more requests), and later requests wait until its last
 row has finished.
 
-An encoder-decoder's requests run one at a time, each alone through ``models.encdec``; their tokens
+An encoder-decoder's requests run one at a time, each alone through ``models.families.encdec.model``; their tokens
 arrive together when it finishes.
 
 Threads: ``submit`` and ``Ticket.cancel`` may be called from any thread; ``step`` from one thread at a
@@ -47,10 +47,10 @@ from typing import Callable
 
 import torch
 
-from models.attention import KVCache
 from models.families import family
 from models.generate import sample_next
-from pipeline.inference.batched import GenRequest, _fill_spans, _pad_left, check_fits
+from models.layers.attention import KVCache
+from pipeline.inference.requests import GenRequest, check_fits, fill_spans, pad_left
 
 FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "eos", "length", "cancelled", "error"
 WASTE_SLOTS = 16  # filled slots no row uses that a KV cache may hold beyond as many as its rows use
@@ -320,14 +320,14 @@ class Engine:
         self.stats["largest"] = max(self.stats["largest"], len(self._rows) + len(joining))
         if self.seq2seq:  # one at a time, alone
             for row in joining:
-                for tok in _fill_spans(self.model, row.ticket.request, self.eos_id):
+                for tok in fill_spans(self.model, row.ticket.request, self.eos_id):
                     if not self._emit(row, tok):
                         break
                 else:
                     self._end(row, FINISH_EOS)
             return
         requests = [t.request for t in tickets]
-        ids_BT, mask_BT = _pad_left(requests, self.device)
+        ids_BT, mask_BT = pad_left(requests, self.device)
         prompt_cache = self.model.new_kv_cache(len(requests), max_len=ids_BT.shape[1])
         logits_BV = self.model(ids_BT, attention_mask_BT=mask_BT, kv_cache=prompt_cache).logits[:, -1, :]
         going = self._sample(joining, logits_BV)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from models.export import load_safetensors
-from models.encdec import generate_encdec
+from models.families.encdec.model import generate_encdec
 from models.generate import generate
 from pipeline.serving import request_limits
 from pipeline.data.span_corruption import DECODER_START_ID

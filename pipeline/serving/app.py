@@ -38,7 +38,7 @@ from ray import serve
 
 from pipeline import tracking
 from pipeline.serving import openai_api, pyfunc, request_limits
-from pipeline.inference.batched import GenRequest
+from pipeline.inference.requests import GenRequest
 from pipeline.inference.engine import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine
 from pipeline.inference.generator import PromptError
 from pipeline.inference.scoring import can_score, score_tokens

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from models import ModelConfig, build_model
-from models.grouped_experts import StackedExperts
-from models.mamba import MambaMixer
+from models.families.mamba.model import MambaMixer
+from models.layers.grouped_experts import StackedExperts
 from models.schedules import lr_multiplier
 from pipeline.config import OptimizerSection, TrainSection
 from pipeline.training.ds_config import build_ds_config
@@ -191,7 +191,7 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
                moe_stats=None, label_smoothing: float = 0.0, loss_chunk_tokens: int = 0) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns this rank's mean LM loss (detached).
 
-    The model computes its own loss from the targets (``models.head.LMHead``: inside its forward, so a
+    The model computes its own loss from the targets (``models.layers.head.LMHead``: inside its forward, so a
     compiled model compiles the head and the loss with the blocks). DeepSpeed divides each micro-batch
     loss by the accumulation steps in ``backward`` and applies the update (with clipping) at the last
     micro-batch's ``step``. The MoE auxiliary loss is trained on but not part of the returned loss, so
@@ -205,7 +205,7 @@ def train_step(engine, micro_batches: list[tuple[torch.Tensor, ...]], device: to
         label_smoothing: train.label_smoothing; the returned loss is the one trained on, so it is the
             smoothed cross-entropy when this is > 0.
         loss_chunk_tokens: train.loss_chunk_tokens: the head and the loss a chunk of tokens at a time
-            (``models.loss.linear_cross_entropy``); 0 = the whole logits at once.
+            (``models.layers.loss.linear_cross_entropy``); 0 = the whole logits at once.
     """
     losses, routed = [], []
     model_cfg = getattr(engine.module, "cfg", None)

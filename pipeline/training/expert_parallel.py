@@ -1,21 +1,21 @@
 """Expert parallelism, applied to a built model from outside (models/ knows nothing of it).
 
-Each MoE layer (``models.moe.MoEFeedForward``) keeps its router, losses and statistics; what
+Each MoE layer (``models.layers.moe.MoEFeedForward``) keeps its router, losses and statistics; what
 changes is where its experts live and how tokens reach them:
 
 * Rank ``r`` is expert-parallel rank ``r % ep_size`` (DeepSpeed's default group layout: the
   expert-parallel groups are blocks of ``ep_size`` consecutive ranks) and keeps experts
   ``[ep_rank * L, (ep_rank + 1) * L)``, ``L = num_experts / ep_size``: rows ``expert_rows`` of each
-  stacked expert tensor (``models.grouped_experts.StackedExperts``), as a StackedExperts of its own.
+  stacked expert tensor (``models.layers.grouped_experts.StackedExperts``), as a StackedExperts of its own.
   This module owns that bookkeeping for everyone: ``global_expert_id`` maps a local expert to its
   index in the single-process model, ``canonical_names`` names a rank's block by the single-process
   model's stacked tensor, and ``gather_experts`` is the one gather of the blocks over the
   expert-parallel group into the whole stacked tensor (the weights export here and the canonical
   checkpoint in ``canonical`` both use it).
 * ``AllToAllDispatcher`` replaces the layer's local dispatcher: kept token slots are ordered by
-  expert (``models.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one
+  expert (``models.layers.moe.SlotOrder``, as the local dispatcher does), sent to the owning rank with one
   all-to-all, regrouped by local expert and run through the local experts
-  (``models.grouped_experts.run_experts``), sent back with a second all-to-all and combined with their
+  (``models.layers.grouped_experts.run_experts``), sent back with a second all-to-all and combined with their
   router weights. Both all-to-alls are autograd
   functions, so expert gradients arrive from every rank's tokens.
 * DeepSpeed must know which parameters are experts, to reduce their gradients only within the
@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.grouped_experts import run_experts
-from models.grouped_experts import StackedExperts
-from models.moe import MoEFeedForward, RoutingDecision, SlotOrder
+from models.layers.grouped_experts import StackedExperts
+from models.layers.grouped_experts import run_experts
+from models.layers.moe import MoEFeedForward, RoutingDecision, SlotOrder
 from pipeline.config import limits
 SHARD_EXPERTS = "ep_shard.deepspeed_moe.experts.deepspeed_experts.0"
 
@@ -97,7 +97,7 @@ def make_expert_shard(num_experts: int, ep_size: int, local: StackedExperts) -> 
 
 class AllToAllDispatcher:
     """Sends kept token slots to the ranks that own their experts, runs this rank's experts on what
-    arrives, sends the outputs back and combines them (a ``models.moe.Dispatcher``).
+    arrives, sends the outputs back and combines them (a ``models.layers.moe.Dispatcher``).
 
     Not an nn.Module on purpose: it only points at the layer's ExpertShard, whose parameters are
     registered there.
@@ -105,7 +105,7 @@ class AllToAllDispatcher:
     Args:
         shard: the layer's ExpertShard: this rank's experts and, after ``deepspeed.initialize``, the
             expert-parallel group.
-        impl: how the local experts run (``models.grouped_experts.run_experts``), the layer's
+        impl: how the local experts run (``models.layers.grouped_experts.run_experts``), the layer's
             ``moe_expert_impl``.
     """
 

@@ -68,7 +68,8 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
     ``deepspeed.initialize`` runs.
 
     Args:
-        model: a ``models.Transformer`` or ``models.mamba.MambaLM`` (both keep their blocks in ``layers``).
+        model: a ``models.Transformer`` or ``models.families.mamba.model.MambaLM`` (both keep their blocks in
+            ``layers``).
         train: ``activation_checkpointing``, ``compile`` and ``zero_stage`` are read.
         dims: ``ep_size`` > 1 splits the experts.
         rank: this process's global rank (its expert-parallel rank is ``rank % ep_size``).

@@ -18,7 +18,7 @@ import torch
 
 from models import build_model
 from models.export import save_safetensors
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from pipeline import tracking
 from pipeline.store.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict

@@ -7,7 +7,7 @@ import torch
 
 from models import PRESETS, ModelConfig, Transformer
 from models.accounting import flops_per_token, kv_cache_bytes_per_token, param_counts
-from models.moe import MoEFeedForward
+from models.layers.moe import MoEFeedForward
 from models.presets import model_class
 
 VARIANTS = [

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from models.attention import Attention
-from models.transformer import Transformer
+from models.families.decoder.model import Transformer
+from models.layers.attention import Attention
 
 
 def reference_attention(attn: Attention, x_BTD: torch.Tensor, allowed_TS: torch.Tensor) -> tuple:

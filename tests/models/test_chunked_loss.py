@@ -1,4 +1,4 @@
-"""The chunked LM head + cross-entropy (models.loss.linear_cross_entropy, models.head.LMHead): the plain
+"""The chunked LM head + cross-entropy (models.layers.loss.linear_cross_entropy, models.layers.head.LMHead): the plain
 loss and gradients, to float32 rounding, without ever holding the whole logits."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import ModelConfig, build_model
-from models.loss import linear_cross_entropy, lm_loss
+from models.layers.loss import linear_cross_entropy, lm_loss
 
 N_TOKENS_BT = (3, 7)
 

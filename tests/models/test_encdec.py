@@ -12,7 +12,7 @@ import torch
 
 from models import ModelConfig, build_model
 from models.families import FAMILIES
-from models.encdec import EncoderDecoderLM, generate_encdec
+from models.families.encdec.model import EncoderDecoderLM, generate_encdec
 
 
 def encdec_cfg(**kw) -> ModelConfig:

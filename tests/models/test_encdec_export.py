@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import MarianConfig, MarianMTModel
 
-from models.encdec import EncoderDecoderLM, generate_encdec
 from models.export import hf_unsupported_options, load_hf, load_safetensors, save_hf, save_safetensors
+from models.families.encdec.model import EncoderDecoderLM, generate_encdec
 from tests.models.test_encdec import encdec_cfg, random_encdec
 
 

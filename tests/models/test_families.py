@@ -71,3 +71,29 @@ def test_a_family_added_to_the_table_is_asked_for_everything(monkeypatch):
     with pytest.raises(ValueError, match=r"load_hf supports model_type 'llama', 'mixtral', 'deepseek_v2', 'deepseek_v3', 'mamba', "
                                          r"'mamba2', 'granitemoehybrid', 'marian', 'bart', got 'toy'"):
         hf_format_of_model_type("toy")
+
+
+def test_the_config_alone_runs_the_family_rules():
+    """``models.config`` does not import the table; the table registers its rules with the config when it
+    is imported, and importing ``models.config`` alone imports it first (``models/__init__.py``): a fresh
+    interpreter that imports only the config still refuses a bad combination with the table's message."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("from models.config import ModelConfig\n"
+              "for kw in ({'arch': 'decoder', 'ssm_state_size': 8}, {'attention': 'mla', 'num_kv_heads': 2},\n"
+              "           {'arch': 'toy'}):\n"
+              "    try:\n"
+              "        ModelConfig(**kw)\n"
+              "    except ValueError as e:\n"
+              "        print(e)\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ssm_state_size is an option of arch 'mamba'; with arch 'decoder' leave it at 16")
+    assert lines[1].startswith("num_kv_heads must be None with attention 'mla'")
+    assert lines[2] == "arch must be one of ['decoder', 'mamba', 'mamba2', 'hybrid', 'encoder_decoder'], got 'toy'"

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from models.ffn import FeedForward
-from models.grouped_experts import (GroupedMatmul, StackedExperts, _grouped_mm_runs, grouped_experts, looped_experts,
-                                    resolve_impl, stack_expert_state, unstack_expert_state)
-from models.moe import MoEFeedForward
+from models.layers.ffn import FeedForward
+from models.layers.grouped_experts import (GroupedMatmul, StackedExperts, _grouped_mm_runs, grouped_experts,
+                                           looped_experts, resolve_impl, stack_expert_state, unstack_expert_state)
+from models.layers.moe import MoEFeedForward
 
 
 def _experts(kind: str, bias: bool, E: int = 4, D: int = 16, hidden: int = 24) -> StackedExperts:

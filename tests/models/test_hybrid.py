@@ -14,8 +14,8 @@ from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from models import build_model
 from models.accounting import flops_per_token, kv_cache_bytes_per_token, param_counts, state_bytes_per_sequence
 from models.export import load_hf, load_safetensors, save_hf, save_safetensors
+from models.families.hybrid.model import HybridState
 from models.generate import generate
-from models.hybrid import HybridState
 
 
 def _random(**kw):

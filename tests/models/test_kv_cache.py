@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import KVCache
+from models.layers.attention import KVCache
 
 POS = ["rope", "alibi", "sinusoidal", "learned", "none"]
 
@@ -29,7 +29,7 @@ def test_chunks_and_explicit_path_with_cache(make_model):
     model = make_model(num_kv_heads=2, pos_encoding="alibi")
     x = torch.randint(0, 64, (1, 12))
     full = model(x).logits
-    cache = KVCache.for_config(model.cfg, batch_size=1)
+    cache = model.new_kv_cache(batch_size=1)
     out = []
     for sl in (slice(0, 5), slice(5, 8), slice(8, 12)):
         o = model(x[:, sl], kv_cache=cache, return_attention=True)

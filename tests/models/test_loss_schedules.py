@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from models.schedules import inverse_sqrt, lr_multiplier, noam, warmup_cosine, warmup_stable_decay
 
 

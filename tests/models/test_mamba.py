@@ -11,8 +11,8 @@ from transformers import MambaConfig, MambaForCausalLM
 from models import ModelConfig, build_model
 from models.accounting import flops_per_token, kv_cache_bytes_per_token, param_counts
 from models.export import load_hf, load_safetensors, save_hf, save_safetensors
+from models.families.mamba.model import MambaLM, _SelectiveScan, selective_scan
 from models.generate import generate
-from models.mamba import MambaLM, _SelectiveScan, selective_scan
 
 
 def mamba_cfg(**kw) -> ModelConfig:

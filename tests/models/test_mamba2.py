@@ -12,9 +12,9 @@ from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForC
 
 from models import build_model
 from models.export import load_hf, save_hf
+from models.families.mamba.hf_mamba import SSM_CONTEXT
+from models.families.mamba2.model import ssd_scan
 from models.generate import generate
-from models.hf_mamba import SSM_CONTEXT
-from models.mamba2 import ssd_scan
 
 
 def recurrence(x, dt, A, B, C, h0=None):

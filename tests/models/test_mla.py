@@ -14,7 +14,7 @@ from models import Transformer
 from tests.models.conftest import random_model
 from models.export import load_hf, save_hf
 from models.generate import generate
-from models.positions import apply_rope, rope_cos_sin
+from models.layers.positions import apply_rope, rope_cos_sin
 
 MLA = dict(attention="mla", kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
 

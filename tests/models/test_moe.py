@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from models.ffn import FeedForward
-from models.grouped_experts import unstack_expert_state
-from models.moe import LocalDispatcher, MoEFeedForward, RoutingDecision, SlotOrder
-from models.transformer import Transformer
+from models.families.decoder.model import Transformer
+from models.layers.ffn import FeedForward
+from models.layers.grouped_experts import unstack_expert_state
+from models.layers.moe import LocalDispatcher, MoEFeedForward, RoutingDecision, SlotOrder
 
 
 def _moe(make_cfg, seed=0, scale=0.3, **kw) -> MoEFeedForward:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import ModelConfig, build_model
-from models.moe import MoEFeedForward
+from models.layers.moe import MoEFeedForward
 
 BASE = dict(vocab_size=97, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, num_experts=8, moe_top_k=2)
 

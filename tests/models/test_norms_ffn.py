@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from models.block import TransformerBlock
-from models.ffn import FeedForward
-from models.norms import LayerNorm, RMSNorm
+from models.layers.attention import Attention
+from models.layers.block import TransformerBlock
+from models.layers.ffn import FeedForward
+from models.layers.norms import LayerNorm, RMSNorm
 
 
 def test_rmsnorm_formula():
@@ -86,7 +87,7 @@ def test_unknown_ffn_kind():
 def test_block_wiring(make_cfg, position, norm):
     cfg = make_cfg(norm=norm, norm_position=position, pos_encoding="none", bias=True)
     torch.manual_seed(0)
-    block = TransformerBlock(cfg, 0)
+    block = TransformerBlock(cfg, 0, Attention(cfg))
     for p in block.parameters():
         p.data = torch.randn_like(p) * 0.2
     x = torch.randn(2, 5, cfg.d_model)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models.positions import alibi_bias, alibi_slopes, apply_rope, rope_cos_sin, sinusoidal_table
+from models.layers.positions import alibi_bias, alibi_slopes, apply_rope, rope_cos_sin, sinusoidal_table
 
 
 def test_sinusoidal_matches_vaswani_formula():

@@ -13,8 +13,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tests.models.conftest import random_model
 from models.export import load_hf, save_hf
-from models.hf_llama import rope_parameters
-from models.positions import RopeScaling, rope_cos_sin, rope_inv_freq
+from models.families.decoder.hf_llama import rope_parameters
+from models.layers.positions import RopeScaling, rope_cos_sin, rope_inv_freq
 
 ORIGINAL = 8  # the context "trained at"; inputs run to 24, three times past it
 LONG = 24
@@ -156,7 +156,7 @@ def test_a_llama31_config_as_transformers_writes_it_imports(tmp_path):
     ({"rope_type": "yarn", "factor": 4.0, "truncate": False, "original_max_position_embeddings": 8}, "truncate=false"),
 ])
 def test_rope_types_conduit_does_not_compute_are_refused_by_name(tmp_path, rope, message):
-    from models.hf_llama import rope_fields
+    from models.families.decoder.hf_llama import rope_fields
 
     with pytest.raises(ValueError, match=message):
         rope_fields({"max_position_embeddings": 32, "rope_parameters": {"rope_theta": 10000.0, **rope}})

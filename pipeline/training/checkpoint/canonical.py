@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.grouped_experts import stack_expert_state
+from models.layers.grouped_experts import stack_expert_state
 from pipeline.training.expert_parallel import (
     canonical_names, expert_name, expert_rows, expert_shards, gather_experts, local_expert_param,
 )

@@ -121,7 +121,8 @@ def test_the_generator_fills_sentinels(sp, model, filler):
 def test_ray_serves_batch_generation_fills_each_request_as_alone(sp, model):
     """The deployment's batch path (``generate_batch``) answers each encoder-decoder request as it would
     be answered alone: greedy rows as the generator's text, a sampled row as its own seed gives."""
-    from pipeline.inference.batched import GenRequest, generate_batch
+    from pipeline.inference.batched import generate_batch
+    from pipeline.inference.requests import GenRequest
 
     prompts = ["First Citizen: <extra_id_0> speak, <extra_id_1>.", "All: <extra_id_0>"]
     rows = [GenRequest((EOS_ID, *sp.encode(p)), 8) for p in prompts]

@@ -12,7 +12,7 @@ import torch
 
 from models import build_model
 from models.generate import generate
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from pipeline.evaluation import lambada, plots, references, routing, text_metrics, word_order
 from pipeline.tokenization.spm import EOS_ID, load_sentencepiece, train_sentencepiece, training_lines
 

@@ -7,7 +7,8 @@ import torch
 
 from models import build_model
 from models.generate import generate
-from pipeline.inference.batched import GenRequest, check_fits, generate_batch
+from pipeline.inference.batched import generate_batch
+from pipeline.inference.requests import GenRequest, check_fits
 
 EOS = 3
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models import build_model
-from models.attention import KVCache
-from pipeline.inference.batched import GenRequest
+from models.layers.attention import KVCache
+from pipeline.inference.requests import GenRequest
 from models.generate import generate
 from pipeline.inference.engine import (FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, Engine,
                                          serve_dropless)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from models import ModelConfig, build_model
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from pipeline.config import OptimizerSection, TrainSection
 from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
 from pipeline.training.checkpoint.canonical import load_canonical, save_canonical

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models import build_model
-from models.loss import lm_loss
+from models.layers.loss import lm_loss
 from pipeline.training.parallelize import apply_activation_checkpointing
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.grouped_experts import StackedExperts, unstack_expert_state
+from models.layers.grouped_experts import StackedExperts, unstack_expert_state
 from pipeline.training.checkpoint.canonical import STATE_KEYS, _stacked
 
 

@@ -1,10 +1,10 @@
 """The encoder-decoder Transformer (``arch: encoder_decoder``): an encoder over the source and a decoder
 with cross-attention over its output, trained to denoise (T5 span corruption).
 
-Built as `models.encdec.EncoderDecoderLM`, exported as MarianMTModel (sinusoidal positions) or BART
-(learned positions, embedding_norm) by `models.hf_marian`. Its own fields: the encoder depth, the
-embedding norm and the denoising objective's two settings, whose arithmetic (`span_counts`,
-`denoising_lengths`) lives here so that the config, the data and evaluation all read it from the family.
+Built as `models.families.encdec.model.EncoderDecoderLM`, exported as MarianMTModel (sinusoidal positions) or BART
+(learned positions, embedding_norm) by `models.families.encdec.hf_marian`. Its own fields: the encoder depth, the
+embedding norm and the denoising objective's two settings, whose arithmetic (`span_counts`, `denoising_lengths`)
+lives here so that the config, the data and evaluation all read it from the family.
 
 Accounting: N and the attention term per token of either stack, with the source and target streams
 taken as equally long (S = T = seq_len): half the FLOPs of one source token through the encoder plus one
@@ -16,12 +16,12 @@ per source token, once per request.
 
 from __future__ import annotations
 
-from models import hf_marian
 from models.config import ModelConfig
-from models.encdec import EncoderDecoderLM
-from models.families.attention import attention_kind
+from models.families.encdec import hf_marian
+from models.families.encdec.model import EncoderDecoderLM
 from models.families.parts import ffn_params, norm_params, require
 from models.families.spec import Family
+from models.layers.kinds import attention_kind
 
 
 def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch="encoder_decoder",
+    arch=EncoderDecoderLM.ARCH,
     title="encoder-decoder Transformer",
     fields=("n_encoder_layers", "embedding_norm", "denoise_noise_density", "denoise_mean_span_length"),
     check=_check,

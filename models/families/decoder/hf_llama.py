@@ -5,7 +5,7 @@ by num_kv_heads). Our layout was chosen so that the conversion is a pure renamin
 feature pairing as HF's rotate_half (no q/k permutation), the same GQA head grouping, and per-expert
 w1/w2/w3 tensors in Mixtral's checkpoint naming. One table (`_LAYER_NAMES`) says which of our names is
 which of theirs; import reads it backwards. `common_config` and `common_fields` are the config.json
-keys every Llama-like class shares (DeepseekV2 adds its own: `models.hf_deepseek`).
+keys every Llama-like class shares (DeepseekV2 adds its own: `models.families.decoder.hf_deepseek`).
 
 Shape legend: none (names and dicts only).
 """
@@ -18,7 +18,7 @@ import torch
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
-from models.grouped_experts import unstack_expert_state
+from models.layers.grouped_experts import unstack_expert_state
 
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}

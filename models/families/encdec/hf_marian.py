@@ -15,7 +15,7 @@ embedding table shared by encoder, decoder and (tied) output, separate encoder a
 config.json says `scale_embedding: false`, since Conduit's models add positions to unscaled embeddings.
 
 One difference is not a renaming: Marian's sinusoidal table puts the sines in the first half of the
-features and the cosines in the second, where ours (models.positions, the paper's formula) interleaves
+features and the cosines in the second, where ours (models.layers.positions, the paper's formula) interleaves
 them. Both hold the same D numbers per position, so the two models are the same function of their
 inputs once the residual stream's features are relabelled by the permutation `_PERM` (Marian feature j
 = our feature perm[j]): every tensor that reads the residual stream (embeddings, lm_head, q/k/v

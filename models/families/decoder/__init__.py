@@ -1,7 +1,7 @@
 """The decoder-only Transformer (``arch: decoder``): dense or MoE, with either attention kind.
 
-Built as `models.transformer.Transformer`; exported as Llama / Mixtral (mha) or DeepseekV2 / V3 (mla), by
-the attention kind's entry (`models.families.attention`). Accounting (PaLM, Chowdhery et al. 2022,
+Built as `models.families.decoder.model.Transformer`; exported as Llama / Mixtral (mha) or DeepseekV2 / V3 (mla)
+(`HF_FORMAT_OF_ATTENTION`, by attention kind). Accounting (PaLM, Chowdhery et al. 2022,
 appendix B; `models.accounting` has the formulas):
 - embedding: the token table, a learned position table if any, and the output head unless tied;
 - active: total minus, in every MoE layer, the (E - k) routed experts a token does not visit;
@@ -12,10 +12,19 @@ appendix B; `models.accounting` has the formulas):
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.attention import ATTENTION_KINDS, attention_kind
+from models.families.decoder import hf_deepseek, hf_llama
+from models.families.decoder.model import Transformer
 from models.families.parts import ffn_params, norm_params
 from models.families.spec import Family
-from models.transformer import Transformer
+from models.layers.kinds import attention_kind
+
+# The Hugging Face class a decoder exports as, by attention kind (`models.layers.kinds`): mha as Llama /
+# Mixtral, mla as DeepseekV2, or DeepseekV3 when its MoE layers route with the sigmoid router. A new
+# attention kind that decoders may use adds its format here.
+HF_FORMAT_OF_ATTENTION = {
+    "mha": lambda cfg: hf_llama.FORMAT,
+    "mla": hf_deepseek.format_for,
+}
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -58,7 +67,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch="decoder",
+    arch=Transformer.ARCH,
     title="decoder-only Transformer",
     fields=(),
     check=_check,
@@ -66,7 +75,7 @@ FAMILY = Family(
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
-    hf_format=lambda cfg: attention_kind(cfg).hf_format(cfg),
-    hf_formats=tuple(fmt for kind in ATTENTION_KINDS.values() for fmt in kind.hf_formats),
+    hf_format=lambda cfg: HF_FORMAT_OF_ATTENTION[cfg.attention](cfg),
+    hf_formats=(hf_llama.FORMAT, hf_deepseek.FORMAT, hf_deepseek.FORMAT_V3),
     describe=lambda cfg: "MoE" if cfg.num_experts else "dense",
 )

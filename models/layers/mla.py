@@ -20,7 +20,7 @@ section 2.1.3).
 
 The two latent norms are RMSNorms with eps 1e-6, DeepSeek-V2's value (its reference code and
 Hugging Face's DeepseekV2 hard-code it), whatever cfg.norm_eps is. RoPE uses Conduit's split-halves
-feature pairing (models.positions); Hugging Face's DeepseekV2 pairs adjacent features, and
+feature pairing (models.layers.positions); Hugging Face's DeepseekV2 pairs adjacent features, and
 models.export permutes the RoPE rows of q and kv_a to match (the attention scores are unchanged).
 The cache stores c_KV and k_rope, and keys and values are re-expanded from them every step (the
 "absorbed" form that folds kv_b_proj into q and o_proj is a further speed-up left out here).
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import KVCache, explicit_attention
 from models.config import ModelConfig
-from models.norms import RMSNorm
-from models.positions import apply_rope, yarn_softmax_scale
+from models.layers.attention import KVCache, explicit_attention
+from models.layers.norms import RMSNorm
+from models.layers.positions import apply_rope, yarn_softmax_scale
 
 MLA_LATENT_NORM_EPS = 1e-6
 
@@ -51,15 +51,12 @@ class MultiHeadLatentAttention(nn.Module):
     kv_a_layernorm), kv_b_proj, o_proj.
 
     Args:
-        cfg: model config with attention "mla".
+        cfg: model config with attention "mla" (the attention-kind table, ``models.layers.kinds``, builds
+            this module for those configs only; its MLA checks have run on ``cfg``).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from models.families import attention_kind  # the table imports this module
-
-        if attention_kind(cfg).build is not MultiHeadLatentAttention:
-            raise ValueError(f"MultiHeadLatentAttention needs attention='mla', got {cfg.attention!r}")
         self.n_heads = cfg.n_heads
         self.kv_lora_rank = cfg.resolved_kv_lora_rank
         self.nope_dim = cfg.resolved_qk_nope_head_dim

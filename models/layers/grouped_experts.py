@@ -8,7 +8,7 @@ block e of the per-expert (Mixtral) layout ``experts.{e}.w1.weight`` (F, D), and
 and `unstack_expert_state` convert between the two (exports write the per-expert layout; a state
 dict in it, an older checkpoint or a Hugging Face import, loads into the stacked one).
 
-Both dispatchers (``models.moe.LocalDispatcher`` and expert parallelism's ``AllToAllDispatcher``) end up
+Both dispatchers (``models.layers.moe.LocalDispatcher`` and expert parallelism's ``AllToAllDispatcher``) end up
 with the same thing: rows ``x_SD`` sorted by expert, and how many rows each expert owns (``counts_E``).
 ``run_experts`` turns that into the experts' outputs ``y_SD`` in the same row order, in one of two ways:
 

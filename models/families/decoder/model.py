@@ -8,7 +8,7 @@ Layout (names chosen to map one-to-one onto Hugging Face Llama / Mixtral tensors
 With `tie_embeddings`, lm_head.weight is the same Parameter as tok_embeddings.weight.
 
 `__init__` only creates parameters; `init_weights()` sets all of them. The only buffers are a sigmoid
-router's score biases (`models.moe`), which `init_weights()` zeroes too (positions.py computes its
+router's score biases (`models.layers.moe`), which `init_weights()` zeroes too (positions.py computes its
 tables per call), so this works on the meta device:
 
     with torch.device("meta"):
@@ -22,40 +22,17 @@ Shape legend: B batch, T time (new tokens), S key time, D d_model, V vocab, H he
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-from models.attention import KVCache, build_attention_mask
-from models.block import TransformerBlock, init_ffn
 from models.config import ModelConfig
-from models.head import LMHead, head_output
-from models.norms import LayerNorm, RMSNorm, build_norm
-from models.positions import alibi_slopes, rope_cos_sin, sinusoidal_table
-
-
-@dataclass
-class ModelOutput:
-    """What `Transformer.forward` returns.
-
-    Attributes:
-        logits: (B, T, V); None when the forward was given targets (it returns their loss instead).
-        aux_loss: scalar; sum over MoE layers of moe_aux_loss_coef * load balance + moe_z_loss_coef *
-            z-loss (differentiable); a zero tensor for dense models. Add it to the LM loss.
-        moe_stats: one dict per MoE layer (see `MoEFeedForward.forward`), detached.
-        attentions: one (B, H, T, S) weight tensor per layer when return_attention, else None.
-        kv_cache: the cache passed in (now extended), or None.
-        loss: the LM loss of the targets given to the forward (``models.head.LMHead``), else None;
-            ``aux_loss`` is not in it.
-    """
-
-    logits: torch.Tensor | None
-    aux_loss: torch.Tensor
-    moe_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    attentions: list[torch.Tensor] | None = None
-    kv_cache: KVCache | None = None
-    loss: torch.Tensor | None = None
+from models.layers.attention import KVCache, build_attention_mask
+from models.layers.base import ModelOutput, init_base
+from models.layers.block import TransformerBlock, init_ffn
+from models.layers.head import LMHead, head_output
+from models.layers.kinds import attention_kind
+from models.layers.norms import LayerNorm, RMSNorm, build_norm
+from models.layers.positions import alibi_slopes, rope_cos_sin, sinusoidal_table
 
 
 class Transformer(nn.Module):
@@ -65,6 +42,8 @@ class Transformer(nn.Module):
         cfg: the model config.
     """
 
+    ARCH = "decoder"  # the family's name in the table (models.families); its Family record reads it
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -73,7 +52,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_encoding == "learned" else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        kind = attention_kind(cfg)  # the block takes its attention module from the kind table (models.layers.kinds)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, kind.build(cfg)) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg) if cfg.norm_position == "pre" else None
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size)
         self.tie_weights()
@@ -129,7 +109,7 @@ class Transformer(nn.Module):
             kv_cache: a `KVCache` to read and extend (incremental decoding), or None.
             return_attention: return per-layer attention weights (explicit, slower path).
             targets_BT: next-token targets (``ignore_index`` where none): the output then holds their
-                loss and no logits (see ``models.head.LMHead``).
+                loss and no logits (see ``models.layers.head.LMHead``).
             **loss_options: ``LMHead.forward``'s (label_smoothing, chunk_tokens, reduction, ignore_index).
 
         Returns:
@@ -198,7 +178,7 @@ class Transformer(nn.Module):
 
     def output(self, x_BTD: torch.Tensor, targets_BT: torch.Tensor | None,
                loss_options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The model's output end: the final norm, then the head (``models.head.head_output``): (logits,
+        """The model's output end: the final norm, then the head (``models.layers.head.head_output``): (logits,
         None), or (None, loss) with targets. One region of its own (``pipeline.training.parallelize``
         compiles it as a unit, as it does each block)."""
         if self.norm is not None:
@@ -208,21 +188,5 @@ class Transformer(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache on this model's device and dtype (max_len defaults to max_seq_len)."""
         p = self.tok_embeddings.weight
-        return KVCache.for_config(self.cfg, batch_size, max_len, device=p.device, dtype=p.dtype)
-
-
-@torch.no_grad()
-def init_base(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
-    """The start of every family's ``init_weights``: linear and embedding weights ~ normal(0, std),
-    linear biases 0, norms reset (weight 1, bias 0), in ``model.modules()`` order (so a seeded
-    generator draws the same numbers whichever family calls it). Each family then redraws its own
-    residual projections."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std, generator=generator)
-        elif isinstance(module, (RMSNorm, LayerNorm)):
-            module.reset_parameters()
+        return KVCache.for_config(self.cfg, batch_size, max_len, device=p.device, dtype=p.dtype,
+                                  shape=attention_kind(self.cfg).cache_shape(self.cfg))

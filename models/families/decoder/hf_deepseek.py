@@ -3,7 +3,7 @@
 
 A decoder with multi-head latent attention exports as DeepseekV3 when its MoE layers route with the
 sigmoid router (``moe_router: sigmoid``), else as DeepseekV2 (the attention kind "mla" in
-`models.families.attention` picks the format by `format_for`); these functions only map dicts (no file I/O).
+`models.layers.kinds` picks the format by `format_for`); these functions only map dicts (no file I/O).
 
 What maps how:
 - names: Conduit's MLA parameters carry DeepseekV2's names except `kv_a_proj` (HF
@@ -43,10 +43,10 @@ import re
 
 import torch
 
-from models import hf_llama
 from models.config import ModelConfig
+from models.families.decoder import hf_llama
 from models.families.spec import HFFormat
-from models.grouped_experts import unstack_expert_state
+from models.layers.grouped_experts import unstack_expert_state
 
 # Our MLA / MoE names (after "layers.{i}.") -> DeepseekV2's (after "model.layers.{i}.").
 _ATTN_NAMES = {

@@ -1,11 +1,11 @@
 """Hybrid attention + Mamba-2 models (``arch: hybrid``): a layer pattern of the two mixers, each layer with a
 feed-forward (Jamba, Bamba, Nemotron-H, Granite 4.0).
 
-Built as `models.hybrid.HybridLM`; exported as GraniteMoeHybridForCausalLM (`models.hf_granite_hybrid`),
-the transformers class that takes any pattern of attention and Mamba-2 layers with full RoPE (or none)
-and a dense SwiGLU after each. Its own field is ``hybrid_layers`` (one letter per layer, "A" attention, "M"
-Mamba-2); it reads Mamba-2's ssm_* fields and every attention, position, FFN and MoE field of the
-decoder. The layers are pre-norm, as every hybrid above.
+Built as `models.families.hybrid.model.HybridLM`; exported as GraniteMoeHybridForCausalLM
+(`models.families.hybrid.hf_granite_hybrid`), the transformers class that takes any pattern of attention and
+Mamba-2 layers with full RoPE (or none) and a dense SwiGLU after each. Its own field is ``hybrid_layers`` (one
+letter per layer, "A" attention, "M" Mamba-2); it reads Mamba-2's ssm_* fields and every attention, position, FFN
+and MoE field of the decoder. The layers are pre-norm, as every hybrid above.
 
 Accounting: per layer two norms, the mixer (the attention kind's parameters, or a Mamba-2 mixer's) and
 the FFN (dense, or MoE counted as the decoder counts it); the final norm and the embedding. FLOPs per
@@ -16,13 +16,13 @@ attention layers' keys and values per token; the Mamba-2 layers add a fixed stat
 
 from __future__ import annotations
 
-from models import hf_granite_hybrid
 from models.config import ModelConfig
 from models.families import mamba2
-from models.families.attention import attention_kind
+from models.families.hybrid import hf_granite_hybrid
+from models.families.hybrid.model import ATTENTION, MAMBA, HybridLM
 from models.families.parts import ffn_params, norm_params, require
 from models.families.spec import Family
-from models.hybrid import ATTENTION, MAMBA, HybridLM
+from models.layers.kinds import attention_kind
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -67,7 +67,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch="hybrid",
+    arch=HybridLM.ARCH,
     title="hybrid attention + Mamba-2",
     fields=mamba2.FAMILY.fields + ("hybrid_layers",),
     check=_check,

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.head import LMHead, head_output
-from models.norms import RMSNorm
-from models.transformer import ModelOutput, init_base
+from models.layers.base import ModelOutput, init_base
+from models.layers.head import LMHead, head_output
+from models.layers.norms import RMSNorm
 
 SCAN_CHUNK = 4  # steps per chunk of the parallel scan: the fastest of 1-32 on CPU (benchmarks/mamba_speed.py)
 
@@ -330,14 +330,13 @@ class MambaLM(nn.Module):
         cfg: the model config.
     """
 
-    BLOCK: type = None  # MambaBlock (set below); models.mamba2.Mamba2LM sets its own blocks and state
+    ARCH = "mamba"  # the family's name in the table (models.families); the Family record reads it here
+    BLOCK: type = None  # MambaBlock (set below); models.families.mamba2.model.Mamba2LM sets its own blocks and state
     STATE: type = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from models.families import family  # the table imports this module
-
-        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not type(self):
+        if not isinstance(cfg, ModelConfig) or cfg.arch != self.ARCH:
             raise ValueError(f"{type(self).__name__} expects a ModelConfig of its arch, got {cfg!r}")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -383,7 +382,7 @@ class MambaLM(nn.Module):
             targets_BT, loss_options: as ``Transformer.forward``'s.
 
         Returns:
-            models.transformer.ModelOutput (zero aux_loss, no MoE stats).
+            models.families.decoder.model.ModelOutput (zero aux_loss, no MoE stats).
 
         Raises:
             ValueError: on bad shapes, return_attention, or a sequence longer than max_seq_len.

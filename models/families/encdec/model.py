@@ -1,6 +1,6 @@
 """The encoder-decoder Transformer (Vaswani et al. 2017), built from Conduit's decoder parts.
 
-Layout (names follow models.transformer, so the same attention, FFN, norm and position code serves both):
+Layout (names follow models.families.decoder.model, so the same attention, FFN, norm and position code serves both):
     tok_embeddings (V, D), shared by the encoder, the decoder and (with tie_embeddings) lm_head
     encoder: tok_embeddings [+ encoder_pos_embeddings | + sinusoidal] [-> encoder_embed_norm] -> dropout
              -> encoder_layers[i]: TransformerBlock with a bidirectional, padding-masked self-attention
@@ -33,15 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import Attention, KVCache, build_attention_mask
-from models.block import TransformerBlock
 from models.config import ModelConfig
-from models.ffn import FeedForward
-from models.generate import sample_next
-from models.head import LMHead, head_output
-from models.norms import build_norm
-from models.positions import rope_cos_sin, sinusoidal_table
-from models.transformer import ModelOutput, init_base
+from models.layers.attention import Attention, KVCache, build_attention_mask
+from models.layers.base import ModelOutput, init_base
+from models.layers.block import TransformerBlock
+from models.layers.ffn import FeedForward
+from models.layers.head import LMHead, head_output
+from models.layers.kinds import attention_kind
+from models.layers.norms import build_norm
+from models.layers.positions import rope_cos_sin, sinusoidal_table
+from models.layers.sampling import sample_next
 
 
 @dataclass
@@ -92,7 +93,7 @@ class DecoderBlock(nn.Module):
     """Causal self-attention, cross-attention and feed-forward, each with a residual, pre- or post-norm.
 
     Norms: attn_norm (self-attention), cross_norm (cross-attention), ffn_norm, placed as in
-    models.block (before the sublayer for pre-norm, after the residual sum for post-norm).
+    models.layers.block (before the sublayer for pre-norm, after the residual sum for post-norm).
 
     Args:
         cfg: model config.
@@ -142,11 +143,11 @@ class EncoderDecoderLM(nn.Module):
         ValueError: when cfg.arch is not 'encoder_decoder'.
     """
 
+    ARCH = "encoder_decoder"  # the family's name in the table (models.families); its Family record reads it
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from models.families import family  # the table imports this module
-
-        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not EncoderDecoderLM:
+        if not isinstance(cfg, ModelConfig) or cfg.arch != self.ARCH:
             raise ValueError(f"EncoderDecoderLM expects a ModelConfig with arch 'encoder_decoder', got {cfg!r}")
         self.cfg = cfg
         learned = cfg.pos_encoding == "learned"
@@ -156,7 +157,8 @@ class EncoderDecoderLM(nn.Module):
         self.encoder_embed_norm = build_norm(cfg) if cfg.embedding_norm else None
         self.embed_norm = build_norm(cfg) if cfg.embedding_norm else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.encoder_layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.resolved_n_encoder_layers))
+        self.encoder_layers = nn.ModuleList(TransformerBlock(cfg, i, attention_kind(cfg).build(cfg))
+                                            for i in range(cfg.resolved_n_encoder_layers))
         self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
         pre = cfg.norm_position == "pre"
         self.encoder_norm = build_norm(cfg) if pre else None
@@ -327,7 +329,8 @@ class EncoderDecoderLM(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty decoder self-attention cache on this model's device and dtype."""
         p = self.tok_embeddings.weight
-        return KVCache.for_config(self.cfg, batch_size, max_len, device=p.device, dtype=p.dtype)
+        return KVCache.for_config(self.cfg, batch_size, max_len, device=p.device, dtype=p.dtype,
+                                  shape=attention_kind(self.cfg).cache_shape(self.cfg))
 
 
 @torch.no_grad()

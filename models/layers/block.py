@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import KVCache
 from models.config import ModelConfig
-from models.ffn import FeedForward
-from models.moe import MoEFeedForward
-from models.norms import build_norm
+from models.layers.attention import KVCache
+from models.layers.ffn import FeedForward
+from models.layers.moe import MoEFeedForward
+from models.layers.norms import build_norm
 
 
 def build_ffn(cfg: ModelConfig, is_moe: bool) -> nn.Module:
@@ -46,17 +46,17 @@ class TransformerBlock(nn.Module):
     Args:
         cfg: model config.
         layer_idx: 0-based index; decides whether the FFN is MoE (`cfg.is_moe_layer`).
+        attn: the layer's attention module, built by the model from its attention kind
+            (``models.layers.kinds``): the block takes it rather than asking the table.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn: nn.Module) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.pre_norm = cfg.norm_position == "pre"
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.attn_norm = build_norm(cfg)
-        from models.families import attention_kind  # the table imports this module
-
-        self.attn: nn.Module = attention_kind(cfg).build(cfg)
+        self.attn: nn.Module = attn
         self.ffn_norm = build_norm(cfg)
         self.ffn: nn.Module = build_ffn(cfg, self.is_moe)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -71,7 +71,7 @@ class TransformerBlock(nn.Module):
         mask_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict | None]:
         """Apply the block. ``mask_BT`` (the new tokens' padding mask) is for blocks that read it
-        (``models.hybrid``'s Mamba-2 layers); attention reads ``attn_mask``.
+        (``models.families.hybrid.model``'s Mamba-2 layers); attention reads ``attn_mask``.
 
         Returns:
             (x_BTD, attention weights (B, H, T, S) or None, MoE aux loss or None, MoE stats or None).

@@ -1,9 +1,14 @@
 """The attention kinds of a Transformer layer (``ModelConfig.attention``), as entries in one table.
 
-- ``mha``: multi-head attention, with GQA/MQA through num_kv_heads (`models.attention.Attention`);
+The table sits beside the layers it describes and above them: no layer imports it. A family's model
+looks its kind up here and hands the layers what they need (the attention module a block builds, the
+cache shape ``KVCache.for_config`` allocates); which Hugging Face class a decoder of each kind exports
+as is the decoder family's business (`models.families.decoder`).
+
+- ``mha``: multi-head attention, with GQA/MQA through num_kv_heads (`models.layers.attention.Attention`);
   decoders export as Llama / Mixtral.
 - ``mla``: multi-head latent attention (DeepSeek-V2): keys and values from one compressed latent per
-  token (`models.mla.MultiHeadLatentAttention`); decoders export as DeepseekV2, or as DeepseekV3 when
+  token (`models.layers.mla.MultiHeadLatentAttention`); decoders export as DeepseekV2, or as DeepseekV3 when
   their MoE layers route with the sigmoid router.
 
 Parameters per layer (biases when ``bias``), with D d_model, H heads, G key/value heads, K head_dim:
@@ -16,11 +21,42 @@ KV-cache elements per layer and token: mha 2*G*K (a key and a value per key/valu
 
 from __future__ import annotations
 
-from models import hf_deepseek, hf_llama
-from models.attention import Attention
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
 from models.config import ModelConfig
-from models.families.spec import AttentionKind
-from models.mla import MultiHeadLatentAttention
+from models.layers.attention import Attention
+from models.layers.mla import MultiHeadLatentAttention
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """One value of ``ModelConfig.attention``: its module, its own fields and checks, its sizes.
+
+    Attributes:
+        name: the value of ``attention``.
+        fields: ModelConfig fields only this kind reads; under another kind they must stay at their default.
+        check: raises ValueError, naming the field, on a config this kind cannot run.
+        build: the attention module of one layer.
+        params: one layer's attention parameters.
+        score_and_value_width: per head, the width of Q K^T plus that of A V (the attention FLOPs term).
+        cache_width: per layer and token, the elements the KV cache holds.
+        cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
+        rope_head_dim: how many features of each query/key head RoPE rotates.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    check: Callable[["ModelConfig"], None]
+    build: Callable[["ModelConfig"], "nn.Module"]
+    params: Callable[["ModelConfig"], int]
+    score_and_value_width: Callable[["ModelConfig"], int]
+    cache_width: Callable[["ModelConfig"], int]
+    cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
+    rope_head_dim: Callable[["ModelConfig"], int]
 
 
 def _mha_params(cfg: ModelConfig) -> int:
@@ -72,8 +108,6 @@ MHA = AttentionKind(
     cache_width=lambda cfg: 2 * cfg.resolved_num_kv_heads * cfg.head_dim,
     cache_shape=lambda cfg: (cfg.resolved_num_kv_heads, cfg.head_dim, None),
     rope_head_dim=lambda cfg: cfg.head_dim,
-    hf_format=lambda cfg: hf_llama.FORMAT,
-    hf_formats=(hf_llama.FORMAT,),
 )
 
 MLA = AttentionKind(
@@ -87,8 +121,6 @@ MLA = AttentionKind(
     cache_width=lambda cfg: cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim,
     cache_shape=lambda cfg: (1, cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim),
     rope_head_dim=lambda cfg: cfg.resolved_qk_rope_head_dim,
-    hf_format=hf_deepseek.format_for,
-    hf_formats=(hf_deepseek.FORMAT, hf_deepseek.FORMAT_V3),
 )
 
 # The table: adding an attention kind is one module and one line here.

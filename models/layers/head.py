@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.loss import linear_cross_entropy
+from models.layers.loss import linear_cross_entropy
 
 
 class LMHead(nn.Linear):
@@ -28,7 +28,7 @@ class LMHead(nn.Linear):
                 label_smoothing: float = 0.0, chunk_tokens: int = 0, reduction: str = "mean",
                 ignore_index: int = -100) -> torch.Tensor:
         """Logits (B, T, V) when ``targets_BT`` is None; else the scalar loss of
-        ``models.loss.linear_cross_entropy`` (``chunk_tokens`` > 0: never holding the whole logits)."""
+        ``models.layers.loss.linear_cross_entropy`` (``chunk_tokens`` > 0: never holding the whole logits)."""
         if targets_BT is None:
             return F.linear(x_BTD, self.weight)
         return linear_cross_entropy(x_BTD, self.weight, targets_BT, label_smoothing, ignore_index, chunk_tokens,

@@ -17,7 +17,7 @@ more matmul, and a scan over the T / Q chunks carries the state from chunk to ch
 matmuls plus a loop of T / Q steps, not a loop over tokens. Generation keeps, per layer, the last K - 1
 conv inputs and the (H, P, N) state (``Mamba2State``): one token costs the same whatever came before.
 
-Names and layout follow transformers' ``Mamba2ForCausalLM`` (``models.hf_mamba2``), so export is a
+Names and layout follow transformers' ``Mamba2ForCausalLM`` (``models.families.mamba2.hf_mamba2``), so export is a
 renaming; the model answers the Transformer's calls as ``MambaLM`` does (it is one, with other blocks).
 
 Shape legend: B batch, T time, D d_model, E inner width, H heads, P head width, G groups, N state,
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.mamba import DT_FLOOR, DT_MAX, DT_MIN, MambaLM, MambaState
-from models.norms import RMSNorm
+from models.families.mamba.model import DT_FLOOR, DT_MAX, DT_MIN, MambaLM, MambaState
+from models.layers.norms import RMSNorm
 
 
 class Mamba2State(MambaState):
@@ -218,6 +218,7 @@ class Mamba2Block(nn.Module):
 class Mamba2LM(MambaLM):
     """Mamba-2 language model (arch 'mamba2'): ``MambaLM`` with Mamba-2 blocks and state."""
 
+    ARCH = "mamba2"
     BLOCK = Mamba2Block
     STATE = Mamba2State
 

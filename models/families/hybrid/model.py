@@ -1,7 +1,7 @@
 """Hybrid language models: attention layers among Mamba-2 layers (Jamba, Bamba, Nemotron-H, Granite 4.0).
 
 ``cfg.hybrid_layers`` names each layer's sequence mixer, one letter per layer: "A" the Transformer's
-attention (either kind, any of its position options), "M" a Mamba-2 mixer (``models.mamba2``). Every
+attention (either kind, any of its position options), "M" a Mamba-2 mixer (``models.families.mamba2.model``). Every
 layer then has the feed-forward sublayer, dense or MoE by ``cfg.is_moe_layer`` as in the Transformer:
 
     x = x + drop(mixer(mixer_norm(x)))        mixer: attention (A) or Mamba-2 (M)
@@ -14,7 +14,7 @@ take any decoder. Generation keeps both kinds of state in one object (``HybridSt
 of the attention layers (its rows and slots are what batching moves) with the Mamba-2 layers'
 ``Mamba2State`` beside it, moved row for row with the cache.
 
-Names follow transformers' ``GraniteMoeHybridForCausalLM`` (``models.hf_granite_hybrid``): the
+Names follow transformers' ``GraniteMoeHybridForCausalLM`` (``models.families.hybrid.hf_granite_hybrid``): the
 attention's q/k/v/o_proj and the Mamba-2 mixer's in_proj, conv1d, dt_bias, A_log, D, norm, out_proj.
 
 Shape legend: B batch, T time, D d_model, L layers.
@@ -27,13 +27,14 @@ import math
 import torch
 from torch import nn
 
-from models.attention import KVCache
-from models.block import build_ffn, init_ffn
 from models.config import ModelConfig
-from models.head import LMHead
-from models.mamba2 import Mamba2Mixer, Mamba2State
-from models.norms import build_norm
-from models.transformer import Transformer, init_base
+from models.families.decoder.model import Transformer, init_base
+from models.families.mamba2.model import Mamba2Mixer, Mamba2State
+from models.layers.attention import KVCache
+from models.layers.block import build_ffn, init_ffn
+from models.layers.head import LMHead
+from models.layers.kinds import attention_kind
+from models.layers.norms import build_norm
 
 ATTENTION, MAMBA = "A", "M"
 
@@ -56,8 +57,6 @@ class HybridState(KVCache):
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        from models.families import attention_kind  # the table imports this module
-
         heads, key_dim, value_dim = attention_kind(cfg).cache_shape(cfg)
         super().__init__(cfg.hybrid_layers.count(ATTENTION), batch_size, heads, key_dim,
                          cfg.max_seq_len if max_len is None else max_len, device, dtype, value_dim=value_dim)
@@ -91,8 +90,6 @@ class HybridBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        from models.families import attention_kind  # the table imports this module
-
         self.layer_idx = layer_idx
         self.kind, self.slot = layer_slots(cfg)[layer_idx]
         self.is_moe = cfg.is_moe_layer(layer_idx)
@@ -139,11 +136,11 @@ class HybridLM(Transformer):
         cfg: the model config.
     """
 
+    ARCH = "hybrid"  # the family's name in the table (models.families); its Family record reads it
+
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
-        from models.families import family  # the table imports this module
-
-        if not isinstance(cfg, ModelConfig) or family(cfg).model_class is not type(self):
+        if not isinstance(cfg, ModelConfig) or cfg.arch != self.ARCH:
             raise ValueError(f"HybridLM expects a ModelConfig of its arch, got {cfg!r}")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)

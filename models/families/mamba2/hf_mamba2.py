@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
+from models.families.mamba.hf_mamba import SSM_CONTEXT, check_ssm_config, renamer
 from models.families.spec import HFFormat
-from models.hf_mamba import SSM_CONTEXT, check_ssm_config, renamer
 
 _LAYER_PARTS = (
     "norm.weight", "mixer.in_proj.weight", "mixer.in_proj.bias", "mixer.conv1d.weight", "mixer.conv1d.bias",

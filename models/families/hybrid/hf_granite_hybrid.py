@@ -24,9 +24,9 @@ import re
 import torch
 
 from models.config import ModelConfig
+from models.families.decoder.hf_llama import common_config, common_fields
+from models.families.mamba.hf_mamba import check_ssm_config
 from models.families.spec import HFFormat
-from models.hf_llama import common_config, common_fields
-from models.hf_mamba import check_ssm_config
 
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}

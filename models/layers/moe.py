@@ -30,11 +30,11 @@ them, run the local experts, all-to-all back, combine). Both order the kept slot
 `SlotOrder` (here), so the grouping and the weighted combine are written once. The router, losses and
 statistics stay here and need no change.
 
-Expert storage: `experts` is a `models.grouped_experts.StackedExperts`: one tensor per projection over
+Expert storage: `experts` is a `models.layers.grouped_experts.StackedExperts`: one tensor per projection over
 the experts (``experts.w13`` (E, 2F, D), gate rows then up rows, and ``experts.w2`` (E, D, F) for
 SwiGLU), the layout the grouped matmul consumes, so no forward stacks anything. Expert e's slices
 are the per-expert tensors of a Hugging Face Mixtral checkpoint (`block_sparse_moe.experts.{e}.w1/w2/w3`);
-exports unstack them (`models.grouped_experts.unstack_expert_state`) and a per-expert state dict
+exports unstack them (`models.layers.grouped_experts.unstack_expert_state`) and a per-expert state dict
 (an older checkpoint, an HF import) loads into the stacked layout.
 
 Capacity (when `moe_capacity_factor` is not None):
@@ -70,8 +70,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.ffn import FeedForward
-from models.grouped_experts import StackedExperts, run_experts
+from models.layers.ffn import FeedForward
+from models.layers.grouped_experts import StackedExperts, run_experts
 
 
 @dataclass
@@ -162,7 +162,7 @@ class LocalDispatcher:
     Args:
         experts: every expert of the layer, stacked. Held by reference (a dispatcher is not a module:
             the layer registers the experts).
-        impl: how the experts run (``models.grouped_experts.run_experts``): "auto", "grouped_mm" or "loop".
+        impl: how the experts run (``models.layers.grouped_experts.run_experts``): "auto", "grouped_mm" or "loop".
     """
 
     def __init__(self, experts: StackedExperts, impl: str = "auto") -> None:

@@ -1,24 +1,24 @@
 """Mamba (``arch: mamba``, Gu & Dao 2023): selective state-space blocks, no attention.
 
-Built as `models.mamba.MambaLM`, exported as MambaForCausalLM (`models.hf_mamba`). Its own fields are
-the ssm_* sizes. A Mamba block is pre-norm RMSNorm with no positions, attention or experts, so a
+Built as `models.families.mamba.model.MambaLM`, exported as MambaForCausalLM (`models.families.mamba.hf_mamba`).
+Its own fields are the ssm_* sizes. A Mamba block is pre-norm RMSNorm with no positions, attention or experts, so a
 config asking for those is refused rather than silently ignored.
 
 Accounting: per layer a norm, in_proj (D -> 2E), the depthwise conv (E x K and its bias), x_proj
 (E -> R + 2N), dt_proj (R -> E with bias), A_log (E x N), D (E) and out_proj (E -> D). FLOPs: 6 N for
 the projections and the convolution, and in place of attention the selective scan's 9 E N per token and
 layer forward (Gu & Dao, section 3.3.2), times 3 for forward + backward; it does not grow with T. The
-generation state is fixed-size (`models.mamba.MambaState`): nothing is cached per token; per layer and
+generation state is fixed-size (`models.families.mamba.model.MambaState`): nothing is cached per token; per layer and
 sequence it holds (K - 1) E conv inputs in the model's dtype and E N fp32 state values.
 """
 
 from __future__ import annotations
 
-from models import hf_mamba
 from models.config import ModelConfig
+from models.families.mamba import hf_mamba
+from models.families.mamba.model import MambaLM
 from models.families.parts import require
 from models.families.spec import Family
-from models.mamba import MambaLM
 
 
 def stack_counts(cfg: ModelConfig, layer: int) -> dict[str, int]:
@@ -62,7 +62,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch="mamba",
+    arch=MambaLM.ARCH,
     title="Mamba",
     fields=("ssm_state_size", "ssm_conv_kernel", "ssm_expand", "ssm_dt_rank"),
     check=_check,

@@ -1,25 +1,26 @@
 """Mamba-2 (``arch: mamba2``, Dao & Gu 2024): state-space dual blocks, trained by the chunked algorithm.
 
-Built as `models.mamba2.Mamba2LM`, exported as Mamba2ForCausalLM (`models.hf_mamba2`). Its own fields
-are ssm_head_dim, ssm_n_groups and ssm_chunk_size, beside the ssm_state_size, ssm_conv_kernel and
-ssm_expand it shares with Mamba. Like Mamba, no positions, attention or experts.
+Built as `models.families.mamba2.model.Mamba2LM`, exported as Mamba2ForCausalLM
+(`models.families.mamba2.hf_mamba2`). Its own fields are ssm_head_dim, ssm_n_groups and ssm_chunk_size, beside the
+ssm_state_size, ssm_conv_kernel and ssm_expand it shares with Mamba. Like Mamba, no positions, attention or
+experts.
 
 Accounting: per layer a norm, in_proj (D -> E + C + H, C = E + 2 G N the conv width), the depthwise
 conv (C x K and its bias), dt_bias, A_log and D (H each), the gated norm (E) and out_proj (E -> D).
 FLOPs, forward per token and layer, of the chunked algorithm as computed (Q = ssm_chunk_size): the
 within-chunk scores C B^T and their product with the inputs, 2 Q H (N + P) (the whole Q x Q block,
 masked half included), and the chunk states in and out, 4 H P N; times 3 for forward + backward. It does
-not grow with T. The generation state is fixed-size (`models.mamba2.Mamba2State`): per layer and sequence
+not grow with T. The generation state is fixed-size (`models.families.mamba2.model.Mamba2State`): per layer and sequence
 (K - 1)(E + 2 G N) conv inputs in the model's dtype and H P N fp32 state values (`state_bytes`).
 """
 
 from __future__ import annotations
 
-from models import hf_mamba2
 from models.config import ModelConfig
 from models.families.mamba import require_ssm, stack_counts, stack_flops
+from models.families.mamba2 import hf_mamba2
+from models.families.mamba2.model import Mamba2LM
 from models.families.spec import Family
-from models.mamba2 import Mamba2LM
 
 
 def mixer_params(cfg: ModelConfig) -> int:
@@ -71,7 +72,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch="mamba2",
+    arch=Mamba2LM.ARCH,
     title="Mamba-2",
     fields=("ssm_state_size", "ssm_conv_kernel", "ssm_expand", "ssm_head_dim", "ssm_n_groups", "ssm_chunk_size"),
     check=_check,

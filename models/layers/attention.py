@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.positions import alibi_bias, apply_rope
+from models.layers.positions import alibi_bias, apply_rope
 
 
 class KVCache:
@@ -43,9 +43,10 @@ class KVCache:
     What a slot holds per layer is two tensors, written by `update` as "k" and "v":
     - attention 'mha': the RoPE'd keys and the values of the G key/value heads, (B, G, S, K) each;
     - attention 'mla': the compressed latent c_KV, (B, 1, S, kv_lora_rank), and the one RoPE'd key
-      shared by all heads, (B, 1, S, qk_rope_head_dim) (see models.mla). Per-head keys and values are
+      shared by all heads, (B, 1, S, qk_rope_head_dim) (see models.layers.mla). Per-head keys and values are
       re-expanded from these at every step; storing them would defeat MLA's purpose.
-    `for_config` picks the sizes; `models.accounting.kv_cache_bytes_per_token` counts them.
+    `for_config` allocates them at the shape the attention kind gives (`models.layers.kinds`, asked by the
+    model that owns the cache); `models.accounting.kv_cache_bytes_per_token` counts them.
 
     Attributes:
         length: number of filled slots (same for every row).
@@ -87,12 +88,14 @@ class KVCache:
         max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        *,
+        shape: tuple[int, int, int | None],
     ) -> "KVCache":
-        """An empty cache sized for `cfg` (max_len, in slots, defaults to cfg.max_seq_len)."""
+        """An empty cache of `cfg`'s layers (max_len, in slots, defaults to cfg.max_seq_len). `shape` is
+        (heads, key width, value width or None for the key width) per layer, as the attention kind says
+        (``models.layers.kinds.AttentionKind.cache_shape``; the model that owns the cache asks it)."""
         max_len = cfg.max_seq_len if max_len is None else max_len
-        from models.families import attention_kind  # the table imports this module
-
-        heads, key_dim, value_dim = attention_kind(cfg).cache_shape(cfg)
+        heads, key_dim, value_dim = shape
         return cls(cfg.n_layers, batch_size, heads, key_dim, max_len, device, dtype, value_dim=value_dim)
 
     def begin_step(self, attention_mask_BT: torch.Tensor) -> torch.Tensor:
