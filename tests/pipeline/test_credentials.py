@@ -52,11 +52,14 @@ def test_the_schema_walk_finds_the_uri_fields():
 
 @pytest.mark.parametrize("field", sorted(string_fields()))
 def test_a_credential_in_any_uri_field_is_refused_naming_the_field(field):
-    section, name = field.split(".")
+    *sections, name = field.split(".")
     is_list = string_fields()[field]
     for uri in WITH_CREDENTIALS:
+        raw = {name: [uri] if is_list else uri}
+        for section in reversed(sections):  # data.quality.language.languages -> {data: {quality: {...}}}
+            raw = {section: raw}
         with pytest.raises(ConfigError) as e:
-            config_from_dict({section: {name: [uri] if is_list else uri}})
+            config_from_dict(raw)
         message = str(e.value)
         assert f"{field}{'[0]' if is_list else ''} has credentials in its URI" in message, message
         assert SECRET not in message and "in the environment instead" in message
