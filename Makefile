@@ -121,7 +121,18 @@ bench: install
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05
 	$(PY) benchmarks/serve_vllm.py
 	$(PY) benchmarks/sweep.py
+	$(MAKE) $(DATATROVE_VENV)/.installed
+	$(PY) benchmarks/near_dedup.py --datatrove-python $(DATATROVE_VENV)/bin/python
 	$(PY) benchmarks/report.py
+
+# datatrove, the reference of benchmarks/near_dedup.py, in a venv of its own (it pins xxhash<4 and needs
+# spaCy for its English word tokenizer); only the benchmark uses it.
+DATATROVE_VENV ?= .venv-datatrove
+$(DATATROVE_VENV)/.installed: Makefile
+	test -x $(DATATROVE_VENV)/bin/python || $(PYTHON3) -m venv $(DATATROVE_VENV)
+	$(DATATROVE_VENV)/bin/python -m pip install -q datatrove==0.10.1 spacy==3.8.18 "xxhash<4" regex tokenizers \
+		pyarrow orjson nltk
+	touch $@
 
 # The whole pipeline on infra/local's cluster under a fault a minute (about 40 minutes; not in CI):
 # checks that it ends with the undisturbed run's model and loses nothing; reports in docs/reliability.md.
