@@ -233,6 +233,10 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
     if spec.scheduler == "asha" and not spec.validation_metric:
         raise ConfigError(f"{where}: sweep.scheduler asha prunes on the validation loss training reports "
                           f"(metric val_loss); metric {spec.metric!r} is only known at the end: use scheduler none")
+    if spec.scheduler == "asha" and spec.grace_steps > base_cfg.train.steps + 1:
+        raise ConfigError(f"{where}: sweep.grace_steps={spec.grace_steps} must be at most train.steps + 1 = "
+                          f"{base_cfg.train.steps + 1} (ASHA's grace period cannot pass the last step; "
+                          f"train.steps + 1 lets every trial finish)")
     if spec.validation_metric and not base_cfg.validation.every:
         raise ConfigError(f"{where}: metric val_loss needs validation during training: set validation.every in "
                           f"{base.name} or in sweep.overrides (e.g. validation.every=50)")

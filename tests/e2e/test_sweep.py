@@ -106,8 +106,8 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
 
     # As the shipped sweep runs (configs/sweeps/smoke_lr.yaml: asha, the seeded shuffled order, two trials
     # at once): the two trials train side by side, each worker on its share of the CPUs, and both finish
-    # (grace_steps 50 > 20 steps: ASHA has no rung to stop them at; its default, 1, would stop the one
-    # that reaches step 8 behind the other).
+    # (grace_steps 21, the most ASHA takes for 20 steps: its one rung, at 21, lies past the last report;
+    # the default, 1, puts rungs at 1, 2, 4, 8 and 16 and stops whichever trial reaches one behind).
     defaults = tmp_path / "defaults.yaml"
     defaults.write_text(yaml.safe_dump({"sweep": {
         "name": "e2e_defaults", "base": str(ROOT / "configs" / "smoke.yaml"),
@@ -116,7 +116,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
                       "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]",
                       "eval.max_text_tokens=512", "eval.lambada_max_examples=16", "train.progress_bar=false"],
         "space": {"optimizer.lr": {"grid": [3e-3, 1e-2]}}, "max_concurrent": 2, "register": "none",
-        "grace_steps": 50,
+        "grace_steps": 21,
     }}))
     spec = load_sweep(defaults)
     assert (spec.scheduler, spec.max_concurrent, spec.order) == ("asha", 2, "shuffled")

@@ -85,6 +85,8 @@ def test_a_sample_that_makes_an_invalid_config_is_refused_before_any_trial(tmp_p
     (dict(order="random"), r"sweep.order must be one of \['shuffled', 'as_written'\], got 'random'"),
     (dict(trails=4), r"unknown sweep key\(s\) \['trails'\]"),
     (dict(overrides=["validation.every=50", "train.stepz=5"]), r"stepz"),
+    (dict(overrides=["validation.every=10", "train.steps=20"], grace_steps=50),
+     r"sweep.grace_steps=50 must be at most train.steps \+ 1 = 21"),
 ])
 def test_bad_sweep_settings_are_named(tmp_path, sweep, message):
     with pytest.raises(ConfigError, match=message):
