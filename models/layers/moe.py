@@ -142,9 +142,10 @@ class SlotOrder:
         return x_ND.index_select(0, self.token_S)
 
     def combine(self, y_SD: torch.Tensor, x_ND: torch.Tensor) -> torch.Tensor:
-        """Per token, the weighted sum of its slots' expert outputs ``y_SD`` (zeros where all were dropped)."""
+        """Per token, the weighted sum of its slots' expert outputs ``y_SD`` (zeros where all were dropped),
+        summed in ``x_ND``'s dtype (under bf16 autocast the experts' outputs are bf16, the tokens fp32)."""
         y_SD = y_SD * self.weight_S.unsqueeze(1).to(y_SD.dtype)
-        return torch.zeros_like(x_ND).index_add_(0, self.token_S, y_SD)
+        return torch.zeros_like(x_ND).index_add_(0, self.token_S, y_SD.to(x_ND.dtype))
 
 
 class Dispatcher(Protocol):

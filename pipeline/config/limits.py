@@ -90,9 +90,9 @@ def offload(zero_stage: int, offload_optimizer: bool, offload_params: bool) -> s
     return None
 
 
-def compile_zero_stage(compile_blocks: bool, zero_stage: int) -> str | None:
+def compile_zero_stage(compile_blocks: bool | str, zero_stage: int) -> str | None:
     """ZeRO-3 gathers parameters in module hooks that a compiled block would trace."""
-    if not (compile_blocks and zero_stage == 3):
+    if not (compile_blocks is True and zero_stage == 3):  # compile auto is off under ZeRO-3
         return None
     return ("train.compile=true with train.zero_stage=3 is not supported (ZeRO-3 gathers parameters in module "
             "hooks that a compiled block would trace); use zero_stage 0-2 or compile=false")

@@ -136,12 +136,16 @@ class TrainSection:
     offload_optimizer: bool = False  # ZeRO 1-3: optimizer states and the step on the CPU
     offload_params: bool = False  # ZeRO-3: parameters live on the CPU between uses
     activation_checkpointing: bool = False  # recompute each block's activations in backward
-    # auto: fp32 on CPU, bf16 on GPU. bf16/fp16: DeepSpeed's mixed precision (16-bit weights, fp32
-    # master copy). amp_bf16: fp32 weights and optimizer, matmuls in bf16 under torch.autocast.
+    # auto: bf16 on GPU; on CPU fp32 or amp_bf16, whichever the run's own micro-steps measure faster
+    # (pipeline.training.precision_choice, cached per machine and shape). bf16/fp16: DeepSpeed's mixed
+    # precision (16-bit weights, fp32 master copy). amp_bf16: fp32 weights and optimizer, matmuls in
+    # bf16 under torch.autocast.
     precision: Literal["auto", "fp32", "bf16", "fp16", "amp_bf16"] = "auto"
     # torch.compile (inductor) by regions: every block, and the output end (final norm, LM head and the
-    # loss); not with zero_stage 3.
-    compile: bool = False
+    # loss); not with zero_stage 3. auto: on a GPU (ZeRO 0-2); on a CPU where the time it saves over the
+    # run's steps, measured on the run's own micro-steps, exceeds its compile time
+    # (pipeline.training.compile_choice, cached per machine and shape).
+    compile: Literal[False, True, "auto"] = "auto"
     # The LM head and the cross-entropy a chunk of this many tokens at a time, never holding the whole
     # logits (models.layers.loss.linear_cross_entropy); 0: the whole logits at once.
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -521,7 +525,7 @@ def _coerce(value: Any, hint: Any, name: str, source: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], name, source)
     if origin is Literal:
-        if value not in args:
+        if not any(value == a and type(value) is type(a) for a in args):  # 1 is not true, nor 1.0 the stage 1
             raise ConfigError(f"{source}: {name}={value!r} is not allowed; choose one of {list(args)}")
         return value
     if origin is list:

@@ -25,7 +25,7 @@ from models.export import load_safetensors
 from pipeline import tracking
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
-from pipeline.store.contracts import read_train_metrics, read_train_starts
+from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision
@@ -230,6 +230,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         raise RuntimeError(f"training failed: {result.error}") from result.error
     history = read_train_metrics(out_dir)
     starts = read_train_starts(out_dir)
+    chosen = read_train_precision(out_dir)  # where precision was auto on a CPU: what the workers chose
+    precision = chosen["precision"] if chosen else precision
     return {
         "starts": starts,  # [0] for a run that never restarted; a rerun after a crash begins past 0
         "steps": cfg.train.steps,

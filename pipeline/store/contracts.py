@@ -156,6 +156,21 @@ def read_train_starts(train_dir: Path) -> list[int]:
     return json.loads((Path(train_dir) / TRAIN_STARTS_FILE).read_text(encoding="utf-8"))
 
 
+TRAIN_PRECISION_FILE = "train_precision.json"  # the precision trained in, and how train.precision auto chose it
+
+
+def write_train_precision(out_dir: Path, precision: dict) -> None:
+    """Rank 0 records the precision the run trained in: {"precision": ..., and, where ``auto`` measured or
+    read the cache, its micro-step times and source (``pipeline.training.precision_choice``)}."""
+    write_json_atomic(Path(out_dir) / TRAIN_PRECISION_FILE, precision)
+
+
+def read_train_precision(train_dir: Path) -> dict | None:
+    """The precision record, or None for an artifact from before it was written."""
+    path = Path(train_dir) / TRAIN_PRECISION_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
 # ---- evaluate: metrics, samples and reference numbers -------------------------------------------------
 EVAL_METRICS_FILE = "metrics.json"
 

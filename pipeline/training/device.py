@@ -25,9 +25,11 @@ def backend_for(device: str) -> str:
 
 
 def resolve_precision(requested: str, device: str) -> str:
-    """"auto" -> bf16 on GPU, fp32 on CPU (CPU bf16 is an explicit choice)."""
+    """"auto" -> bf16 on a GPU; on a CPU "auto" stays: the training workers time this run's micro-steps in
+    fp32 and in bf16 autocast and choose (``pipeline.training.precision_choice``). Any other value is
+    honoured as given."""
     if requested == "auto":
-        return "bf16" if device == "cuda" else "fp32"
+        return "bf16" if device == "cuda" else "auto"
     if requested == "fp16" and device == "cpu":
         raise ValueError("train.precision=fp16 needs a GPU; use fp32 or bf16 on CPU")
     return requested

@@ -9,7 +9,8 @@
                    where rank 0 puts the weights and the metric history (``pipeline.store.contracts``)
     tracker        a StageTracker for live metrics (rank 0 only logs)
     device         "cpu" or "cuda" (resolved by the stage)
-    precision      "fp32" / "bf16" / "fp16" (resolved)
+    precision      "fp32" / "bf16" / "fp16" / "amp_bf16" (resolved), or "auto" on a CPU: the workers time
+                   both and choose (``pipeline.training.precision_choice``)
     failpoints     tests only: {"pause_after_final_checkpoint_s": s} holds every rank still for s seconds
                    right after the final checkpoint of a first start, for a test to SIGKILL one there
 
@@ -52,7 +53,8 @@ from pipeline.data import span_corruption
 from pipeline.data.span_corruption import SpanCorruption, corrupt_micro_batches
 from pipeline.data.token_blocks import TokenBlocks
 from pipeline.store.contracts import (INIT_DIGEST_TAG, TRAIN_METRICS_FILE, WEIGHTS_FILE, state_digest,
-                                      write_train_metrics, write_train_starts)
+                                      write_train_metrics, write_train_precision, write_train_starts)
+from pipeline.training import autotune
 from pipeline.training.checkpoint import CheckpointManager
 from pipeline.training.engine import (
     build_engine, engine_zero_stage, full_state_dict, local_threads, loss_definition, train_step,
@@ -89,6 +91,8 @@ class _Rank:
     loader: BlockLoader
     corruption: SpanCorruption | None  # None unless the model is an encoder-decoder
     checkpoints: CheckpointManager
+    precision: str  # resolved: what the engine trains in
+    decided: autotune.Decided | None = None  # the precision and compile trained with, and how auto chose them
     start_step: int = 0
     history: list[dict] = field(default_factory=list)  # rank 0's logged metrics, one dict per logged step
     starts: list[int] = field(default_factory=list)  # the step each start of this training began at
@@ -114,6 +118,8 @@ def main(config: dict) -> None:
                                                          "first run)" if cfg.train.offload_optimizer else ""))
     run = _setup(config)
     run.tracker = outbox
+    if outbox is not None:
+        outbox.set_tags(run.decided.tags())
     restored = run.checkpoints.restore(on_load=lambda where: phase(f"loading the checkpoint {Path(where).name}"))
     if restored.loader_state is not None:
         run.loader.load_state_dict(restored.loader_state)
@@ -182,16 +188,20 @@ def _setup(config: dict) -> _Rank:
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len)
+    # precision auto (on a CPU) and compile auto: timed on this run's own micro-steps, on every worker at once
+    decided = autotune.decide(cfg, model_cfg, config["tokens"], dims, device, rank, world,
+                              ctx.get_local_world_size(), config["precision"])
+    precision, t = decided.precision, autotune.resolved_train(t, decided)
     init_state = None
     if config.get("init_state") is not None:  # train.init_from: the parent's weights, in Ray's object store
         import ray
 
         init_state = ray.get(config["init_state"])
-    engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=config["precision"], device=device,
+    engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=precision, device=device,
                                      seed=cfg.run.seed, init_state=init_state)
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
     layout = {"world_size": world, "ep_size": dims.ep_size,
-              "zero_stage": engine_zero_stage(t, dims, config["precision"])}
+              "zero_stage": engine_zero_stage(t, dims, precision)}
     if model_cfg.num_experts:  # checkpoints from before the experts were stacked resume through canonical.pt
         layout["experts"] = "stacked"
     checkpoints = CheckpointManager(engine, scheduler, layout, cfg.checkpoint.resume_from,
@@ -200,7 +210,7 @@ def _setup(config: dict) -> _Rank:
     loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
     return _Rank(config=config, cfg=cfg, model_cfg=model_cfg, rank=rank, world=world, device=device, dims=dims,
                  engine=engine, scheduler=scheduler, loader=loader, corruption=span_corruption.for_run(cfg),
-                 checkpoints=checkpoints)
+                 checkpoints=checkpoints, precision=precision, decided=decided)
 
 
 def _prepare_validation(run: _Rank) -> None:
@@ -215,7 +225,7 @@ def _prepare_validation(run: _Rank) -> None:
 def _start_tracking(run: _Rank) -> None:
     """Rank 0's outbox to MLflow, and the tags MFU is computed from (every worker's peak, summed)."""
     run.flops_per_token = flops_per_token(run.model_cfg, run.cfg.tokenize.seq_len)["total"]
-    peak, peak_source = peak_flops_per_worker(run.device, run.config["precision"])
+    peak, peak_source = peak_flops_per_worker(run.device, run.precision)
     cluster_peak = torch.tensor(peak, dtype=torch.float64, device=run.device)
     dist.all_reduce(cluster_peak)  # MFU's denominator: every worker's peak, summed
     run.cluster_peak = cluster_peak.item()
@@ -326,6 +336,7 @@ def _export(run: _Rank) -> None:
         save_safetensors(state, run.model_cfg, Path(tmp) / WEIGHTS_FILE)
         write_train_metrics(Path(tmp), run.history)
         write_train_starts(Path(tmp), run.starts)
+        write_train_precision(Path(tmp), run.decided.record())
         out.put(tmp)
     undelivered = run.tracker.close(timeout_s=FLUSH_TIMEOUT_S)
     if undelivered:

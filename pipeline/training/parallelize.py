@@ -84,5 +84,5 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
         apply_expert_parallel(model, dims.ep_size, rank)
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if train.compile:
+    if train.compile is True:  # "auto" is decided before (pipeline.training.autotune); unresolved, eager
         compile_regions(model)

@@ -85,9 +85,76 @@ def test_training_loss_went_down(smoke):
     assert metrics["val_bits_per_byte"] < 0.85 * metrics["unigram_bits_per_byte"], metrics
 
 
+def test_precision_auto_timed_both_precisions_on_the_workers_and_cached_its_choice(smoke):
+    """smoke.yaml leaves train.precision at auto: on a CPU the two workers timed its micro-steps in fp32
+    and in bf16 autocast, chose by the rule, tagged the run with the times, recorded the choice beside the
+    weights and in the stage's summary, and cached it for this machine and shape."""
+    from pipeline.store.contracts import read_train_precision
+    from pipeline.training import compile_choice as cc
+    from pipeline.training import precision_choice as pc
+    from pipeline.training.engine import local_threads
+
+    cfg, result, _, _ = smoke
+    assert cfg.train.precision == "auto" and cfg.parallel.device in ("auto", "cpu")
+    train = result.artifacts["train"]
+    record = read_train_precision(train.path)
+    auto = record["auto"]
+    fp32_s = float(auto["precision.auto.fp32_micro_step_s"])
+    bf16_s = float(auto["precision.auto.amp_bf16_micro_step_s"])
+    assert fp32_s > 0 and bf16_s > 0
+    assert record["precision"] == auto["precision"] == pc.choose(fp32_s, bf16_s) == train.manifest["counts"]["precision"]
+    assert auto["precision.auto"] in ("measured", "cached") and auto["precision.auto.machine"] == pc.machine_id()
+    tags = tracking.client(result.tracking_uri).get_run(train_run_id(result)).data.tags
+    assert {k: tags[k] for k in auto} == auto
+    # compile auto: 150 steps of smoke's model could not repay compiling even at half the step saved
+    assert cfg.train.compile == "auto" and record["compile"] is False and auto["compile.auto"] == "bound"
+    eager = float(auto["compile.auto.eager_micro_step_s"])
+    assert eager == float(auto[f"precision.auto.{record['precision']}_micro_step_s"])
+    assert not cc.worth_measuring(eager, cfg.train.global_batch_size // (
+        cfg.train.micro_batch_size_per_rank * cfg.parallel.num_workers), cfg.train.steps)
+    p = cfg.parallel
+    key = pc.shape_key(cfg.model_config().to_dict(), cfg.train.micro_batch_size_per_rank, cfg.tokenize.seq_len,
+                       local_threads(p.num_workers, p.threads_per_worker), p.num_workers, p.num_workers,
+                       cfg.train.compile)
+    cached = pc.read_cached(pc.machine_id(), key)
+    assert cached is not None and cached.precision == record["precision"], (cached, record)
+
+
+def test_a_forced_precision_is_trained_in_without_timing_anything(smoke):
+    """train.precision=amp_bf16 given: the workers train in it, time no fp32 and cache nothing. The MoE
+    smoke model (MLA, DeepSeek-V3's router, experts split over the 2 workers): the expert outputs come
+    back in bf16 under autocast and are combined into the fp32 tokens (this failed before auto chose bf16)."""
+    import math
+
+    from pipeline.store.contracts import read_train_metrics, read_train_precision
+    from pipeline.training import precision_choice as pc
+
+    dense_cfg, _, _, _ = smoke
+    cache = pc.cache_path()
+    before = cache.read_bytes() if cache.exists() else None
+    cfg = load_config(ROOT / "configs" / "smoke_moe.yaml", [f"run.workdir={dense_cfg.run.workdir}", "train.steps=5",
+                                                        "train.precision=amp_bf16", "validation.every=0",
+                                                        "optimizer.warmup_steps=1"])
+    result = run_pipeline(cfg, until="train", echo=lambda line: None)
+    train = result.artifacts["train"]
+    record = read_train_precision(train.path)
+    assert record["precision"] == "amp_bf16" and record["compile"] is False
+    assert not any(k.startswith("precision.auto") for k in record["auto"])
+    assert record["auto"]["compile.auto"] == "bound"  # 5 steps: compile auto stays off, nothing compiled
+    assert train.manifest["counts"]["precision"] == "amp_bf16"
+    tags = tracking.client(result.tracking_uri).get_run(train_run_id(result)).data.tags
+    assert tags["precision"] == "amp_bf16" and not any(k.startswith("precision.auto") for k in tags)
+    assert (cache.read_bytes() if cache.exists() else None) == before
+    assert cfg.parallel.ep_size == 2 and cfg.model_config().num_experts
+    losses = read_train_metrics(train.path)
+    assert len(losses) == 5 and all(math.isfinite(h["loss"]) for h in losses)
+
+
 def test_validation_during_training_is_logged_and_equals_one_process_on_the_final_weights(smoke):
     """smoke.yaml validates every validation.every steps on 2 workers; at the last step the weights are
-    the registered ones, so one process here must get the loss the two ranks reduced."""
+    the registered ones, so one process here must get the loss the two ranks reduced (in fp32: what
+    precision auto chooses for smoke's model, whose bf16 micro-step is about 1.5x slower than fp32's,
+    benchmarks/precision_auto.py)."""
     import torch
 
     from models.export import load_safetensors
@@ -96,9 +163,12 @@ def test_validation_during_training_is_logged_and_equals_one_process_on_the_fina
     from pipeline.training.layout import ParallelDims
     from pipeline.training.validation import validation_loss
 
+    from pipeline.store.contracts import read_train_precision
+
     cfg, result, _, _ = smoke
     t, va = cfg.train, cfg.validation
     assert va.every and cfg.parallel.num_workers == 2
+    assert read_train_precision(result.artifacts["train"].path)["precision"] == "fp32"
     c = tracking.client(result.tracking_uri)
     train_run = result.artifacts["train"]
     (run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id],
@@ -384,8 +454,12 @@ def test_moe_training_metrics_in_mlflow_every_step(smoke_moe):
     counts add up to the global batch's tokens x top_k (dropless: every slot is kept), and the
     logged shares are those counts over that total.
     """
+    from pipeline.store.contracts import read_train_precision
+
     cfg, result, _, _ = smoke_moe
     check_mfu(cfg, result)
+    # the router here runs in fp32: what precision auto chooses for this tiny model (bf16 is slower)
+    assert read_train_precision(result.artifacts["train"].path)["precision"] == "fp32"
     c = tracking.client(result.tracking_uri)
     run_id = train_run_id(result)
     steps = list(range(1, cfg.train.steps + 1))

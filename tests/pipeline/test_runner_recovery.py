@@ -44,7 +44,7 @@ def test_an_unreachable_tracking_server_stops_the_run_before_any_compute(tmp_pat
 def test_sigterm_marks_the_runs_killed(tmp_path):
     work = tmp_path / "work"
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", "train.steps=100000",
-           "train.progress_bar=false"]
+           "train.progress_bar=false", "train.compile=false"]  # a run this long would compile first (compile auto)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in proc.stdout:  # the stages print "<stage>: running (<hash>)" as they start

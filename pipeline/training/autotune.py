@@ -1,0 +1,167 @@
+"""The training workers' ``auto`` settings, decided on the run itself before its engine is built:
+``train.precision: auto`` on a CPU (``precision_choice``) and ``train.compile: auto`` (``compile_choice``).
+
+Both time one of the run's own micro-batches (the loader's first, span-corrupted for an encoder-decoder)
+forward and backward on fresh copies of the run's model, on every worker at once, so that the threads and
+the workers sharing a node are the run's. The copies are freed before the engine's model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from models import ModelConfig
+from pipeline.config import RunConfig
+from pipeline.data import span_corruption
+from pipeline.data.span_corruption import corrupt_micro_batches
+from pipeline.data.token_blocks import TokenBlocks
+from pipeline.training import compile_choice as cc
+from pipeline.training import precision_choice as pc
+from pipeline.training.layout import ParallelDims
+from pipeline.training.loader import BlockLoader
+
+
+@dataclass
+class Decided:
+    """What the workers train with, and how each ``auto`` got there (None: the config's value was used)."""
+
+    precision: str
+    compile: bool
+    precision_choice: pc.PrecisionChoice | None = None
+    compile_choice: cc.CompileChoice | None = None
+
+    def tags(self) -> dict[str, str]:
+        tags = {"precision": self.precision, "compile": str(self.compile).lower()}
+        if self.precision_choice:
+            tags.update(self.precision_choice.tags())
+        if self.compile_choice:
+            tags.update(self.compile_choice.tags())
+        return tags
+
+    def record(self) -> dict:
+        """``train_precision.json``: the precision and the compile trained with, and their ``auto`` tags."""
+        auto = {}
+        if self.precision_choice:
+            auto.update(self.precision_choice.tags())
+        if self.compile_choice:
+            auto.update(self.compile_choice.tags())
+        return {"precision": self.precision, "compile": self.compile, **({"auto": auto} if auto else {})}
+
+
+class _Probe:
+    """The run's first micro-batch and a model built from the run's seed, made on first use."""
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, device: torch.device,
+                 rank: int, micro_batch=None):
+        self.cfg, self.model_cfg, self.tokens, self.dims, self.device, self.rank = cfg, model_cfg, tokens, dims, \
+            device, rank
+        self._batch = micro_batch
+
+    def micro_batch(self):
+        if self._batch is None:
+            loader = BlockLoader(TokenBlocks.of_artifact(self.tokens, "train"), self.dims, self.rank,
+                                 seed=self.cfg.run.seed)
+            batch = loader.next_step()[0]
+            corruption = span_corruption.for_run(self.cfg)
+            self._batch = corrupt_micro_batches(corruption, [batch], salt=0)[0] if corruption else batch
+        return self._batch
+
+    def model(self) -> torch.nn.Module:
+        from models import build_model
+
+        torch.manual_seed(self.cfg.run.seed)
+        return build_model(self.model_cfg, device=self.device)
+
+
+def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, device: torch.device, rank: int,
+           world: int, local_world: int, precision: str, micro_batch=None) -> Decided:
+    """The precision (``precision``: the stage's, "auto" on a CPU) and the compile the run trains with.
+
+    Args:
+        tokens: the tokenize artifact the loader reads the micro-batch to time from.
+        micro_batch: that micro-batch given instead (its inputs then its targets).
+    """
+    t = cfg.train
+    probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, micro_batch)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    machine = pc.machine_id() if device.type == "cpu" else ""
+    key = pc.shape_key(model_cfg.to_dict(), t.micro_batch_size_per_rank, cfg.tokenize.seq_len,
+                       torch.get_num_threads(), local_world, world, t.compile)
+    p_choice = None
+    if precision == "auto":
+        def measure_precision() -> dict[str, float]:
+            model = probe.model()
+            try:
+                step = pc.micro_step(model, probe.micro_batch(), device, t.loss_chunk_tokens)
+                return pc.time_micro_steps(step, barrier=barrier)
+            finally:
+                del model
+                gc.collect()
+
+        p_choice = pc.decide(machine, key, measure_precision, rank, world, device)
+        precision = p_choice.precision
+    if t.compile != "auto":
+        return Decided(precision, bool(t.compile), p_choice)
+    if t.zero_stage == 3:
+        return Decided(precision, False, p_choice, cc.CompileChoice(False, "zero3", 0.0))
+    if device.type == "cuda":
+        return Decided(precision, True, p_choice, cc.CompileChoice(True, "gpu", 0.0))
+    if p_choice is not None:
+        eager_s = p_choice.amp_bf16_s if precision == "amp_bf16" else p_choice.fp32_s
+    else:
+        eager_s = _eager_micro_step(probe, precision, t.loss_chunk_tokens, barrier, device, world)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cc.inductor_cache_dir()  # kept across runs
+
+    def measure_compile() -> dict[str, float]:
+        from pipeline.training.parallelize import compile_regions
+
+        eager, compiled = probe.model(), probe.model()
+        compile_regions(compiled)
+        try:
+            steps = {kind: pc.micro_step(m, probe.micro_batch(), device, t.loss_chunk_tokens)
+                     for kind, m in (("eager", eager), ("compiled", compiled))}
+            return cc.time_compile(lambda kind: steps[kind](precision), barrier=barrier)
+        finally:
+            del eager, compiled, steps
+            gc.collect()
+
+    c_key = pc.shape_key({**model_cfg.to_dict(), "precision": precision}, t.micro_batch_size_per_rank,
+                         cfg.tokenize.seq_len, torch.get_num_threads(), local_world, world, False)
+    c_choice = cc.decide(machine, c_key, eager_s, dims.grad_accum_steps, t.steps, measure_compile, rank, world,
+                         device)
+    return Decided(precision, c_choice.compile, p_choice, c_choice)
+
+
+def _eager_micro_step(probe: _Probe, precision: str, chunk: int, barrier, device: torch.device, world: int) -> float:
+    """A forced precision: its micro-step timed here (one untimed, three timed), the mean over ranks."""
+    import statistics
+    import time
+
+    model = probe.model()
+    try:
+        step = pc.micro_step(model, probe.micro_batch(), device, chunk)
+        step(precision)
+        times = []
+        for _ in range(3):
+            barrier()
+            t0 = time.perf_counter()
+            step(precision)
+            times.append(time.perf_counter() - t0)
+    finally:
+        del model
+        gc.collect()
+    mean = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(mean)
+    return mean.item() / world
+
+
+def resolved_train(train, decided: Decided):
+    """The train section with ``compile`` as decided (what ``parallelize`` reads)."""
+    return dataclasses.replace(train, compile=decided.compile)
