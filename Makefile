@@ -121,6 +121,7 @@ bench: install
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05
 	$(PY) benchmarks/serve_vllm.py
 	$(PY) benchmarks/sweep.py
+	$(PY) benchmarks/precision_auto.py
 	$(MAKE) $(DATATROVE_VENV)/.installed
 	$(PY) benchmarks/near_dedup.py --datatrove-python $(DATATROVE_VENV)/bin/python
 	$(PY) benchmarks/report.py

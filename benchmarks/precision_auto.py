@@ -70,11 +70,16 @@ def worker(args) -> None:
                 for _ in range(accum)] for _ in range(4)]
     barrier = dist.barrier if world > 1 else (lambda: None)
 
+    def agree(n: int) -> int:
+        most = torch.tensor([n])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
     probes = []
     for _ in range(args.probes):
         torch.manual_seed(0)
         model = build_model(model_cfg, device=cpu)
-        medians = pc.time_micro_steps(pc.micro_step(model, batches[0][0], cpu, 0), barrier=barrier)
+        medians = pc.time_micro_steps(pc.micro_step(model, batches[0][0], cpu, 0), barrier=barrier, agree=agree)
         sums = torch.tensor([medians["fp32"], medians["amp_bf16"]], dtype=torch.float64)
         dist.all_reduce(sums)
         probes.append((sums / world).tolist())
@@ -156,8 +161,27 @@ def main() -> None:
         rows.append(row)
         print(f"{name:<16} {' '.join(f'{s:.2f}' for s in speedups):<34} {'/'.join(sorted(set(picks))):<9} "
               f"{full:>17.2f} {faster:<9} {rest:>11.0%} {'yes' if right else 'NO':>6}", flush=True)
+    table = [{"shape": r["shape"], "model": r["preset"], "seq x micro": f"{r['seq_len']} x {r['micro_batch']}",
+              "workers x threads": f"{r['workers']} x {r['threads']}",
+              "probe bf16 speedups": " ".join(f"{v:.2f}" for v in r["probe_speedups"]),
+              "picks": "/".join(sorted(set(r["picks"]))), "full-step bf16 speedup": round(r["full_step_speedup"], 2),
+              "faster": r["faster"], "step not fwd+bwd (fp32)": f"{r['share_not_fwd_bwd_fp32']:.0%}",
+              "probe right": "yes" if r["probe_right"] else "NO"} for r in rows]
+    checks = [{"name": "shapes whose every probe picked the precision faster in full steps (or within the margin)",
+               "measured": sum(r["probe_right"] for r in rows) / len(rows), "target": 1.0, "op": ">=",
+               "format": "ratio"}]
+    for r in rows:
+        checks.append({"name": f"{r['shape']}: full-step bf16 autocast speedup over fp32", "target": None, "op": ">=",
+                       "measured": r["full_step_speedup"], "format": "ratio"})
+    summary = (f"On {machine_id()}. Probe: the micro-step timing train.precision auto runs before training "
+               f"(pipeline.training.precision_choice; amp_bf16 where its micro-step takes <= {MARGIN} of fp32's), "
+               f"repeated {args.probes} times per shape. Full step: DeepSpeed's engine as the train stage builds it "
+               f"(ZeRO-1, gradient accumulation, all-reduce, clipping, AdamW), {args.steps} timed steps per "
+               "precision, twice each, interleaved. 'step not fwd+bwd': the share of a full fp32 step that is "
+               "the optimizer, the all-reduce and the rest, which is the same in both precisions and dilutes a gain.")
     path = write_result("precision_auto", {"machine": machine(), "cpu": machine_id(), "margin": MARGIN,
-                                           "steps": args.steps, "probes": args.probes, "rows": rows})
+                                           "args": {"steps": args.steps, "probes": args.probes, "shapes": args.shapes},
+                                           "rows": table, "runs": rows, "checks": checks, "summary": summary})
     print(f"wrote {path}")
 
 

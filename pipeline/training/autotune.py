@@ -90,6 +90,13 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
     t = cfg.train
     probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, micro_batch)
     barrier = dist.barrier if world > 1 else (lambda: None)
+
+    def agree(n: int) -> int:  # the largest over ranks, so that every rank times as many micro-steps
+        if world == 1:
+            return n
+        most = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
     machine = pc.machine_id() if device.type == "cpu" else ""
     key = pc.shape_key(model_cfg.to_dict(), t.micro_batch_size_per_rank, cfg.tokenize.seq_len,
                        torch.get_num_threads(), local_world, world, t.compile)
@@ -99,7 +106,7 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
             model = probe.model()
             try:
                 step = pc.micro_step(model, probe.micro_batch(), device, t.loss_chunk_tokens)
-                return pc.time_micro_steps(step, barrier=barrier)
+                return pc.time_micro_steps(step, barrier=barrier, agree=agree)
             finally:
                 del model
                 gc.collect()

@@ -10,9 +10,10 @@ median decides for all of them: ``amp_bf16`` where its micro-step takes at most 
 otherwise. The optimizer step, the gradient all-reduce and the data loading are the same in both precisions
 (fp32 weights and gradients either way), so they only dilute a gain; they do not change its sign.
 
-Why a 0.95 margin: five probes of one shape on one machine agree within about 4% of their median
-(``benchmarks/precision_auto.py``: the demo's bf16 speedup 1.14-1.22, smoke's 0.63-0.68), and bf16
-rounds the activations, so it is taken only where it is clearly faster.
+Why a 0.95 margin: repeated probes of one shape on one machine agree within about 3% of each other
+(``benchmarks/precision_auto.py``: the demo's bf16 speedup 1.14-1.18, smoke's 0.62-0.66), and bf16
+rounds the activations, so it is taken only where it is clearly faster. Each precision is timed at least
+``REPEATS`` times, more where a micro-step is short (single timings of milliseconds scatter).
 
 The result is cached per machine (CPU model and its bf16 instructions, cores, torch's version) and run shape
 (model, micro-batch, sequence length, threads, workers per node, world size, compile) in
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,7 +40,9 @@ import torch.distributed as dist
 
 CANDIDATES = ("fp32", "amp_bf16")
 MARGIN = 0.95  # amp_bf16 only where its micro-step takes <= 95% of fp32's
-REPEATS = 5  # timed micro-steps of each precision, after one untimed of each
+REPEATS = 5  # the fewest timed micro-steps of each precision, after one untimed of each
+BUDGET_S = 1.5  # more timed micro-steps where they are short: up to this many seconds of the slower's
+MOST_REPEATS = 30
 CACHE_FILE = "precision.json"
 BF16_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16")
 
@@ -138,18 +142,31 @@ def write_cached(choice: PrecisionChoice, key: str, path: Path | None = None) ->
 
 
 def time_micro_steps(step: Callable[[str], None], repeats: int = REPEATS,
-                     barrier: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Each candidate's median over ``repeats`` timed calls of ``step(precision)``, after one untimed call
-    of each; the candidates interleaved, and every rank entering each timed call together (``barrier``)."""
+                     barrier: Callable[[], None] = lambda: None,
+                     agree: Callable[[int], int] = lambda n: n, budget_s: float = BUDGET_S,
+                     most: int = MOST_REPEATS) -> dict[str, float]:
+    """Each candidate's median over its timed calls of ``step(precision)``, after one untimed call of each;
+    the candidates interleaved, and every rank entering each timed call together (``barrier``).
+
+    At least ``repeats`` timed calls of each; more where the calls are short, up to ``budget_s`` of the
+    slower candidate's time (judged from the first timed round) and at most ``most``, the same count on
+    every rank (``agree``: the largest over ranks), since a short micro-step's single timings scatter more."""
     for precision in CANDIDATES:
         step(precision)
     times: dict[str, list[float]] = {p: [] for p in CANDIDATES}
-    for _ in range(repeats):
+
+    def one_round() -> None:
         for precision in CANDIDATES:
             barrier()
             t0 = time.perf_counter()
             step(precision)
             times[precision].append(time.perf_counter() - t0)
+
+    one_round()
+    slowest = max(ts[0] for ts in times.values())
+    rounds = agree(min(most, max(repeats, math.ceil(budget_s / slowest) if slowest > 0 else most)))
+    for _ in range(rounds - 1):
+        one_round()
     return {p: statistics.median(ts) for p, ts in times.items()}
 
 

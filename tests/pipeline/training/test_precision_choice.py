@@ -91,6 +91,30 @@ def test_timing_interleaves_the_precisions_after_one_untimed_each_and_takes_medi
     assert medians == {"fp32": 2.0, "amp_bf16": 0.75}
 
 
+def test_short_micro_steps_are_timed_more_often_up_to_the_budget_and_as_many_times_on_every_rank(monkeypatch):
+    clock, calls, asked = [0.0], [], []
+    monkeypatch.setattr(pc.time, "perf_counter", lambda: clock[0])
+
+    def step(precision):
+        calls.append(precision)
+        clock[0] += 0.25 if precision == "fp32" else 0.125
+
+    def agree(n):  # another rank wants two more rounds: every rank runs the largest count
+        asked.append(n)
+        return n + 2
+
+    # the slower's first timed call took 0.25 s: 1.5 s of budget is 6 rounds, above the least 5
+    assert pc.time_micro_steps(step, repeats=5, agree=agree, budget_s=1.5, most=30) == {"fp32": 0.25,
+                                                                                       "amp_bf16": 0.125}
+    assert asked == [6] and calls == ["fp32", "amp_bf16"] * (1 + 8)
+    calls.clear(), asked.clear()
+    pc.time_micro_steps(step, repeats=5, agree=lambda n: asked.append(n) or n, budget_s=100.0, most=30)
+    assert asked == [30] and len(calls) == 2 * 31  # capped at most
+    calls.clear(), asked.clear()
+    pc.time_micro_steps(step, repeats=5, agree=lambda n: asked.append(n) or n, budget_s=0.1, most=30)
+    assert asked == [5] and len(calls) == 2 * 6  # never under the least
+
+
 def test_the_micro_step_is_the_training_forward_and_backward_in_each_precision():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
     torch.manual_seed(0)
