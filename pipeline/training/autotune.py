@@ -55,12 +55,13 @@ class Decided:
 
 
 class _Probe:
-    """The run's first micro-batch and a model built from the run's seed, made on first use."""
+    """The run's first micro-batch and models built from the run's seed (made on use), and the rank's world:
+    a barrier before each timed call, and the count of timed calls agreed over ranks."""
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, device: torch.device,
-                 rank: int, micro_batch=None):
-        self.cfg, self.model_cfg, self.tokens, self.dims, self.device, self.rank = cfg, model_cfg, tokens, dims, \
-            device, rank
+                 rank: int, world: int, micro_batch=None):
+        self.cfg, self.model_cfg, self.tokens, self.dims, self.device = cfg, model_cfg, tokens, dims, device
+        self.rank, self.world = rank, world
         self._batch = micro_batch
 
     def micro_batch(self):
@@ -78,6 +79,18 @@ class _Probe:
         torch.manual_seed(self.cfg.run.seed)
         return build_model(self.model_cfg, device=self.device)
 
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def agree(self, n: int) -> int:
+        """The largest ``n`` over ranks, so that every rank times as many micro-steps."""
+        if self.world == 1:
+            return n
+        most = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
 
 def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, device: torch.device, rank: int,
            world: int, local_world: int, precision: str, micro_batch=None) -> Decided:
@@ -88,30 +101,13 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
         micro_batch: that micro-batch given instead (its inputs then its targets).
     """
     t = cfg.train
-    probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, micro_batch)
-    barrier = dist.barrier if world > 1 else (lambda: None)
-
-    def agree(n: int) -> int:  # the largest over ranks, so that every rank times as many micro-steps
-        if world == 1:
-            return n
-        most = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return int(most.item())
+    probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, world, micro_batch)
     machine = pc.machine_id() if device.type == "cpu" else ""
-    key = pc.shape_key(model_cfg.to_dict(), t.micro_batch_size_per_rank, cfg.tokenize.seq_len,
-                       torch.get_num_threads(), local_world, world, t.compile)
     p_choice = None
     if precision == "auto":
-        def measure_precision() -> dict[str, float]:
-            model = probe.model()
-            try:
-                step = pc.micro_step(model, probe.micro_batch(), device, t.loss_chunk_tokens)
-                return pc.time_micro_steps(step, barrier=barrier, agree=agree)
-            finally:
-                del model
-                gc.collect()
-
-        p_choice = pc.decide(machine, key, measure_precision, rank, world, device)
+        key = pc.shape_key(model_cfg.to_dict(), t.micro_batch_size_per_rank, cfg.tokenize.seq_len,
+                           torch.get_num_threads(), local_world, world, t.compile)
+        p_choice = _choose_precision(probe, machine, key)
         precision = p_choice.precision
     if t.compile != "auto":
         return Decided(precision, bool(t.compile), p_choice)
@@ -122,51 +118,69 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
     if p_choice is not None:
         eager_s = p_choice.amp_bf16_s if precision == "amp_bf16" else p_choice.fp32_s
     else:
-        eager_s = _eager_micro_step(probe, precision, t.loss_chunk_tokens, barrier, device, world)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cc.inductor_cache_dir()  # kept across runs
+        eager_s = _eager_micro_step(probe, precision)
+    c_key = pc.shape_key({**model_cfg.to_dict(), "precision": precision}, t.micro_batch_size_per_rank,
+                         cfg.tokenize.seq_len, torch.get_num_threads(), local_world, world, False)
+    c_choice = _choose_compile(probe, machine, c_key, precision, eager_s)
+    return Decided(precision, c_choice.compile, p_choice, c_choice)
 
-    def measure_compile() -> dict[str, float]:
+
+def _choose_precision(probe: _Probe, machine: str, key: str) -> pc.PrecisionChoice:
+    def measure() -> dict[str, float]:
+        model = probe.model()
+        try:
+            step = pc.micro_step(model, probe.micro_batch(), probe.device, probe.cfg.train.loss_chunk_tokens)
+            return pc.time_micro_steps(step, barrier=probe.barrier, agree=probe.agree)
+        finally:
+            del model
+            gc.collect()
+
+    return pc.decide(machine, key, measure, probe.rank, probe.world, probe.device)
+
+
+def _choose_compile(probe: _Probe, machine: str, key: str, precision: str, eager_s: float) -> cc.CompileChoice:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cc.inductor_cache_dir()  # kept across runs
+    t = probe.cfg.train
+
+    def measure() -> dict[str, float]:
         from pipeline.training.parallelize import compile_regions
 
         eager, compiled = probe.model(), probe.model()
         compile_regions(compiled)
         try:
-            steps = {kind: pc.micro_step(m, probe.micro_batch(), device, t.loss_chunk_tokens)
+            steps = {kind: pc.micro_step(m, probe.micro_batch(), probe.device, t.loss_chunk_tokens)
                      for kind, m in (("eager", eager), ("compiled", compiled))}
-            return cc.time_compile(lambda kind: steps[kind](precision), barrier=barrier)
+            return cc.time_compile(lambda kind: steps[kind](precision), barrier=probe.barrier)
         finally:
             del eager, compiled, steps
             gc.collect()
 
-    c_key = pc.shape_key({**model_cfg.to_dict(), "precision": precision}, t.micro_batch_size_per_rank,
-                         cfg.tokenize.seq_len, torch.get_num_threads(), local_world, world, False)
-    c_choice = cc.decide(machine, c_key, eager_s, dims.grad_accum_steps, t.steps, measure_compile, rank, world,
-                         device)
-    return Decided(precision, c_choice.compile, p_choice, c_choice)
+    return cc.decide(machine, key, eager_s, probe.dims.grad_accum_steps, t.steps, measure, probe.rank, probe.world,
+                     probe.device)
 
 
-def _eager_micro_step(probe: _Probe, precision: str, chunk: int, barrier, device: torch.device, world: int) -> float:
+def _eager_micro_step(probe: _Probe, precision: str) -> float:
     """A forced precision: its micro-step timed here (one untimed, three timed), the mean over ranks."""
     import statistics
     import time
 
     model = probe.model()
     try:
-        step = pc.micro_step(model, probe.micro_batch(), device, chunk)
+        step = pc.micro_step(model, probe.micro_batch(), probe.device, probe.cfg.train.loss_chunk_tokens)
         step(precision)
         times = []
         for _ in range(3):
-            barrier()
+            probe.barrier()
             t0 = time.perf_counter()
             step(precision)
             times.append(time.perf_counter() - t0)
     finally:
         del model
         gc.collect()
-    mean = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    if world > 1:
+    mean = torch.tensor([statistics.median(times)], dtype=torch.float64, device=probe.device)
+    if probe.world > 1:
         dist.all_reduce(mean)
-    return mean.item() / world
+    return mean.item() / probe.world
 
 
 def resolved_train(train, decided: Decided):
