@@ -26,7 +26,7 @@ from pipeline import tracking
 from pipeline.config import config_from_dict, load_config
 from pipeline.console import describe
 from pipeline.runner import make_plan, resolve
-from pipeline.store.contracts import read_train_starts
+from pipeline.store.contracts import read_train_precision, read_train_starts
 from pipeline.stages import STAGES
 from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_location
 from pipeline.store.backends import store_for
@@ -384,8 +384,12 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_
     fs.create_dir("conduit-ckpt")
     pafs.copy_files(str(first_kept), f"conduit-ckpt/from/{first_kept.name}",
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    assert read_train_precision(train_art.path)["precision"] == "fp32"  # what auto chose for 2 workers
+    # A continuation on another layout would time precision auto again, on its own layout (one worker, two
+    # threads), and could go on in the other precision: this one keeps the 2-worker run's, as a user would.
     resumed, history, _, art = train_once(tmp_path, "s3", [
-        "parallel.num_workers=1", f"checkpoint.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
+        "parallel.num_workers=1", "train.precision=fp32",
+        f"checkpoint.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
         f"checkpoint.storage=s3://conduit-ckpt/runs?{query}"], kill=False, data_root=smoke_artifact_root)
     # Continued at 40 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
     # history), so the history runs whole from the first logged step to the last.
