@@ -149,18 +149,4 @@ def _read(machine: str, key: str) -> tuple[float, float, float] | None:
 
 
 def _write(machine: str, key: str, eager_s: float, compiled_s: float, compile_s: float) -> None:
-    import json
-    import tempfile
-
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(path.read_text())
-        data = data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        data = {}
-    data.setdefault(machine, {})[key] = {"eager_s": eager_s, "compiled_s": compiled_s, "compile_s": compile_s}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compile-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    pc.update_cache(cache_path(), machine, key, {"eager_s": eager_s, "compiled_s": compiled_s, "compile_s": compile_s})

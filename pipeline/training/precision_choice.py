@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -126,19 +125,23 @@ def read_cached(machine: str, key: str, path: Path | None = None) -> PrecisionCh
 
 def write_cached(choice: PrecisionChoice, key: str, path: Path | None = None) -> None:
     """Adds the choice to the cache (atomically: a rename; a file another run wrote meanwhile is kept)."""
-    path = path or cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {k: v for k, v in asdict(choice).items() if k not in ("source", "machine")}
+    update_cache(path or cache_path(), choice.machine, key, entry)
+
+
+def update_cache(path: Path, machine: str, key: str, entry: dict) -> None:
+    """Sets ``machine -> key -> entry`` in the JSON cache file at ``path``, keeping its other entries (an
+    unreadable file starts over), written atomically."""
+    from pipeline.store.artifacts import write_json_atomic
+
     try:
         data = json.loads(path.read_text())
         data = data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         data = {}
-    entry = {k: v for k, v in asdict(choice).items() if k not in ("source", "machine")}
-    data.setdefault(choice.machine, {})[key] = entry
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".precision-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    data.setdefault(machine, {})[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
 
 
 def time_micro_steps(step: Callable[[str], None], repeats: int = REPEATS,
