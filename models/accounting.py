@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.families import family
+from models.families.parts import Activations
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -113,3 +114,19 @@ def state_bytes_per_sequence(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     if bytes_per_element < 1:
         raise ValueError(f"bytes_per_element must be >= 1, got {bytes_per_element}")
     return family(cfg).state_bytes_per_sequence(cfg, bytes_per_element)
+
+
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """What one training forward keeps for backward, per token at ``seq_len``, in elements of the activation
+    dtype: the family's own count (`models.families.parts.Activations`; each family counts its layers from
+    its code, and `pipeline.plan.measure` checks the count against a real step).
+
+    Raises:
+        ValueError: if seq_len < 1, or the family does not model its activations.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    fam = family(cfg)
+    if fam.activations is None:
+        raise ValueError(f"the {fam.title} family (arch {cfg.arch!r}) does not count its activations")
+    return fam.activations(cfg, seq_len)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from models.config import ModelConfig
+    from models.families.parts import Activations
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Family:
             denoising evaluation, encoder-decoder generation), not one causal stream.
         draws_attention: evaluate can draw its causal attention maps and expert routing.
         describe: a short label of a config, e.g. "MoE" or "Mamba", for model descriptions.
+        activations: what one training forward keeps for backward, per token at a sequence length, as
+            `models.families.parts.Activations` (elements in the activation dtype); None: not modelled.
     """
 
     arch: str
@@ -82,3 +85,4 @@ class Family:
     draws_attention: bool = True
     state_bytes_per_sequence: Callable[["ModelConfig", int], int] = field(default=lambda cfg, bytes_per_element: 0)
     describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")
+    activations: Callable[["ModelConfig", int], "Activations"] | None = None

@@ -46,6 +46,8 @@ class AttentionKind:
         cache_width: per layer and token, the elements the KV cache holds.
         cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
         rope_head_dim: how many features of each query/key head RoPE rotates.
+        activation_width: per token at a sequence length, the elements one layer's attention keeps for
+            backward beyond its input (its norm and residual are the block's), in a training forward.
     """
 
     name: str
@@ -57,6 +59,7 @@ class AttentionKind:
     cache_width: Callable[["ModelConfig"], int]
     cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
     rope_head_dim: Callable[["ModelConfig"], int]
+    activation_width: Callable[["ModelConfig", int], float] = lambda cfg, seq_len: 0.0
 
 
 def _mha_params(cfg: ModelConfig) -> int:
@@ -98,6 +101,29 @@ def _check_mla(cfg: ModelConfig) -> None:
         raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {cfg.resolved_qk_rope_head_dim}")
 
 
+def _mha_activations(cfg: ModelConfig, seq_len: int) -> float:
+    """mha through ``F.scaled_dot_product_attention`` (flash on CPU and GPU: no T x T scores kept): the
+    value projection (G K), the rotated queries and keys (H K + G K; without RoPE the projections
+    themselves), the attention output (H K) and its log-sum-exp (H); with attention dropout the explicit
+    path keeps the probabilities (H T, and a byte mask)."""
+    H, G, K = cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim
+    kept = 2 * H * K + 2 * G * K + H
+    if cfg.attn_dropout > 0:
+        kept += 1.25 * H * seq_len
+    return kept
+
+
+def _mla_activations(cfg: ModelConfig, seq_len: int) -> float:
+    """mla as `models.layers.mla` computes it, on the explicit path (its score and value widths differ):
+    the latent projection (R + P) and its norm (2 R + 1), the query latent's norm (2 rq + 1) when queries
+    are compressed, the scaled queries and keys (2 H Q), the softmax probabilities (H T), the values and
+    the attention output (2 H V)."""
+    H, R, P = cfg.n_heads, cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim
+    Q, V = cfg.resolved_qk_nope_head_dim + P, cfg.resolved_v_head_dim
+    query = 2 * cfg.q_lora_rank + 1 if cfg.q_lora_rank is not None else 0
+    return (R + P) + 2 * R + 1 + query + 2 * H * Q + H * seq_len + 2 * H * V
+
+
 MHA = AttentionKind(
     name="mha",
     fields=(),
@@ -108,6 +134,7 @@ MHA = AttentionKind(
     cache_width=lambda cfg: 2 * cfg.resolved_num_kv_heads * cfg.head_dim,
     cache_shape=lambda cfg: (cfg.resolved_num_kv_heads, cfg.head_dim, None),
     rope_head_dim=lambda cfg: cfg.head_dim,
+    activation_width=_mha_activations,
 )
 
 MLA = AttentionKind(
@@ -121,6 +148,7 @@ MLA = AttentionKind(
     cache_width=lambda cfg: cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim,
     cache_shape=lambda cfg: (1, cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim),
     rope_head_dim=lambda cfg: cfg.resolved_qk_rope_head_dim,
+    activation_width=_mla_activations,
 )
 
 # The table: adding an attention kind is one module and one line here.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.decoder import hf_deepseek, hf_llama
 from models.families.decoder.model import Transformer
-from models.families.parts import ffn_params, norm_params
+from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
 
@@ -62,6 +62,30 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int) -> int:
     return cfg.n_layers * attention_kind(cfg).cache_width(cfg) * bytes_per_element
 
 
+def rope_tables(cfg: ModelConfig) -> float:
+    """The RoPE cos and sin tables a forward keeps, per token (one of each for the whole stack)."""
+    return 2 * attention_kind(cfg).rope_head_dim(cfg) if cfg.pos_encoding == "rope" else 0.0
+
+
+def attention_sublayer(cfg: ModelConfig, seq_len: int) -> float:
+    """A block's attention sublayer per token: its input (the residual stream), its norm, the attention
+    kind's own (`models.layers.kinds`) and the residual dropout's mask."""
+    return cfg.d_model + norm_saved(cfg) + attention_kind(cfg).activation_width(cfg, seq_len) + (
+        cfg.d_model / 4 if cfg.dropout > 0 else 0.0)
+
+
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """Per layer: the attention sublayer, then the feed-forward sublayer (its input, the residual sum,
+    counted there); widest is the FFN's hidden (k of them for MoE)."""
+    layers, widest = [], []
+    for i in range(cfg.n_layers):
+        ffn, wide = ffn_sublayer(cfg, i)
+        layers.append(attention_sublayer(cfg, seq_len) + ffn)
+        widest.append(wide)
+    return Activations(stem=rope_tables(cfg), layers=tuple(layers), widest=tuple(widest),
+                       inputs=(float(cfg.d_model),) * cfg.n_layers)
+
+
 def _check(cfg: ModelConfig) -> None:
     """Nothing beyond the attention kind's own checks (which every Transformer family runs)."""
 
@@ -78,4 +102,5 @@ FAMILY = Family(
     hf_format=lambda cfg: HF_FORMAT_OF_ATTENTION[cfg.attention](cfg),
     hf_formats=(hf_llama.FORMAT, hf_deepseek.FORMAT, hf_deepseek.FORMAT_V3),
     describe=lambda cfg: "MoE" if cfg.num_experts else "dense",
+    activations=activations,
 )

@@ -19,7 +19,8 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.encdec import hf_marian
 from models.families.encdec.model import EncoderDecoderLM
-from models.families.parts import ffn_params, norm_params, require
+from models.families.decoder import attention_sublayer, rope_tables
+from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
 
@@ -77,6 +78,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return {"total": round(6 * n + 6 * attn), "forward": round(2 * n + 2 * attn)}
 
 
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """An estimate (not measured: the step's inputs are a source and a target), per target token with the
+    source as long as the target: the encoder layers as decoder layers, then the decoder layers with a
+    cross-attention sublayer (its input and norm, the queries, output and log-sum-exp, and the source's
+    keys and values). Activation checkpointing wraps only ``layers`` (the decoder,
+    `pipeline.training.parallelize`), so an encoder layer keeps all of its activations either way."""
+    H, G, K, D = cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim, cfg.d_model
+    encoder = attention_sublayer(cfg, seq_len) + ffn_sublayer(cfg, 0)[0]
+    cross = D + norm_saved(cfg) + 2 * H * K + H + 2 * G * K
+    L_enc, L = cfg.resolved_n_encoder_layers, cfg.n_layers
+    layers = (encoder,) * L_enc + (encoder + cross,) * L
+    return Activations(stem=2 * rope_tables(cfg), layers=layers, widest=(float(cfg.resolved_d_ff),) * (L_enc + L),
+                       inputs=(encoder,) * L_enc + (float(D),) * L)
+
+
 def _check(cfg: ModelConfig) -> None:
     # ALiBi's bias is written for causal attention (distance to past keys) and MLA/MoE were never built
     # into the encoder-decoder layers: refused rather than silently ignored.
@@ -100,4 +116,5 @@ FAMILY = Family(
     seq2seq=True,
     draws_attention=False,
     describe=lambda cfg: "encoder-decoder",
+    activations=activations,
 )

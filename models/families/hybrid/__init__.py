@@ -20,7 +20,8 @@ from models.config import ModelConfig
 from models.families import mamba2
 from models.families.hybrid import hf_granite_hybrid
 from models.families.hybrid.model import ATTENTION, MAMBA, HybridLM
-from models.families.parts import ffn_params, norm_params, require
+from models.families.decoder import attention_sublayer, rope_tables
+from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
 
@@ -53,6 +54,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return {"total": 6 * n + 6 * attn + 3 * scan, "forward": 2 * n + 2 * attn + scan}
 
 
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """Per layer: its mixer sublayer (attention as the decoder's, or a Mamba-2 mixer with its input and
+    norm), then its feed-forward sublayer."""
+    mixer, mixer_widest = mamba2.mixer_activations(cfg)
+    layers, widest = [], []
+    for i, kind in enumerate(cfg.hybrid_layers):
+        ffn, wide = ffn_sublayer(cfg, i)
+        first = attention_sublayer(cfg, seq_len) if kind == ATTENTION else cfg.d_model + norm_saved(cfg) + mixer
+        layers.append(first + ffn)
+        widest.append(max(wide, 0 if kind == ATTENTION else mixer_widest))
+    return Activations(stem=rope_tables(cfg), layers=tuple(layers), widest=tuple(widest),
+                       inputs=(float(cfg.d_model),) * cfg.n_layers)
+
+
 def _check(cfg: ModelConfig) -> None:
     pattern = cfg.hybrid_layers
     if not isinstance(pattern, str) or len(pattern) != cfg.n_layers or set(pattern) - {ATTENTION, MAMBA}:
@@ -81,6 +96,7 @@ FAMILY = Family(
     hf_format=lambda cfg: hf_granite_hybrid.FORMAT,
     hf_formats=(hf_granite_hybrid.FORMAT,),
     draws_attention=False,
+    activations=activations,
     describe=lambda cfg: (f"hybrid {cfg.hybrid_layers.count(ATTENTION)} attention + "
                           f"{cfg.hybrid_layers.count(MAMBA)} Mamba-2" + (" MoE" if cfg.num_experts else "")),
 )

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.families.mamba import hf_mamba
-from models.families.mamba.model import MambaLM
-from models.families.parts import require
+from models.families.mamba.model import SCAN_CHUNK, MambaLM
+from models.families.parts import Activations, norm_saved, require
 from models.families.spec import Family
 
 
@@ -57,6 +57,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return stack_flops(cfg, param_counts(cfg), 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size)
 
 
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """Per layer and token: its input and norm; in_proj's output (2 E, the widest), the padded conv input, the
+    conv, the two SiLUs, delta's projection, bias and softplus, the skip and gate products (11 E in all
+    beyond in_proj: 9 E), x_proj's output (R + 2 N), and the scan's one state per chunk (E N / SCAN_CHUNK)."""
+    E, N = cfg.ssm_d_inner, cfg.ssm_state_size
+    mixer = 2 * E + 9 * E + cfg.resolved_ssm_dt_rank + 2 * N + E * N / SCAN_CHUNK
+    L = cfg.n_layers
+    return Activations(stem=0.0, layers=(cfg.d_model + norm_saved(cfg) + mixer,) * L, widest=(2.0 * E,) * L,
+                       inputs=(float(cfg.d_model),) * L)
+
+
 def _check(cfg: ModelConfig) -> None:
     require_ssm(cfg, "Mamba", "debug_mamba and mamba")
 
@@ -76,4 +87,5 @@ FAMILY = Family(
     hf_formats=(hf_mamba.FORMAT,),
     draws_attention=False,
     describe=lambda cfg: "Mamba",
+    activations=activations,
 )

@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from models.families.mamba import require_ssm, stack_counts, stack_flops
 from models.families.mamba2 import hf_mamba2
 from models.families.mamba2.model import Mamba2LM
+from models.families.parts import Activations, norm_saved
 from models.families.spec import Family
 
 
@@ -43,6 +44,28 @@ def state_bytes(cfg: ModelConfig, bytes_per_element: int) -> int:
     conv = cfg.ssm_d_inner + 2 * cfg.ssm_n_groups * cfg.ssm_state_size
     ssm = cfg.ssm_heads * cfg.ssm_head_dim * cfg.ssm_state_size
     return conv * (cfg.ssm_conv_kernel - 1) * bytes_per_element + ssm * 4
+
+
+def mixer_activations(cfg: ModelConfig) -> tuple[float, float]:
+    """(saved, widest) per token of one Mamba-2 mixer in a training forward, as `model` computes it: in_proj's
+    output (2 E + 2 G N + H, also the widest), the padded conv input, the conv and its SiLU (3 C, C = E + 2 G N),
+    dt and its softplus and decays (4 H), B and C spread over the heads (5 H N), the inputs, gate, skip and
+    gated norm (8 E), the within-chunk scores, decays and their product (3 H Q), the chunk states (H P N / Q)
+    and the running state sums (7 N)."""
+    E, N, G, H = cfg.ssm_d_inner, cfg.ssm_state_size, cfg.ssm_n_groups, cfg.ssm_heads
+    P, Q = cfg.ssm_head_dim, cfg.ssm_chunk_size
+    conv = E + 2 * G * N
+    in_proj = 2 * E + 2 * G * N + H
+    saved = in_proj + 3 * conv + 4 * H + 5 * H * N + 8 * E + 3 * H * Q + H * P * N / Q + 7 * N
+    return saved, in_proj
+
+
+def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+    """Per layer: its input, its norm and its mixer (`mixer_activations`)."""
+    saved, widest = mixer_activations(cfg)
+    L = cfg.n_layers
+    return Activations(stem=0.0, layers=(cfg.d_model + norm_saved(cfg) + saved,) * L, widest=(widest,) * L,
+                       inputs=(float(cfg.d_model),) * L)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -85,4 +108,5 @@ FAMILY = Family(
     hf_formats=(hf_mamba2.FORMAT,),
     draws_attention=False,
     describe=lambda cfg: "Mamba-2",
+    activations=activations,
 )
