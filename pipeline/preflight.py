@@ -5,8 +5,9 @@ more workers than the cluster has CPUs (or GPUs) would shard, train a tokenizer 
 hang in the train stage. ``check_cluster_resources`` is called by the runner right after it connects
 to Ray and turns that into an error with the numbers asked for and available.
 
-What a training worker reserves is Ray Train's default for ``ScalingConfig(use_gpu=...)``, which the
-train stage uses: one CPU per worker on CPU, one GPU per worker on GPU (and no CPU). The device and
+What a training worker reserves: on GPUs, Ray Train's default for ``ScalingConfig(use_gpu=True)`` (a GPU
+each, no CPU); on a CPU, ``parallel.threads_per_worker`` CPUs, or when that is unset the CPUs free as the
+train stage starts split over the workers, at least one (``device.worker_cpus``). The device and
 precision rules themselves are ``pipeline.training.device``'s; this module applies them to the
 cluster's totals instead of waiting for the train stage to find out.
 """
@@ -22,9 +23,10 @@ from pipeline.training.device import resolve_device, resolve_precision
 TRAIN_STAGE = "train"  # the stage whose Ray Train workers this module judges
 
 
-def worker_resources(device: str) -> dict[str, float]:
-    """What one Ray Train worker reserves on ``device`` ("cpu" or "cuda")."""
-    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+def worker_resources(device: str, threads_per_worker: int | None = None) -> dict[str, float]:
+    """What one Ray Train worker reserves at least on ``device`` ("cpu" or "cuda"): a GPU, or on a CPU its
+    ``parallel.threads_per_worker`` CPUs, else one (it takes more where more are free: ``device.worker_cpus``)."""
+    return {"GPU": 1.0} if device == "cuda" else {"CPU": float(threads_per_worker or 1)}
 
 
 def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
@@ -64,14 +66,19 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
         resolve_precision(cfg.train.precision, device)
     except ValueError as e:  # the rule's own message, with the cluster that made the device cpu
         raise ConfigError(f"{e} (parallel.device={p.device} trains on {device}: {available})") from e
-    for name, per_worker in worker_resources(device).items():
+    for name, per_worker in worker_resources(device, p.threads_per_worker).items():
         asked = per_worker * p.num_workers
         if asked > have[name]:
             raise ConfigError(
                 f"parallel.num_workers={p.num_workers} training workers on {device} need {asked:g} {name}s "
                 f"({per_worker:g} each) but {available}; Ray Train would wait for them forever. Lower "
-                "parallel.num_workers (and train.global_batch_size with it) or add nodes"
+                "parallel.num_workers (and train.global_batch_size with it)"
+                f"{' or parallel.threads_per_worker' if name == 'CPU' and p.threads_per_worker else ''} or add nodes"
             )
+    if device == "cuda":
+        from pipeline.plan.fit import check_memory_fits  # the planner is heavier than this module's own checks
+
+        check_memory_fits(cfg, resources)
 
 
 class DiskError(RuntimeError):

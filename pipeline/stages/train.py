@@ -28,7 +28,7 @@ from pipeline.data.fs import filesystem_for
 from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
-from pipeline.training.device import backend_for, resolve_device, resolve_precision
+from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
 from pipeline.training.validation import check_split
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
@@ -170,6 +170,19 @@ def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
     return parent.state_dict(), tags
 
 
+def cpus_per_worker(cfg: RunConfig, device: str) -> int | None:
+    """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the CPUs free in the
+    cluster now, split over the workers, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's
+    default: a GPU each)."""
+    import ray
+
+    if device == "cuda":
+        return None
+    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    return worker_cpus(cfg.parallel.threads_per_worker, cfg.parallel.num_workers,
+                       ray.available_resources().get("CPU", 0.0), max(nodes, default=1.0))
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
     import ray.train
@@ -196,6 +209,9 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # A controller that died with an earlier attempt of this stage (its task killed) left its workers'
     # placement group holding CPUs this trainer needs.
     reap_orphaned_placement_groups()
+    cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
+    if cpus:
+        tracker.set_tags({"cpus_per_worker": str(cpus)})
     trainer = trainer_class()(
         main,
         train_loop_config={
@@ -213,7 +229,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         },
         torch_config=TorchConfig(backend=backend_for(device)),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
-                                               placement_strategy=cfg.parallel.placement_strategy),
+                                               placement_strategy=cfg.parallel.placement_strategy,
+                                               resources_per_worker={"CPU": cpus} if cpus else None),
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=storage,

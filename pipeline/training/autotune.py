@@ -35,22 +35,23 @@ class Decided:
     compile: bool
     precision_choice: pc.PrecisionChoice | None = None
     compile_choice: cc.CompileChoice | None = None
+    kept: dict[str, str] | None = None  # the auto tags of the checkpoint this run resumed from, where it kept them
 
-    def tags(self) -> dict[str, str]:
-        tags = {"precision": self.precision, "compile": str(self.compile).lower()}
-        if self.precision_choice:
-            tags.update(self.precision_choice.tags())
-        if self.compile_choice:
-            tags.update(self.compile_choice.tags())
-        return tags
-
-    def record(self) -> dict:
-        """``train_precision.json``: the precision and the compile trained with, and their ``auto`` tags."""
-        auto = {}
+    def auto_tags(self) -> dict[str, str]:
+        auto = dict(self.kept or {})
         if self.precision_choice:
             auto.update(self.precision_choice.tags())
         if self.compile_choice:
             auto.update(self.compile_choice.tags())
+        return auto
+
+    def tags(self) -> dict[str, str]:
+        return {"precision": self.precision, "compile": str(self.compile).lower(), **self.auto_tags()}
+
+    def record(self) -> dict:
+        """``train_precision.json`` (beside the weights and in every checkpoint): the precision and the compile
+        trained with, and their ``auto`` tags."""
+        auto = self.auto_tags()
         return {"precision": self.precision, "compile": self.compile, **({"auto": auto} if auto else {})}
 
 
@@ -93,14 +94,19 @@ class _Probe:
 
 
 def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, device: torch.device, rank: int,
-           world: int, local_world: int, precision: str, micro_batch=None) -> Decided:
+           world: int, local_world: int, precision: str, micro_batch=None, resumed: dict | None = None) -> Decided:
     """The precision (``precision``: the stage's, "auto" on a CPU) and the compile the run trains with.
 
     Args:
         tokens: the tokenize artifact the loader reads the micro-batch to time from.
         micro_batch: that micro-batch given instead (its inputs then its targets).
+        resumed: the record of the checkpoint the run resumes from (``Decided.record``), or None. What it
+            trained in is kept for each setting left at ``auto``, on any layout (see ``kept``).
     """
     t = cfg.train
+    kept = _kept(resumed, precision, t)
+    if kept is not None:
+        return kept
     probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, world, micro_batch)
     machine = pc.machine_id() if device.type == "cpu" else ""
     p_choice = None
@@ -123,6 +129,37 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
                          cfg.tokenize.seq_len, torch.get_num_threads(), local_world, world, False)
     c_choice = _choose_compile(probe, machine, c_key, precision, eager_s)
     return Decided(precision, c_choice.compile, p_choice, c_choice)
+
+
+KEPT = "checkpoint"  # the precision.auto / compile.auto tag of a choice kept from the checkpoint resumed from
+
+
+def _kept(resumed: dict | None, precision: str, train) -> Decided | None:
+    """A resumed run keeps what its checkpoint trained in, for every setting left at ``auto``: the same
+    precision whatever the new layout (a run that changed precision halfway would not be the run it
+    continues), and no time spent measuring again. None where there is nothing to keep: no checkpoint, one
+    from before the record was kept, or a precision that ``auto`` cannot choose here (a GPU run's bf16
+    resumed on a CPU), and then the run chooses afresh."""
+    if not resumed:
+        return None
+    was, auto = resumed.get("precision"), resumed.get("auto") or {}
+    kept_now: list[str] = []
+    if precision == "auto":  # a CPU: auto chooses between fp32 and amp_bf16
+        if was not in pc.CANDIDATES:
+            return None
+        precision = was
+        kept_now.append("precision.auto")
+    compile_ = train.compile
+    if compile_ == "auto":
+        if not isinstance(resumed.get("compile"), bool):
+            return None
+        compile_ = resumed["compile"] and train.zero_stage != 3
+        kept_now.append("compile.auto")
+    tags = {k: str(v) for k, v in auto.items() if k.startswith(tuple(kept_now))}
+    tags.update({name: KEPT for name in kept_now})
+    if "compile.auto" in tags and train.zero_stage == 3:
+        tags["compile.auto"] = "zero3"
+    return Decided(precision, bool(compile_), kept=tags)
 
 
 def _choose_precision(probe: _Probe, machine: str, key: str) -> pc.PrecisionChoice:

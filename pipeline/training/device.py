@@ -33,3 +33,17 @@ def resolve_precision(requested: str, device: str) -> str:
     if requested == "fp16" and device == "cpu":
         raise ValueError("train.precision=fp16 needs a GPU; use fp32 or bf16 on CPU")
     return requested
+
+
+def worker_cpus(threads_per_worker: int | None, num_workers: int, free_cpus: float, largest_node_cpus: float) -> int:
+    """The CPUs each training worker on a CPU reserves from Ray, which are also its threads (``local_threads``).
+
+    ``parallel.threads_per_worker`` when set; else the cluster's CPUs that are free as the stage starts, split
+    over the run's workers (at least 1, at most what its largest node has). A lone run on a node so
+    reserves the whole node, as many threads as it uses; a second run started on it meanwhile waits for CPUs
+    instead of running that many threads again on the same cores, and two runs given a share each
+    (``threads_per_worker``) train side by side on their shares.
+    """
+    if threads_per_worker:
+        return threads_per_worker
+    return int(max(1, min(largest_node_cpus, free_cpus // max(1, num_workers))))

@@ -261,6 +261,12 @@ def full_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def local_threads(local_world_size: int, configured: int | None) -> int:
-    """Intra-op threads per worker: the configured number, else this node's cores split evenly."""
-    return configured or max(1, (os.cpu_count() or 1) // local_world_size)
+def local_threads(local_world_size: int, configured: int | None, reserved: float | None = None) -> int:
+    """Intra-op threads per worker: the configured number (``parallel.threads_per_worker``, which is also
+    what the worker reserved), else the CPUs Ray reserved for it (``device.worker_cpus``), at most this node's
+    cores split evenly over the run's workers on it (a cluster may declare more logical CPUs than it has
+    cores); that split alone outside Ray."""
+    if configured:
+        return configured
+    share = max(1, (os.cpu_count() or 1) // local_world_size)
+    return share if reserved is None else max(1, min(share, int(reserved)))

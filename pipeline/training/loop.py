@@ -55,7 +55,7 @@ from pipeline.data.token_blocks import TokenBlocks
 from pipeline.store.contracts import (INIT_DIGEST_TAG, TRAIN_METRICS_FILE, WEIGHTS_FILE, state_digest,
                                       write_train_metrics, write_train_precision, write_train_starts)
 from pipeline.training import autotune
-from pipeline.training.checkpoint import CheckpointManager
+from pipeline.training.checkpoint import CheckpointManager, precision_record, resume_checkpoint
 from pipeline.training.engine import (
     build_engine, engine_zero_stage, full_state_dict, local_threads, loss_definition, train_step,
 )
@@ -119,7 +119,7 @@ def main(config: dict) -> None:
     run = _setup(config)
     run.tracker = outbox
     if outbox is not None:
-        outbox.set_tags(run.decided.tags())
+        outbox.set_tags({**run.decided.tags(), "threads_per_worker": str(torch.get_num_threads())})
     restored = run.checkpoints.restore(on_load=lambda where: phase(f"loading the checkpoint {Path(where).name}"))
     if restored.loader_state is not None:
         run.loader.load_state_dict(restored.loader_state)
@@ -177,25 +177,27 @@ def _system_metrics(run: _Rank):
 
 def _setup(config: dict) -> _Rank:
     """The rank's threads, device, engine, loader and checkpoint manager, from the stage's dict."""
+    import ray
     import ray.train
 
     cfg = config_from_dict(config["run_config"])
     t = cfg.train
     ctx = ray.train.get_context()
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(local_threads(ctx.get_local_world_size(), cfg.parallel.threads_per_worker))
+    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU")  # the stage's worker_cpus
+    torch.set_num_threads(local_threads(ctx.get_local_world_size(), cfg.parallel.threads_per_worker, reserved))
     device = torch.device("cuda", ctx.get_local_rank()) if config["device"] == "cuda" else torch.device("cpu")
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len)
-    # precision auto (on a CPU) and compile auto: timed on this run's own micro-steps, on every worker at once
+    resume = resume_checkpoint(cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True))
+    # precision auto (on a CPU) and compile auto: what the checkpoint resumed from trained in, else timed on
+    # this run's own micro-steps, on every worker at once
     decided = autotune.decide(cfg, model_cfg, config["tokens"], dims, device, rank, world,
-                              ctx.get_local_world_size(), config["precision"])
+                              ctx.get_local_world_size(), config["precision"], resumed=precision_record(resume))
     precision, t = decided.precision, autotune.resolved_train(t, decided)
     init_state = None
     if config.get("init_state") is not None:  # train.init_from: the parent's weights, in Ray's object store
-        import ray
-
         init_state = ray.get(config["init_state"])
     engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=precision, device=device,
                                      seed=cfg.run.seed, init_state=init_state)
@@ -204,8 +206,7 @@ def _setup(config: dict) -> _Rank:
               "zero_stage": engine_zero_stage(t, dims, precision)}
     if model_cfg.num_experts:  # checkpoints from before the experts were stacked resume through canonical.pt
         layout["experts"] = "stacked"
-    checkpoints = CheckpointManager(engine, scheduler, layout, cfg.checkpoint.resume_from,
-                                    warn=lambda m: rank == 0 and print(m, flush=True))
+    checkpoints = CheckpointManager(engine, scheduler, layout, resume, record=decided.record())
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
     loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
     return _Rank(config=config, cfg=cfg, model_cfg=model_cfg, rank=rank, world=world, device=device, dims=dims,

@@ -34,6 +34,10 @@ def test_what_fits_passes(overrides, resources):
     (("parallel.device=cuda", "parallel.num_workers=4", "train.global_batch_size=16"), {"CPU": 64.0, "GPU": 2.0},
      r"parallel\.num_workers=4 training workers on cuda need 4 GPUs \(1 each\) but the Ray cluster has 64 CPUs "
      r"and 2 GPUs"),
+    (("parallel.threads_per_worker=2",), {"CPU": 3.0},
+     r"parallel\.num_workers=2 training workers on cpu need 4 CPUs \(2 each\) but the Ray cluster has 3 CPUs "
+     r"and 0 GPUs; Ray Train would wait for them forever\. Lower parallel\.num_workers \(and "
+     r"train\.global_batch_size with it\) or parallel\.threads_per_worker or add nodes"),
     (("parallel.device=cuda",), {"CPU": 64.0},
      r"parallel\.device=cuda but the Ray cluster has 64 CPUs and 0 GPUs"),
     (("train.precision=fp16",), {"CPU": 64.0},

@@ -1,6 +1,7 @@
 """One home for checkpoints: what one holds, its checksums, which one training resumes from, and the
-layout-independent form. The training loop talks to ``CheckpointManager`` only (``restore`` once,
-``save`` at checkpoint steps); the modules behind it:
+layout-independent form. The training loop asks ``resume_checkpoint`` which checkpoint it starts from and
+``precision_record`` what that one trained in (before its engine is built), then talks to
+``CheckpointManager`` (``restore`` once, ``save`` at checkpoint steps); the modules behind it:
 
 - ``native``: DeepSpeed's own checkpoint of each rank with the step, the loader position and the RNG
   states (bit-exact on the same layout).
@@ -10,6 +11,6 @@ layout-independent form. The training loop talks to ``CheckpointManager`` only (
 - ``choice``: which kept checkpoint a restarted group resumes from when the latest does not verify.
 """
 
-from pipeline.training.checkpoint.manager import CheckpointManager, Restored
+from pipeline.training.checkpoint.manager import CheckpointManager, Restored, precision_record, resume_checkpoint
 
-__all__ = ["CheckpointManager", "Restored"]
+__all__ = ["CheckpointManager", "Restored", "precision_record", "resume_checkpoint"]

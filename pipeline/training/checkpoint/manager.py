@@ -6,13 +6,16 @@ A checkpoint is one folder per report to Ray Train, merged from every rank's par
     conduit/ and rng_rank<r>.pt   DeepSpeed's own files and each rank's RNG (``native``)
     canonical.pt                  the layout-independent form (``canonical``, rank 0)
     layout.json                   the layout the native part loads onto (rank 0)
+    train_precision.json          the precision and compile trained with, and how ``auto`` chose them (rank 0)
     run_log.json                  rank 0's metric history and the steps training started at
     checksums_rank<r>.json        every file's size and sha256, written last (``checksums``)
 
 Restoring: the checkpoint Ray Train hands a restarted group (the newest kept one that verifies,
 ``choice``), else ``checkpoint.resume_from``; the native part when the layout is the same, else the
 canonical one. The history and the start steps travel in the checkpoint, so after a restart the
-metric history is whole and the starts say where each start began.
+metric history is whole and the starts say where each start began. The checkpoint to resume from is chosen
+before the engine is built (``resume_checkpoint``), so that a resumed run keeps the precision it trained
+in (``precision_record``) on any layout, instead of choosing ``auto`` again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,35 @@ from pipeline.training.checkpoint.native import load_state, save_state
 
 LAYOUT_FILE = "layout.json"
 RUN_LOG_FILE = "run_log.json"  # rank 0's metric history and the steps training started at
+PRECISION_FILE = "train_precision.json"  # rank 0's: what the run trained in (``autotune.Decided.record``)
+
+
+def resume_checkpoint(resume_from: str | None, warn: Callable[[str], None] = print):
+    """The checkpoint this worker group starts from, or None for a fresh start: the one Ray Train hands a
+    restarted group (its newest kept checkpoint that verifies), else ``checkpoint.resume_from``.
+
+    Raises:
+        NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
+    """
+    import ray.train
+
+    resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
+    if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
+        return usable_checkpoint(resume, verify_checkpoint, warn=warn)
+    return ray.train.Checkpoint(resume_from) if resume_from else None  # continue another run
+
+
+def precision_record(checkpoint) -> dict | None:
+    """The precision record a checkpoint holds (one small file read, not the checkpoint's download), or
+    None for none to resume from, or a checkpoint written before the record was kept in it."""
+    if checkpoint is None:
+        return None
+    path = f"{checkpoint.path.rstrip('/')}/{PRECISION_FILE}"
+    try:
+        with checkpoint.filesystem.open_input_stream(path) as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
 
 
 @dataclass
@@ -52,30 +84,22 @@ class CheckpointManager:
         scheduler: its LR scheduler (its state goes into the canonical form).
         layout: {"world_size", "ep_size", "zero_stage"} of this run: a checkpoint of the same layout
             loads natively, any other through ``canonical.pt``.
-        resume_from: a checkpoint of another run to continue (``checkpoint.resume_from``), or None.
-        warn: where a warning about a skipped checkpoint goes (rank 0 prints; the others stay quiet).
+        resume: the checkpoint to start from (``resume_checkpoint``), or None.
+        record: what the run trains in (``autotune.Decided.record()``), saved in every checkpoint.
     """
 
-    def __init__(self, engine, scheduler, layout: dict, resume_from: str | None,
-                 warn: Callable[[str], None] = print) -> None:
+    def __init__(self, engine, scheduler, layout: dict, resume, record: dict | None = None) -> None:
         self.engine, self.scheduler, self.layout = engine, scheduler, layout
-        self.resume_from, self.warn = resume_from, warn
+        self.resume, self.record = resume, record
 
     def restore(self, on_load: Callable[[str], None] | None = None) -> Restored:
         """The state to start from: a fresh start at step 0, or what the chosen checkpoint holds
         (``on_load`` is told which, before it is read).
 
         Raises:
-            NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
             CheckpointRefused: ``checkpoint.resume_from`` names a checkpoint that does not verify.
         """
-        import ray.train
-
-        resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
-        if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
-            resume = usable_checkpoint(resume, verify_checkpoint, warn=self.warn)
-        if resume is None and self.resume_from:  # continue another run, on this run's layout
-            resume = ray.train.Checkpoint(self.resume_from)
+        resume = self.resume
         if resume is None:
             return Restored(starts=[0])
         if on_load is not None:
@@ -112,5 +136,7 @@ class CheckpointManager:
             if rank == 0:
                 (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(self.layout))
                 (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps({"history": history, "starts": starts}))
+                if self.record is not None:
+                    (Path(tmp) / PRECISION_FILE).write_text(json.dumps(self.record))
             write_checksums(tmp, rank)  # last: what verify_checkpoint checks before a resume loads it
             ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -385,10 +385,11 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_
     pafs.copy_files(str(first_kept), f"conduit-ckpt/from/{first_kept.name}",
                     source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     assert read_train_precision(train_art.path)["precision"] == "fp32"  # what auto chose for 2 workers
-    # A continuation on another layout would time precision auto again, on its own layout (one worker, two
-    # threads), and could go on in the other precision: this one keeps the 2-worker run's, as a user would.
+    assert json.loads((first_kept / "train_precision.json").read_text()) == read_train_precision(train_art.path)
+    # precision auto: the continuation keeps the checkpoint's precision (read from S3 before its engine is
+    # built) rather than timing both again on its own layout (one worker, two threads)
     resumed, history, _, art = train_once(tmp_path, "s3", [
-        "parallel.num_workers=1", "train.precision=fp32",
+        "parallel.num_workers=1",
         f"checkpoint.resume_from=s3://conduit-ckpt/from/{first_kept.name}?{query}",
         f"checkpoint.storage=s3://conduit-ckpt/runs?{query}"], kill=False, data_root=smoke_artifact_root)
     # Continued at 40 (the first start, 0, is the 2-worker run's, carried by the checkpoint with its
@@ -396,6 +397,9 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_
     assert read_train_starts(art.path) == [0, STEPS - EVERY]
     assert [h["step"] for h in history] == list(range(10, STEPS + 1, 10))
     assert max((weights[k] - resumed[k]).abs().max().item() for k in weights) < 1e-5
+    kept = read_train_precision(art.path)
+    assert kept["precision"] == "fp32" and kept["auto"]["precision.auto"] == "checkpoint"
+    assert kept["compile"] == read_train_precision(train_art.path)["compile"]
     written = [i.path for i in fs.get_file_info(pafs.FileSelector("conduit-ckpt/runs", recursive=True))]
     final = [p for p in written if p.endswith("/layout.json")]
     assert len(final) == 1 and f"{final[0].rsplit('/', 1)[0]}/canonical.pt" in written
