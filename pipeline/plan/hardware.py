@@ -1,0 +1,140 @@
+"""The accelerators a plan can be made for, and the cluster shape ``NODESxGPUSxTYPE``.
+
+One row per type: its memory, its dense bf16 peak (the figure MFU is quoted against), the bandwidth
+between the GPUs of one node (NVLink, one direction) and out of a GPU to other nodes (its share of the
+node's network, one direction). The figures are the vendors' data sheets for the SXM parts (NVIDIA H100,
+H200, A100 and L4 data sheets; the H800 is the H100 with NVLink cut to 400 GB/s both ways, as the
+DeepSeek-V3 report describes its cluster: 8 GPUs per node, 400 Gb/s InfiniBand per GPU). Memory is in
+bytes as the device reports it (80 GB parts report 80 GiB less a little; we take the marketed size in GiB
+for the 80 GB parts and in GB for the H200's 141 and the L4's 24).
+
+``cpu`` is this machine: its memory from the OS and its peak from a short matmul measured here (or
+``--cpu-flops``); gloo between processes of one node goes through shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, replace
+
+from pipeline.base import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device type.
+
+    Attributes:
+        name: as ``--cluster`` spells it.
+        memory_bytes: what one device holds.
+        peak_flops: dense bf16 (fp32 for ``cpu``) FLOP/s, the denominator of MFU.
+        intra_node_bytes_per_s: device-to-device within a node, one direction.
+        inter_node_bytes_per_s: one device's share of the node's network, one direction.
+        ray_names: the ``accelerator_type:<name>`` resources Ray gives a node of this type.
+    """
+
+    name: str
+    memory_bytes: int
+    peak_flops: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    ray_names: tuple[str, ...] = ()
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name != "cpu"
+
+
+GPUS: dict[str, Accelerator] = {a.name: a for a in (
+    Accelerator("H100", 80 * GiB, 989e12, 450e9, 50e9, ("H100",)),
+    Accelerator("H200", 141 * 10**9, 989e12, 450e9, 50e9, ("H200",)),
+    Accelerator("A100-80G", 80 * GiB, 312e12, 300e9, 25e9, ("A100-80G",)),
+    Accelerator("L4", 24 * 10**9, 121e12, 32e9, 12.5e9, ("L4",)),
+    Accelerator("H800", 80 * GiB, 989e12, 200e9, 50e9, ("H800",)),
+)}
+
+# gloo over shared memory within this machine, and a 10 GbE link between machines.
+CPU_INTRA_NODE, CPU_INTER_NODE = 10e9, 1.25e9
+
+
+def measure_cpu_flops(seconds: float = 0.3, size: int = 512) -> float:
+    """fp32 FLOP/s of a square matmul on this process's threads: the CPU's practical peak."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - start)
+
+
+def cpu(flops: float | None = None) -> Accelerator:
+    """This machine as an accelerator: its RAM, and ``flops`` (measured when None)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Accelerator("cpu", memory, flops if flops is not None else measure_cpu_flops(), CPU_INTRA_NODE,
+                       CPU_INTER_NODE)
+
+
+def accelerator(name: str, cpu_flops: float | None = None) -> Accelerator:
+    """The row of ``name`` (``cpu`` measured here, or at ``cpu_flops``).
+
+    Raises:
+        ConfigError: an unknown type, naming the known ones.
+    """
+    if name == "cpu":
+        return cpu(cpu_flops)
+    if name not in GPUS:
+        raise ConfigError(f"--cluster: unknown device type {name!r}; known: {', '.join([*GPUS, 'cpu'])}")
+    return GPUS[name]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines of ``per_node`` devices of one type."""
+
+    nodes: int
+    per_node: int
+    device: Accelerator
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def describe(self) -> str:
+        return f"{self.nodes}x{self.per_node}x{self.device.name} ({self.world} devices)"
+
+    def with_device(self, **changes) -> "Cluster":
+        return replace(self, device=replace(self.device, **changes))
+
+
+_SHAPE = re.compile(r"^(\d+)x(\d+)x(.+)$")
+
+
+def parse_cluster(text: str, cpu_flops: float | None = None) -> Cluster:
+    """``NODESxGPUSxTYPE``, e.g. ``8x8xH100`` or ``1x2xcpu``.
+
+    Raises:
+        ConfigError: naming ``--cluster`` and what is wrong (the shape, a zero count, the type).
+    """
+    match = _SHAPE.match(text.strip())
+    if not match:
+        raise ConfigError(f"--cluster {text!r}: write NODESxGPUSxTYPE, e.g. 8x8xH100 or 1x2xcpu")
+    nodes, per_node = int(match.group(1)), int(match.group(2))
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(f"--cluster {text!r}: nodes and devices per node must be >= 1")
+    return Cluster(nodes, per_node, accelerator(match.group(3), cpu_flops))
+
+
+def from_ray_resources(resources: dict[str, float]) -> Accelerator | None:
+    """The GPU type a Ray cluster reports (its ``accelerator_type:<name>`` resource), or None when it names
+    none we know (then no device memory is known to plan against)."""
+    for gpu in GPUS.values():
+        if any(resources.get(f"accelerator_type:{n}", 0) > 0 for n in gpu.ray_names):
+            return gpu
+    return None
