@@ -28,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jobs.run", description=__doc__.splitlines()[0])
     p.add_argument("config", help="YAML config file (see configs/)")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50")
-    p.add_argument("--dry-run", action="store_true", help="print the plan with hashes and what is cached")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan with hashes and what is cached, and the train stage's memory and time plan")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--until", choices=ORDER,
                    help="run the stages up to and including this one (e.g. train: evaluate and register later)")
@@ -80,6 +81,10 @@ def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: Tex
         if args.dry_run:
             run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force), dry_run=True,
                          echo=console.line)
+            from pipeline.plan.report import summary  # the planner builds the model on the meta device
+
+            for line in summary(cfg).splitlines():
+                console.line(line)
             return 0
         with StageStatus(console, cfg, live=log is not None) as status:
             result = run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force),

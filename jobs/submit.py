@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, cluster.ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:  # what jobs.run --dry-run will print in the job, shown here before submitting
+        from pipeline.plan.report import summary
+
+        print(summary(cfg), file=sys.stderr)
     pinned, env_vars = ([], {}) if args.keep_paths else cluster.pin_locations(cfg)
     uri = cluster.resolve_tracking_uri(args.tracking_uri, cfg)
     if uri:

@@ -43,7 +43,8 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
     Raises:
         ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
             cluster without GPUs; ``train.precision=fp16`` where training runs on CPU; more CPUs or
-            GPUs for ``parallel.num_workers`` workers than the cluster has. Each message names the
+            GPUs for ``parallel.num_workers`` workers than the cluster has; on GPUs of a known type, a
+            planned peak per GPU above its memory (``pipeline.plan.fit``). Each message names the
             fields, what they ask for and what is there.
     """
     missing = [r for r in cfg.cluster.stage_resources if resources.get(r, 0.0) <= 0]

@@ -132,9 +132,9 @@ def parse_cluster(text: str, cpu_flops: float | None = None) -> Cluster:
 
 
 def from_ray_resources(resources: dict[str, float]) -> Accelerator | None:
-    """The GPU type a Ray cluster reports (its ``accelerator_type:<name>`` resource), or None when it names
-    none we know (then no device memory is known to plan against)."""
-    for gpu in GPUS.values():
-        if any(resources.get(f"accelerator_type:{n}", 0) > 0 for n in gpu.ray_names):
-            return gpu
-    return None
+    """The GPU type a Ray cluster reports (its ``accelerator_type:<name>`` resources; of several, the one
+    with the least memory, where a worker may land), or None when it names none we know (then no device
+    memory is known to plan against)."""
+    named = [gpu for gpu in GPUS.values()
+             if any(resources.get(f"accelerator_type:{n}", 0) > 0 for n in gpu.ray_names)]
+    return min(named, key=lambda gpu: gpu.memory_bytes) if named else None

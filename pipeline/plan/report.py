@@ -24,14 +24,11 @@ def check_layout(cfg, cluster: Cluster) -> None:
     """The batch and expert arithmetic of ``cfg`` on ``cluster``'s world, one error naming the field.
 
     Raises:
-        ConfigError: a micro-batch that does not divide the global batch over the world, or an ep_size
-            that does not divide the world or the experts.
+        ConfigError: a global batch that the world's micro-batches do not divide, or an ep_size that
+            does not divide the world (the config's own layout is validated when it loads).
     """
     t, world, ep = cfg.train, cluster.world, cfg.parallel.ep_size
     where = f"on --cluster {cluster.nodes}x{cluster.per_node}x{cluster.device.name}"
-    if t.global_batch_size % t.micro_batch_size_per_rank:
-        raise ConfigError(f"train.micro_batch_size_per_rank={t.micro_batch_size_per_rank} does not divide "
-                          f"train.global_batch_size={t.global_batch_size}")
     if t.global_batch_size % (world * t.micro_batch_size_per_rank):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the world ({world} "
                           f"devices {where}) x train.micro_batch_size_per_rank={t.micro_batch_size_per_rank} = "
@@ -180,7 +177,12 @@ def serving(setup: Setup) -> dict[str, int]:
 
 
 def _fmt(n: float) -> str:
-    return f"{n / GB:8.2f} GB"
+    """Bytes in GB, or MB below a tenth of a GB (the smoke configs)."""
+    return f"{n / GB:8.2f} GB" if n >= GB / 10 or n == 0 else f"{n / 1e6:8.2f} MB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 def _hours(seconds: float) -> str:
@@ -191,9 +193,9 @@ def render(p: Plan) -> str:
     """The plan as the text ``jobs.plan`` prints."""
     s, c, t = p.setup, p.cluster, p.time
     counts = param_counts(s.model)
-    lines = [f"plan on {c.describe()}: {c.device.memory_bytes / GB:.1f} GB and {c.device.peak_flops / 1e12:.1f} "
+    lines = [f"plan on {c.describe()}: {c.device.memory_bytes / GB:.1f} GB and {c.device.peak_flops / 1e12:.3g} "
              f"TFLOP/s peak per device",
-             f"model {counts['total'] / 1e9:.3f} B parameters ({counts['active'] / 1e9:.3f} B active); per device "
+             f"model {_count(counts['total'])} parameters ({_count(counts['active'])} active); per device "
              f"{s.micro_batch} x {s.seq_len} tokens a micro-batch, {s.precision}, ZeRO-{s.zero_stage}, ep_size "
              f"{s.ep_size}, activation checkpointing {'on' if s.checkpointing else 'off'}, loss chunk "
              f"{s.chunk_tokens or 'off'}",
@@ -207,11 +209,11 @@ def render(p: Plan) -> str:
     serve = serving(s)
     lines.append(f"serving: KV cache {serve['kv_cache_bytes_per_token']:,} bytes per token, state "
                  f"{serve['state_bytes_per_sequence']:,} bytes per sequence (bf16)")
-    lines += ["", f"step at MFU {p.mfu:.0%}: {t.flops_per_token / 1e9:.2f} GFLOP per token"]
+    lines += ["", f"step at MFU {p.mfu:.0%}: {t.flops_per_token / 1e6:,.1f} MFLOP per token"]
     lines.append(f"  compute {t.compute_s:.3f} s, communication {t.comm_s:.3f} s of which {t.exposed_comm_s:.3f} s "
                  f"not overlapped: step {t.step_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s")
     for col in p.comm:
-        lines.append(f"  {col.name:44} {col.kind:14} {col.payload / GB:9.3f} GB over {col.group}"
+        lines.append(f"  {col.name:44} {col.kind:14} {_fmt(col.payload)} over {col.group}"
                      f"{'' if col.hidden else ' (exposed)'}")
     lines.append(f"train.steps={p.steps}: {_hours(p.run_seconds())}, {p.run_seconds() * c.world / 3600:,.1f} "
                  "device-hours")
@@ -246,3 +248,20 @@ def as_json(p: Plan) -> dict:
             "tokens": p.tokens, "budget_seconds": p.budget_seconds(),
             "budget_device_hours": None if p.tokens is None else p.budget_seconds() * p.cluster.world / 3600,
             "advice": [name for name, _ in advise(p)] if not p.fits else []}
+
+
+def config_cluster(cfg, cpu_flops: float | None = None) -> Cluster:
+    """The cluster a config describes itself: ``parallel.num_workers`` devices on one node, CPUs unless
+    ``parallel.device`` is cuda (then H100s, the table's first row: ``jobs.plan --cluster`` names others)."""
+    from pipeline.plan.hardware import GPUS, cpu
+
+    device = GPUS["H100"] if cfg.parallel.device == "cuda" else cpu(cpu_flops)
+    return Cluster(nodes=1, per_node=cfg.parallel.num_workers, device=device)
+
+
+def summary(cfg, cpu_flops: float | None = None) -> str:
+    """`render` of ``cfg`` on `config_cluster`, introduced as such (``jobs.run --dry-run``, ``jobs.submit``)."""
+    cluster = config_cluster(cfg, cpu_flops)
+    shape = f"{cluster.nodes}x{cluster.per_node}x{cluster.device.name}"
+    return (f"plan of the train stage on the config's own cluster ({shape}; python -m jobs.plan CONFIG --cluster "
+            f"NODESxGPUSxTYPE plans another):\n" + render(plan(cfg, cluster)))
