@@ -58,7 +58,9 @@ def _case(counter: CollectiveCounter, model_cfg, zero_stage: int, ep_size: int, 
     from pipeline.training.engine import build_engine, train_step
     from pipeline.training.layout import ParallelDims
 
-    seq, global_batch, micro = 8, 8, 2
+    from pipeline.plan.validation import COMM_GLOBAL, COMM_MICRO, COMM_SEQ
+
+    seq, global_batch, micro = COMM_SEQ, COMM_GLOBAL, COMM_MICRO
     train = TrainSection(steps=2, global_batch_size=global_batch, micro_batch_size_per_rank=micro, zero_stage=zero_stage,
                          loss_chunk_tokens=0, precision="fp32", compile=False)
     dims = ParallelDims(world, ep_size, global_batch, micro, seq)
@@ -77,18 +79,15 @@ def _case(counter: CollectiveCounter, model_cfg, zero_stage: int, ep_size: int, 
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "sizes": dict(counter.sizes)}
 
 
-CASES = {"zero1": (1, 1), "zero2": (2, 1), "zero3": (3, 1), "ep2_zero1": (1, 2)}
-
-
 def main(out_path: str) -> None:
     counter = CollectiveCounter()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    from pipeline.plan.validation import COMM_DENSE, COMM_MOE
+    from pipeline.plan.validation import COMM_CASES, COMM_DENSE, COMM_MOE
 
     results = {}
-    for name, (stage, ep) in CASES.items():
+    for name, (stage, ep) in COMM_CASES.items():
         cfg = COMM_MOE if ep > 1 else COMM_DENSE
         results[name] = _case(counter, cfg, stage, ep, world, rank)
     every = [None] * world

@@ -41,7 +41,8 @@ from models.config import ModelConfig
 # (deepspeed.runtime.zero.config.DeepSpeedZeroConfig; a test reads them there).
 DS_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                     "stage3_prefetch_bucket_size": 50_000_000, "contiguous_gradients": True,
-                    "overlap_comm": None, "stage3_param_persistence_threshold": 100_000}
+                    "overlap_comm": None, "stage3_param_persistence_threshold": 100_000,
+                    "stage3_max_reuse_distance": 1_000_000_000}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ ranks and experts over their expert-data-parallel group (world / ep_size):
     stage 2: the gradients reduced every micro-batch (an all-reduce of each bucket, as DeepSpeed's
              stage 2 does without reduce-scatter), then the all-gather of the updated weights
     stage 3: per micro-batch a reduce-scatter of the gradients, and an all-gather of the weights in
-             forward and again in backward, except the tensors smaller than
+             forward (kept for backward while the weights gathered in between stay under
+             ``stage3_max_reuse_distance``, else gathered again), except the tensors smaller than
              ``stage3_param_persistence_threshold``, which stay whole and are gathered once per step
              after the update
     norms:   two all-reduces of one number per group for the gradient norm and the overflow check
@@ -69,13 +70,17 @@ def _moe_tokens(setup: Setup) -> int:
 
 
 def _zero3_weights(setup: Setup, shape: ModelShape) -> list[Collective]:
-    """ZeRO-3's weight all-gathers: the small tensors once per step, the others twice per micro-batch."""
+    """ZeRO-3's weight all-gathers: the small tensors once per step, the others once per micro-batch, or twice
+    when the weights gathered between a tensor's forward and backward use (at most all the others, twice)
+    exceed ``stage3_max_reuse_distance``, so DeepSpeed releases it after the forward."""
     threshold = setup.zero_option("stage3_param_persistence_threshold")
     whole = sum(n for n in shape.dense_sizes if n < threshold)
+    partitioned = shape.dense - whole
+    uses = 1 if 2 * partitioned <= setup.zero_option("stage3_max_reuse_distance") else 2
     wb, accum = setup.weight_bytes, grad_accum(setup)
     return [Collective("dense weights kept whole (after the update)", "all_gather", whole * wb, setup.world, False),
-            Collective("dense weights (forward and backward)", "all_gather", 2 * (shape.dense - whole) * wb * accum,
-                       setup.world, True)]
+            Collective("dense weights (forward" + (")" if uses == 1 else " and backward)"), "all_gather",
+                       uses * partitioned * wb * accum, setup.world, True)]
 
 
 def _gradients(setup: Setup, what: str, P: int, n: int, overlap: bool) -> list[Collective]:

@@ -30,5 +30,42 @@ def _family_cases(base: ModelConfig, tag: str) -> dict[str, ModelConfig]:
 ACTIVATION_CASES: dict[str, ModelConfig] = {**_family_cases(_SMALL, "d64 L2"), **_family_cases(_LARGER, "d128 L4")}
 ACTIVATION_BATCH, ACTIVATION_SEQ, ACTIVATION_CHUNK = 4, 128, 128
 
-COMM_DENSE = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, num_kv_heads=2, max_seq_len=16)
+COMM_DENSE = ModelConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=4, num_kv_heads=2, max_seq_len=16)
 COMM_MOE = COMM_DENSE.replace(num_experts=4, moe_top_k=2, moe_first_dense_layers=1)
+
+# The torch.distributed function each planned kind of collective is made with (DeepSpeed 0.19 on gloo).
+COLLECTIVE_FUNCTION = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+                       "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+COMM_CASES = {"zero1": (1, 1), "zero2": (2, 1), "zero3": (3, 1), "ep2_zero1": (1, 2)}
+COMM_SEQ, COMM_GLOBAL, COMM_MICRO = 8, 8, 2
+
+
+def comm_setup(case: str, world: int = 2):
+    """The planner's Setup of one probed case (`pipeline.plan.comm_probe` runs the same step)."""
+    from pipeline.plan.memory import Setup
+
+    stage, ep = COMM_CASES[case]
+    return Setup(model=COMM_MOE if ep > 1 else COMM_DENSE, seq_len=COMM_SEQ, micro_batch=COMM_MICRO,
+                 global_batch=COMM_GLOBAL, world=world, ep_size=ep, zero_stage=stage, precision="fp32",
+                 offload_optimizer=False, offload_params=False, checkpointing=False, chunk_tokens=0,
+                 zero={"stage": stage})
+
+
+def planned_payloads(case: str, world: int = 2) -> dict[str, int]:
+    """Payload bytes per rank and step by torch.distributed function, as planned."""
+    from pipeline.plan.memory import model_shape
+    from pipeline.plan.step import collectives
+
+    setup = comm_setup(case, world)
+    out: dict[str, int] = {}
+    for c in collectives(setup, model_shape(setup.model, setup.ep_size)):
+        name = COLLECTIVE_FUNCTION[c.kind]
+        out[name] = out.get(name, 0) + c.payload
+    return out
+
+
+def measured_payloads(probe: dict, case: str) -> dict[str, float]:
+    """Payload bytes per rank and step by function, the mean over the probe's ranks."""
+    ranks = [r[case]["bytes"] for r in probe["ranks"]]
+    names = {n for r in ranks for n in r}
+    return {n: sum(r.get(n, 0) for r in ranks) / len(ranks) for n in names}

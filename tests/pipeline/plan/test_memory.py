@@ -95,5 +95,6 @@ def test_deepspeed_defaults_the_planner_assumes():
         if key == "overlap_comm":
             continue
         name = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
-                "stage3_param_persistence_threshold": "param_persistence_threshold"}.get(key, key)
+                "stage3_param_persistence_threshold": "param_persistence_threshold",
+                "stage3_max_reuse_distance": "max_reuse_distance"}.get(key, key)
         assert getattr(ds, name) == value, key
