@@ -122,6 +122,7 @@ bench: install
 	$(PY) benchmarks/serve_vllm.py
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/precision_auto.py
+	$(PY) benchmarks/plan_validation.py
 	$(MAKE) $(DATATROVE_VENV)/.installed
 	$(PY) benchmarks/near_dedup.py --datatrove-python $(DATATROVE_VENV)/bin/python
 	$(PY) benchmarks/report.py
