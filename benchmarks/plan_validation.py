@@ -25,16 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, write_result  # noqa: E402
 
-import models  # noqa: E402,F401  (the family table)
-from models.config import ModelConfig  # noqa: E402
+from pipeline.plan.validation import DEEPSEEK_V3, LLAMA3_8B  # noqa: E402
 
-LLAMA3_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, num_kv_heads=8, d_ff=14336,
-                        max_seq_len=8192, rope_base=500000.0)
-DEEPSEEK_V3 = ModelConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, attention="mla",
-                          kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                          v_head_dim=128, d_ff=18432, num_experts=256, moe_top_k=8, moe_d_ff=2048,
-                          moe_shared_experts=1, moe_first_dense_layers=3, moe_router="sigmoid", moe_n_group=8,
-                          moe_topk_group=4, max_seq_len=4096)
 # name: (model, nodes x GPUs x type, ep_size, global batch, sequence, tokens, MFU, published GPU-hours, source)
 PUBLISHED = {
     "Llama-3-8B": (LLAMA3_8B, (64, 8, "H100"), 1, 512, 8192, 15e12, 0.40, 1.3e6,

@@ -69,3 +69,16 @@ def measured_payloads(probe: dict, case: str) -> dict[str, float]:
     ranks = [r[case]["bytes"] for r in probe["ranks"]]
     names = {n for r in ranks for n in r}
     return {n: sum(r.get(n, 0) for r in ranks) / len(ranks) for n in names}
+
+# The published runs compared in benchmarks/plan_validation.py: Llama 3 8B (Llama 3 report and model
+# card: d 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocabulary 128256) and DeepSeek-V3 (its
+# report: d 7168, 61 layers, MLA with 128 heads, kv rank 512, q rank 1536, 128 + 64 query/key and 128
+# value features per head; 3 dense layers of FFN 18432, then 1 shared + 256 routed experts of 2048,
+# top 8 in 4 of 8 groups by a sigmoid router).
+LLAMA3_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, num_kv_heads=8, d_ff=14336,
+                        max_seq_len=8192, rope_base=500000.0)
+DEEPSEEK_V3 = ModelConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, attention="mla",
+                          kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, d_ff=18432, num_experts=256, moe_top_k=8, moe_d_ff=2048,
+                          moe_shared_experts=1, moe_first_dense_layers=3, moe_router="sigmoid", moe_n_group=8,
+                          moe_topk_group=4, max_seq_len=4096)
