@@ -284,6 +284,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, d_kv, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, d_kv, bias=cfg.bias)
         self.o_proj = nn.Linear(d_q, cfg.d_model, bias=cfg.bias)
+        # The attention over all positions of a causal training sequence, where something else computes it:
+        # sequence parallelism (pipeline.training.sequence_parallel) installs one that exchanges sequence
+        # shards for head shards around it. Called as core(q_BHTK, k_BGTK, v_BGTK, dropout_p) -> out_BHTK
+        # on this rank's positions. None: scaled_dot_product_attention here.
+        self.core = None
 
     def forward(
         self,
@@ -327,6 +332,11 @@ class Attention(nn.Module):
 
         if return_attention:
             out_BHTK, weights_BHTS = explicit_attention(q_BHTK, k_BGSK, v_BGSK, attn_mask, dropout_p)
+        elif self.core is not None:
+            if kv_cache is not None or attn_mask is not None:
+                raise ValueError("an installed attention core (sequence parallelism) attends plain causal "
+                                 "training sequences only: no KV cache, padding mask or ALiBi bias")
+            out_BHTK, weights_BHTS = self.core(q_BHTK, k_BGSK, v_BGSK, dropout_p), None
         else:
             out_BHTK = F.scaled_dot_product_attention(
                 q_BHTK, k_BGSK, v_BGSK,

@@ -43,6 +43,9 @@ class Transformer(nn.Module):
     """
 
     ARCH = "decoder"  # the family's name in the table (models.families); its Family record reads it
+    # Every layer mixes positions only in attention (the rest is per token), so a sequence may be split over
+    # ranks with an attention core that sees all of it installed (pipeline.training.sequence_parallel).
+    SEQUENCE_SHARDABLE = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -94,6 +97,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         return_attention: bool = False,
         targets_BT: torch.Tensor | None = None,
+        position_offset: int = 0,
         **loss_options,
     ) -> ModelOutput:
         """Next-token logits for every input position, or with ``targets_BT`` their loss.
@@ -110,6 +114,9 @@ class Transformer(nn.Module):
             return_attention: return per-layer attention weights (explicit, slower path).
             targets_BT: next-token targets (``ignore_index`` where none): the output then holds their
                 loss and no logits (see ``models.layers.head.LMHead``).
+            position_offset: the position of the first input token, for a shard of a longer sequence
+                (sequence parallelism: each rank holds consecutive positions of it); 0 otherwise. Not
+                with a cache or a padding mask.
             **loss_options: ``LMHead.forward``'s (label_smoothing, chunk_tokens, reduction, ignore_index).
 
         Returns:
@@ -126,8 +133,11 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"attention_mask_BT shape {tuple(attention_mask_BT.shape)} != input shape {(B, T)}"
             )
-        if kv_cache is None and T > cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {cfg.max_seq_len}")
+        if position_offset and (kv_cache is not None or attention_mask_BT is not None):
+            raise ValueError("position_offset is for a shard of an unpadded training sequence: not with a "
+                             "KV cache or an attention mask")
+        if kv_cache is None and position_offset + T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {position_offset + T} exceeds max_seq_len {cfg.max_seq_len}")
 
         device = input_ids_BT.device
         if kv_cache is not None:
@@ -142,7 +152,7 @@ class Transformer(nn.Module):
         elif attention_mask_BT is not None:
             positions_BT = (attention_mask_BT.long().cumsum(dim=1) - 1).clamp(min=0)
         else:
-            positions_BT = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
+            positions_BT = torch.arange(position_offset, position_offset + T, device=device).unsqueeze(0).expand(B, T)
 
         x_BTD = self.tok_embeddings(input_ids_BT)
         if self.pos_embeddings is not None:

@@ -137,6 +137,7 @@ class HybridLM(Transformer):
     """
 
     ARCH = "hybrid"  # the family's name in the table (models.families); its Family record reads it
+    SEQUENCE_SHARDABLE = False  # its Mamba-2 layers scan the whole sequence: a shard's scan needs the state before it
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
