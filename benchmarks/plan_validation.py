@@ -3,7 +3,7 @@
 1. Model states per GPU against DeepSpeed's estimators (ZeRO 1-3, offload), 8 GPUs.
 2. Activations kept at the end of the forward, and the micro-step's peak, against the live tensors of a
    real fp32 forward + backward on this CPU (`pipeline.plan.measure`): dense, MoE, MLA, Mamba-2, hybrid
-   at two sizes, with and without activation checkpointing.
+   and encoder-decoder at two sizes, with and without activation checkpointing.
 3. Communication bytes per step against the real collectives of a 2-rank gloo run of the engine (ZeRO 1,
    2, 3 and EP 2), one launch.
 4. Llama-3-8B- and DeepSeek-V3-shaped configs on the clusters their reports describe, at the MFU stated,
@@ -62,7 +62,8 @@ def estimator_rows() -> list[dict]:
         P, L = shape.total, shape.largest_layer
         cases = {"ZeRO-1": (1, {}, estimate_zero2_model_states_mem_needs(P, N, 1, False)[1] + 2 * P * (N - 1) / N),
                  "ZeRO-2": (2, {}, estimate_zero2_model_states_mem_needs(P, N, 1, False)[1]),
-                 "ZeRO-2 offload": (2, {"offload_optimizer": True}, estimate_zero2_model_states_mem_needs(P, N, 1, True)[1]),
+                 "ZeRO-2 offload": (2, {"offload_optimizer": True},
+                                    estimate_zero2_model_states_mem_needs(P, N, 1, True)[1]),
                  "ZeRO-3": (3, {}, estimate_zero3_model_states_mem_needs(P, L, N, 1, False)[1] + 2 * P / N)}
         for case, (stage, kw, reference) in cases.items():
             planned = sum(model_states(plain_setup(cfg, N, 1, N, 64, stage, **kw), shape).values())
@@ -133,12 +134,14 @@ def published_rows() -> list[dict]:
     rows = []
     for name, (cfg, (nodes, per_node, gpu), ep, batch, seq, tokens, mfu, hours, source) in PUBLISHED.items():
         world = nodes * per_node
-        p = plan_setup(plain_setup(cfg, world, ep, batch, seq), Cluster(nodes, per_node, GPUS[gpu]), mfu, 1, int(tokens))
+        cluster = Cluster(nodes, per_node, GPUS[gpu])
+        p = plan_setup(plain_setup(cfg, world, ep, batch, seq), cluster, mfu, 1, int(tokens))
         counts = param_counts(cfg)
         compute_hours = tokens / (p.time.tokens_per_s * p.time.step_s / p.time.compute_s) * world / 3600
         planned_hours = p.budget_seconds() * world / 3600
         rows.append({"run": name, "cluster": f"{nodes}x{per_node}x{gpu}", "params_B": round(counts["total"] / 1e9, 2),
-                     "active_B": round(counts["active"] / 1e9, 2), "GFLOP_per_token": round(p.time.flops_per_token / 1e9, 1),
+                     "active_B": round(counts["active"] / 1e9, 2),
+                     "GFLOP_per_token": round(p.time.flops_per_token / 1e9, 1),
                      "tokens_T": tokens / 1e12, "mfu": mfu, "planned_compute_Mh": round(compute_hours / 1e6, 3),
                      "planned_with_exposed_comm_Mh": round(planned_hours / 1e6, 3), "published_Mh": hours / 1e6,
                      "published/compute": round(hours / compute_hours, 2),

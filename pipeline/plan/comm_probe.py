@@ -61,8 +61,8 @@ def _case(counter: CollectiveCounter, model_cfg, zero_stage: int, ep_size: int, 
     from pipeline.plan.validation import COMM_GLOBAL, COMM_MICRO, COMM_SEQ
 
     seq, global_batch, micro = COMM_SEQ, COMM_GLOBAL, COMM_MICRO
-    train = TrainSection(steps=2, global_batch_size=global_batch, micro_batch_size_per_rank=micro, zero_stage=zero_stage,
-                         loss_chunk_tokens=0, precision="fp32", compile=False)
+    train = TrainSection(steps=2, global_batch_size=global_batch, micro_batch_size_per_rank=micro,
+                         zero_stage=zero_stage, loss_chunk_tokens=0, precision="fp32", compile=False)
     dims = ParallelDims(world, ep_size, global_batch, micro, seq)
     cpu = torch.device("cpu")
     engine, _ = build_engine(model_cfg, train, OptimizerSection(lr=1e-3, warmup_steps=1), dims, precision="fp32",

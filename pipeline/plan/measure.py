@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from models import build_model
 from models.config import ModelConfig
+from models.families import family
 
 
 class LiveBytes(TorchDispatchMode):
@@ -85,8 +86,10 @@ def measure_step(cfg: ModelConfig, batch: int, seq_len: int, *, checkpointing: b
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    # An encoder-decoder reads a source as long as the target (what its activation count assumes).
+    args = (inputs, inputs) if family(cfg).seq2seq else (inputs,)
     with LiveBytes(list(model.parameters()) + list(model.buffers())) as live:
-        out = model(inputs, targets_BT=targets, chunk_tokens=chunk_tokens)
+        out = model(*args, targets_BT=targets, chunk_tokens=chunk_tokens)
         loss = out.loss + out.aux_loss
         after_forward = live.current
         loss.backward()

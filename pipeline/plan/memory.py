@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.accounting import activations as family_activations
 from models.config import ModelConfig
 
 # DeepSpeed 0.19's defaults of the zero_optimization keys the generated config leaves out

@@ -1,6 +1,6 @@
 """Activation and peak bytes of a micro-step against the live tensors of a real forward + backward on this
-CPU (`pipeline.plan.measure`), within 15%: dense, MoE, MLA, Mamba-2 and hybrid at two sizes, with and
-without activation checkpointing.
+CPU (`pipeline.plan.measure`), within 15%: dense, MoE, MLA, Mamba-2, hybrid and encoder-decoder at two
+sizes, with and without activation checkpointing.
 
 MoE here is the single-process step: under expert parallelism a rank's experts receive the k routed
 copies of every token of the ep group's micro-batches, as many as one process routes to all experts here
