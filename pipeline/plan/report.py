@@ -171,9 +171,12 @@ def advise(p: Plan) -> list[tuple[str, Plan]]:
 
 
 def serving(setup: Setup) -> dict[str, int]:
-    """What a served sequence holds in bf16: KV-cache bytes per token and SSM state per sequence."""
-    return {"kv_cache_bytes_per_token": kv_cache_bytes_per_token(setup.model, 2),
-            "state_bytes_per_sequence": state_bytes_per_sequence(setup.model, 2)}
+    """What a served sequence holds in bf16: KV-cache bytes per token, SSM state per sequence, and a whole
+    sequence of the model's max_seq_len."""
+    per_token = kv_cache_bytes_per_token(setup.model, 2)
+    state = state_bytes_per_sequence(setup.model, 2)
+    return {"kv_cache_bytes_per_token": per_token, "state_bytes_per_sequence": state,
+            "bytes_per_full_sequence": per_token * setup.model.max_seq_len + state}
 
 
 def _fmt(n: float) -> str:
@@ -207,8 +210,10 @@ def render(p: Plan) -> str:
     if p.cpu_offload_bytes:
         lines.append(f"  (CPU memory for the offloaded optimizer: {_fmt(p.cpu_offload_bytes).strip()} per device)")
     serve = serving(s)
-    lines.append(f"serving: KV cache {serve['kv_cache_bytes_per_token']:,} bytes per token, state "
-                 f"{serve['state_bytes_per_sequence']:,} bytes per sequence (bf16)")
+    full = _fmt(serve["bytes_per_full_sequence"]).strip()
+    lines.append(f"serving (bf16): KV cache {serve['kv_cache_bytes_per_token']:,} bytes per token, state "
+                 f"{serve['state_bytes_per_sequence']:,} bytes per sequence: {full} per sequence of "
+                 f"{s.model.max_seq_len} tokens")
     lines += ["", f"step at MFU {p.mfu:.0%}: {t.flops_per_token / 1e6:,.1f} MFLOP per token"]
     lines.append(f"  compute {t.compute_s:.3f} s, communication {t.comm_s:.3f} s of which {t.exposed_comm_s:.3f} s "
                  f"not overlapped: step {t.step_s:.3f} s, {t.tokens_per_s:,.0f} tokens/s")

@@ -79,3 +79,14 @@ def test_run_dry_run_shows_the_plan(capsys, tmp_path):
     assert code == 0
     assert "plan of the train stage on the config's own cluster (1x2xcpu" in out
     assert "peak" in out and "tokens/s" in out
+
+
+def test_submit_dry_run_shows_the_plan_before_it_submits(capsys, monkeypatch, tmp_path):
+    from jobs import submit
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("CONDUIT_INFRA_ENV", str(tmp_path / "absent.env"))  # no cluster to submit to
+    code = submit.main(["configs/smoke.yaml", "--dry-run", f"run.workdir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert "plan of the train stage on the config's own cluster (1x2xcpu" in err and "peak" in err
+    assert code == 2 and "error:" in err  # then it finds no cluster, as without --dry-run
