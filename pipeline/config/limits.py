@@ -34,12 +34,16 @@ def layout_sizes(num_workers: int, ep_size: int, micro_batch_size_per_rank: int)
             f"train.micro_batch_size_per_rank={micro_batch_size_per_rank} must all be >= 1")
 
 
-def global_batch(global_batch_size: int, num_workers: int, micro_batch_size_per_rank: int) -> str | None:
-    """One optimizer step is a whole number of micro-steps over every worker (gradient accumulation)."""
-    per_micro_step = num_workers * micro_batch_size_per_rank
+def global_batch(global_batch_size: int, num_workers: int, micro_batch_size_per_rank: int,
+                 sp_size: int = 1) -> str | None:
+    """One optimizer step is a whole number of micro-steps over every data-parallel rank (gradient
+    accumulation); the ranks of a sequence-parallel group share their sequences."""
+    per_micro_step = num_workers // sp_size * micro_batch_size_per_rank
     if global_batch_size % per_micro_step == 0:
         return None
-    return (f"train.global_batch_size={global_batch_size} must be a multiple of parallel.num_workers={num_workers} "
+    workers = (f"parallel.num_workers={num_workers}" if sp_size == 1 else
+               f"(parallel.num_workers={num_workers} / parallel.sequence_parallel_size={sp_size})")
+    return (f"train.global_batch_size={global_batch_size} must be a multiple of {workers} "
             f"x train.micro_batch_size_per_rank={micro_batch_size_per_rank} = {per_micro_step}")
 
 
@@ -48,6 +52,19 @@ def ep_divides_workers(ep_size: int, num_workers: int) -> str | None:
     if num_workers % ep_size == 0:
         return None
     return f"parallel.ep_size={ep_size} must divide parallel.num_workers={num_workers}"
+
+
+def sequence_parallel(sp_size: int, num_workers: int, ep_size: int, seq_len: int) -> str | None:
+    """Sequence-parallel groups are blocks of ``sp_size`` consecutive ranks, each holding ``seq_len / sp_size``
+    positions of every sequence; expert parallelism does not compose with them yet."""
+    field = f"parallel.sequence_parallel_size={sp_size}"
+    if sp_size < 1 or num_workers % sp_size:
+        return f"{field} must be >= 1 and divide parallel.num_workers={num_workers}"
+    if seq_len % sp_size:
+        return f"{field} must divide tokenize.seq_len={seq_len} (each rank holds seq_len / sp positions)"
+    if sp_size > 1 and ep_size > 1:
+        return f"{field} with parallel.ep_size={ep_size}: expert parallelism and sequence parallelism do not compose yet"
+    return None
 
 
 def ep_needs_moe(ep_size: int, num_experts: int) -> str | None:

@@ -39,6 +39,7 @@ RANGES: dict[str, Range] = {
     "validation.batches": AT_LEAST_1,
     "validation.early_stop_patience": AT_LEAST_0,
     "parallel.threads_per_worker": AT_LEAST_1,
+    "parallel.sequence_parallel_size": AT_LEAST_1,
     "eval.max_batches": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,
     "eval.prompts": NON_EMPTY_ITEMS,

@@ -243,6 +243,10 @@ class ParallelSection:
     # train stage's hash: a trial's model is found cached on any cluster.
     threads_per_worker: int | None = _unhashed(None)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # workers over nodes
+    # Ranks that split each sequence between them (DeepSpeed-Ulysses; pipeline.training.sequence_parallel):
+    # consecutive ranks, each holding seq_len / sp positions of the same sequences; attention runs on all
+    # positions for n_heads / sp heads. Data parallelism is over num_workers / sp groups.
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -692,7 +696,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     # The layout limits, each written once in pipeline.config.limits (the training code relies on them);
     # checked in this order, so that each one may assume the ones before it.
     within(limits.layout_sizes(p.num_workers, p.ep_size, tr.micro_batch_size_per_rank))
-    within(limits.global_batch(tr.global_batch_size, p.num_workers, tr.micro_batch_size_per_rank))
+    within(limits.sequence_parallel(p.sequence_parallel_size, p.num_workers, p.ep_size, cfg.tokenize.seq_len))
+    within(limits.global_batch(tr.global_batch_size, p.num_workers, tr.micro_batch_size_per_rank,
+                               p.sequence_parallel_size))
     within(limits.ep_divides_workers(p.ep_size, p.num_workers))
     within(limits.ep_needs_moe(p.ep_size, mc.num_experts))
     within(limits.ep_divides_experts(p.ep_size, mc.num_experts))

@@ -170,6 +170,20 @@ def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
     return parent.state_dict(), tags
 
 
+def check_sequence_parallel(cfg: RunConfig) -> None:
+    """``parallel.sequence_parallel_size`` > 1 on a model whose shards cannot be computed alone is refused
+    by name (``sequence_parallel.check_shardable``, on the model built on the meta device: no memory)."""
+    import torch
+
+    from models import build_model
+    from pipeline.training.sequence_parallel import check_shardable
+
+    model_cfg = cfg.model_config()
+    with torch.device("meta"):
+        model = build_model(model_cfg, device="meta")
+    check_shardable(model_cfg, model, cfg.parallel.sequence_parallel_size)
+
+
 def cpus_per_worker(cfg: RunConfig, device: str) -> int | None:
     """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the CPUs free in the
     cluster now, split over the workers, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's
@@ -194,6 +208,8 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
     precision = resolve_precision(cfg.train.precision, device)
+    if cfg.parallel.sequence_parallel_size > 1:  # before any worker starts: can a shard be computed alone?
+        check_sequence_parallel(cfg)
     if cfg.validation.every:  # before any worker starts: the validation subset must exist
         check_split(cfg.validation.batches, cfg.train.global_batch_size,
                     inputs["tokenize"].manifest["counts"]["splits"]["validation"]["blocks"])

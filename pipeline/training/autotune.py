@@ -35,7 +35,8 @@ class Decided:
     compile: bool
     precision_choice: pc.PrecisionChoice | None = None
     compile_choice: cc.CompileChoice | None = None
-    kept: dict[str, str] | None = None  # the auto tags of the checkpoint this run resumed from, where it kept them
+    # auto tags decided without measuring: kept from the checkpoint resumed from, or why nothing was timed
+    kept: dict[str, str] | None = None
 
     def auto_tags(self) -> dict[str, str]:
         auto = dict(self.kept or {})
@@ -107,6 +108,8 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
     kept = _kept(resumed, precision, t)
     if kept is not None:
         return kept
+    if dims.sp_size > 1:  # a probe would time whole sequences on one rank: not what the run does
+        return _unmeasured(precision, t)
     probe = _Probe(cfg, model_cfg, tokens, dims, device, rank, world, micro_batch)
     machine = pc.machine_id() if device.type == "cpu" else ""
     p_choice = None
@@ -129,6 +132,21 @@ def decide(cfg: RunConfig, model_cfg: ModelConfig, tokens, dims: ParallelDims, d
                          cfg.tokenize.seq_len, torch.get_num_threads(), local_world, world, False)
     c_choice = _choose_compile(probe, machine, c_key, precision, eager_s)
     return Decided(precision, c_choice.compile, p_choice, c_choice)
+
+
+SEQUENCE_PARALLEL = "not measured: sequence parallelism"  # the auto tags where nothing was timed
+
+
+def _unmeasured(precision: str, train) -> Decided:
+    """Sequence parallelism: ``auto`` takes fp32 and eager without timing (the probe times a whole micro-batch
+    on each rank, while a run splits each sequence over its group and attends across it)."""
+    tags = {}
+    if precision == "auto":
+        precision, tags["precision.auto"] = "fp32", SEQUENCE_PARALLEL
+    compile_ = train.compile
+    if compile_ == "auto":
+        compile_, tags["compile.auto"] = False, SEQUENCE_PARALLEL
+    return Decided(precision, bool(compile_), kept=tags)
 
 
 KEPT = "checkpoint"  # the precision.auto / compile.auto tag of a choice kept from the checkpoint resumed from

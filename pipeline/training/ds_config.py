@@ -40,7 +40,7 @@ def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad
     if offload_params:
         zero["offload_param"] = {"device": "cpu"}
     config = {
-        "train_batch_size": dims.global_batch_size,
+        "train_batch_size": dims.ds_train_batch_size,
         "train_micro_batch_size_per_gpu": dims.micro_batch_size_per_rank,
         "gradient_accumulation_steps": dims.grad_accum_steps,
         "gradient_clipping": grad_clip,

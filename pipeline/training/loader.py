@@ -4,8 +4,9 @@ The global order of samples does not depend on the number of ranks: sample ``i``
 block ``perm_e[i % n]`` of epoch ``e = i // n``, where ``perm_e`` is a permutation seeded by
 ``(seed, e)``. Optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)`` (G = global batch size);
 inside it, micro step ``m`` of rank ``r`` takes the ``micro``-sized slice at offset
-``(m * world + r) * micro``. One rank with accumulation and two ranks without it therefore see
-the same global batch. The only state is the number of samples consumed, so a restored loader
+``(m * dp + r) * micro`` (dp: the data-parallel ranks; r: this rank's). One rank with accumulation and two without it see
+the same global batch; the ranks of a sequence-parallel group share their r and each takes its own positions. The
+only state is the number of samples consumed, so a restored loader
 continues exactly where the saved one stopped.
 
 Each rank reads only the blocks of its own micro-batches (``TokenBlocks.take``): memory-mapped pages
@@ -30,7 +31,9 @@ class BlockLoader:
     Args:
         tokens: the split's blocks, or a single ``(n_blocks, seq_len + 1)`` .npy file (memory-mapped).
         dims: batch arithmetic.
-        rank: this process's rank in ``[0, dims.world_size)``.
+        rank: this process's rank in ``[0, dims.world_size)``. With sequence parallelism (``dims.sp_size``
+            > 1) the ranks of a group read their data-parallel rank's sequences, each its own consecutive
+            ``seq_len / sp_size`` positions of them (``dims.sp_rank``).
         seed: shuffling seed; epoch ``e`` uses ``(seed, e)``.
     """
 
@@ -67,11 +70,13 @@ class BlockLoader:
         """This rank's micro-batches ``(inputs_BT, targets_BT)`` for the next optimizer step."""
         d = self.dims
         out = []
+        width = d.seq_len // d.sp_size
+        first = d.sp_rank(self.rank) * width  # this rank's positions of each sequence
         for m in range(d.grad_accum_steps):
-            offset = self.consumed + (m * d.world_size + self.rank) * d.micro_batch_size_per_rank
+            offset = self.consumed + (m * d.dp_size + d.dp_rank(self.rank)) * d.micro_batch_size_per_rank
             idx = self.global_indices(offset, d.micro_batch_size_per_rank)
             block = torch.from_numpy(self.blocks.take(idx).astype(np.int64))
-            out.append((block[:, :-1].contiguous(), block[:, 1:].contiguous()))
+            out.append((block[:, first:first + width].contiguous(), block[:, first + 1:first + width + 1].contiguous()))
         self.consumed += d.global_batch_size
         return out
 

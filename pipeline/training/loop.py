@@ -189,7 +189,7 @@ def _setup(config: dict) -> _Rank:
     device = torch.device("cuda", ctx.get_local_rank()) if config["device"] == "cuda" else torch.device("cpu")
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
-                        cfg.tokenize.seq_len)
+                        cfg.tokenize.seq_len, cfg.parallel.sequence_parallel_size)
     resume = resume_checkpoint(cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True))
     # precision auto (on a CPU) and compile auto: what the checkpoint resumed from trained in, else timed on
     # this run's own micro-steps, on every worker at once
@@ -206,6 +206,8 @@ def _setup(config: dict) -> _Rank:
               "zero_stage": engine_zero_stage(t, dims, precision)}
     if model_cfg.num_experts:  # checkpoints from before the experts were stacked resume through canonical.pt
         layout["experts"] = "stacked"
+    if dims.sp_size > 1:  # the same weights on every rank of a group, but DeepSpeed partitions over all ranks
+        layout["sp_size"] = dims.sp_size
     checkpoints = CheckpointManager(engine, scheduler, layout, resume, record=decided.record())
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
     loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)

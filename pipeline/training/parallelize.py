@@ -62,7 +62,8 @@ def compile_regions(model: torch.nn.Module) -> None:
 
 
 def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims, rank: int) -> None:
-    """Apply expert parallelism, activation checkpointing and compile to ``model``, in that order.
+    """Apply expert parallelism, sequence parallelism, activation checkpointing and compile to ``model``, in
+    that order.
 
     Call after the model is built and its weights set, and before the optimizer is made and
     ``deepspeed.initialize`` runs.
@@ -71,7 +72,8 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
         model: a ``models.Transformer`` or ``models.families.mamba.model.MambaLM`` (both keep their blocks in
             ``layers``).
         train: ``activation_checkpointing``, ``compile`` and ``zero_stage`` are read.
-        dims: ``ep_size`` > 1 splits the experts.
+        dims: ``ep_size`` > 1 splits the experts; ``sp_size`` > 1 splits each sequence (every rank must call
+            this: the groups are made on all ranks).
         rank: this process's global rank (its expert-parallel rank is ``rank % ep_size``).
 
     Raises:
@@ -82,6 +84,11 @@ def parallelize(model: torch.nn.Module, train: TrainSection, dims: ParallelDims,
     limits.require(limits.compile_zero_stage(train.compile, train.zero_stage))
     if dims.ep_size > 1:
         apply_expert_parallel(model, dims.ep_size, rank)
+    if dims.sp_size > 1:  # attention over all positions of the group's shards (DeepSpeed-Ulysses)
+        from pipeline.training import sequence_parallel
+
+        sequence_parallel.install(model, model.cfg, sequence_parallel.groups(dims.world_size, dims.sp_size),
+                                  seq_len=dims.seq_len)
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if train.compile is True:  # "auto" is decided before (pipeline.training.autotune); unresolved, eager

@@ -103,8 +103,11 @@ class UlyssesCore:
         return out_BTHK.transpose(1, 2)
 
 
-def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessGroup) -> int:
-    """Give every attention module of ``model`` the sequence-parallel core over ``group``; how many.
+def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessGroup,
+            seq_len: int | None = None) -> int:
+    """Give every attention module of ``model`` the sequence-parallel core over ``group``; how many. With
+    ``seq_len`` (the training sequences' length), the model's default ``position_offset`` becomes this
+    rank's first position of them, so callers pass a shard as they would a whole sequence.
 
     Raises:
         ValueError: a model that cannot be split along the sequence (``check_shardable``).
@@ -117,4 +120,19 @@ def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessG
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     for m in modules:
         m.core = core
+    if seq_len is not None:
+        model.position_offset = dist.get_rank(group) * (seq_len // sp)
     return len(modules)
+
+
+def groups(world: int, sp: int) -> dist.ProcessGroup | None:
+    """This rank's sequence-parallel group: ranks ``[k * sp, (k + 1) * sp)``. Every rank must call it (each
+    group is made on all ranks); None where ``sp`` is 1."""
+    if sp == 1:
+        return None
+    mine = None
+    for first in range(0, world, sp):
+        group = dist.new_group(list(range(first, first + sp)))
+        if first <= dist.get_rank() < first + sp:
+            mine = group
+    return mine

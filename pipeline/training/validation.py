@@ -51,16 +51,19 @@ def rank_slice(n: int, world: int, rank: int) -> slice:
 
 @torch.no_grad()
 def partial_nll(engine, blocks: np.ndarray, micro: int, device: torch.device,
-                corruption: SpanCorruption | None = None, loss_chunk_tokens: int = 0) -> tuple[float, int]:
+                corruption: SpanCorruption | None = None, loss_chunk_tokens: int = 0,
+                positions: slice = slice(None)) -> tuple[float, int]:
     """Summed NLL (nats, accumulated in float64) and target count over ``blocks`` (n, T+1): next-token
     targets, or with ``corruption`` (an encoder-decoder) the decoder targets of each span-corrupted block,
     with evaluation's fixed noise. The model sums each micro-batch's loss itself (its head, chunked by
-    ``loss_chunk_tokens`` as in training)."""
+    ``loss_chunk_tokens`` as in training). ``positions``: a sequence-parallel rank's shard of the inputs
+    (and their targets); every position by default."""
     total, count = 0.0, 0
     for b in range(0, len(blocks), micro):
         block = torch.from_numpy(np.asarray(blocks[b : b + micro]).astype(np.int64))
         if corruption is None:
-            inputs, y = (block[:, :-1],), block[:, 1:]
+            inputs_BT, targets_BT = block[:, :-1], block[:, 1:]
+            inputs, y = (inputs_BT[:, positions].contiguous(),), targets_BT[:, positions].contiguous()
         else:
             enc, dec_in, y = corruption.batch(block, EVAL_SALT)
             inputs = (enc, dec_in)
@@ -84,13 +87,15 @@ def validation_loss(engine, blocks: TokenBlocks | np.ndarray, dims: ParallelDims
         loss_chunk_tokens: train.loss_chunk_tokens (the same loss to float rounding, whatever its value).
     """
     n = subset_size(eval_batches, dims)
-    rows = np.arange(n)[rank_slice(n, dims.world_size, rank)]
+    rows = np.arange(n)[rank_slice(n, dims.dp_size, dims.dp_rank(rank))]
     mine = blocks.take(rows) if isinstance(blocks, TokenBlocks) else blocks[rows]
+    width = dims.seq_len // dims.sp_size  # a sequence-parallel rank's positions of each block
+    positions = slice(dims.sp_rank(rank) * width, (dims.sp_rank(rank) + 1) * width)
     was_training = engine.training
     engine.eval()
     try:
         total, count = partial_nll(engine, mine, dims.micro_batch_size_per_rank, device, corruption,
-                                   loss_chunk_tokens)
+                                   loss_chunk_tokens, positions)
     finally:
         engine.train(was_training)
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=device)

@@ -46,6 +46,9 @@ class Transformer(nn.Module):
     # Every layer mixes positions only in attention (the rest is per token), so a sequence may be split over
     # ranks with an attention core that sees all of it installed (pipeline.training.sequence_parallel).
     SEQUENCE_SHARDABLE = True
+    # Where a forward's first token sits in its sequence when the caller does not say: a sequence-parallel
+    # rank holds a shard of every training sequence (pipeline.training.sequence_parallel sets it per model).
+    position_offset = 0
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -97,7 +100,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         return_attention: bool = False,
         targets_BT: torch.Tensor | None = None,
-        position_offset: int = 0,
+        position_offset: int | None = None,
         **loss_options,
     ) -> ModelOutput:
         """Next-token logits for every input position, or with ``targets_BT`` their loss.
@@ -115,8 +118,8 @@ class Transformer(nn.Module):
             targets_BT: next-token targets (``ignore_index`` where none): the output then holds their
                 loss and no logits (see ``models.layers.head.LMHead``).
             position_offset: the position of the first input token, for a shard of a longer sequence
-                (sequence parallelism: each rank holds consecutive positions of it); 0 otherwise. Not
-                with a cache or a padding mask.
+                (sequence parallelism: each rank holds consecutive positions of it); None: the model's
+                ``position_offset`` (0 unless sequence parallelism set it). Not with a cache or a padding mask.
             **loss_options: ``LMHead.forward``'s (label_smoothing, chunk_tokens, reduction, ignore_index).
 
         Returns:
@@ -133,6 +136,8 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"attention_mask_BT shape {tuple(attention_mask_BT.shape)} != input shape {(B, T)}"
             )
+        if position_offset is None:
+            position_offset = self.position_offset
         if position_offset and (kv_cache is not None or attention_mask_BT is not None):
             raise ValueError("position_offset is for a shard of an unpadded training sequence: not with a "
                              "KV cache or an attention mask")

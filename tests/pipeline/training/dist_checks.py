@@ -130,9 +130,10 @@ def reference_weights(model_cfg: ModelConfig, train: TrainSection, tokens: Path,
 
 def distributed_weights(model_cfg, train, tokens, steps, world, rank, moe_stats=None, ep_size=1, precision="fp32",
                         grad_norms: list | None = None, corruption: SpanCorruption | None = None,
-                        optim: OptimizerSection = OPTIM):
-    """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping."""
-    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
+                        optim: OptimizerSection = OPTIM, sp_size: int = 1):
+    """``grad_norms``: gets each step's global gradient norm as DeepSpeed computed it for clipping.
+    ``sp_size``: sequence parallelism (each rank of a group a shard of every sequence)."""
+    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ, sp_size)
     engine, _ = build_engine(model_cfg, train, optim, dims, precision=precision, device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     losses = []
@@ -384,6 +385,17 @@ def main(out_dir: str) -> None:
                 "score_bias": [v.tolist() for k, v in state.items() if k.endswith("score_bias")],
             }
 
+    # Sequence parallelism: both ranks read the same sequences, each half of every one's positions (GQA,
+    # 4 heads over 2 key/value heads), attention across them by DeepSpeed-Ulysses' all-to-all.
+    for case, fields in (("sp2_zero1", {"zero_stage": 1}), ("sp2_zero2", {"zero_stage": 2}),
+                         ("sp2_zero3", {"zero_stage": 3}),
+                         ("sp2_zero1_activation_ckpt", {"zero_stage": 1, "activation_checkpointing": True})):
+        train = dataclasses.replace(TRAIN, **fields)
+        state, losses = distributed_weights(DENSE, train, tokens, 2, world, rank, sp_size=world)
+        if rank == 0:
+            ref = reference_weights(DENSE, train, tokens, 2)
+            results[case] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, reference_weights(
+                DENSE, train, tokens, 0)), "losses": losses}
     # Expert parallelism: experts split over the 2 ranks (one replica each), tokens exchanged by all-to-all.
     results.update(ep_cases(world, rank, tokens, world, (
         ("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1),
