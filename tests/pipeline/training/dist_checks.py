@@ -203,10 +203,11 @@ def resume_check(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENS
     return out
 
 
-def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENSE, zero=2, ep_size=1) -> int:
+def canonical_save(tokens: Path, ckpt: Path, world: int, rank: int, model_cfg=DENSE, zero=2, ep_size=1,
+                   sp_size=1) -> int:
     """2 steps on this world and layout, then a layout-independent checkpoint."""
     train = dataclasses.replace(TRAIN, zero_stage=zero)
-    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ)
+    dims = ParallelDims(world, ep_size, GLOBAL, MICRO, SEQ, sp_size)
     engine, scheduler = build_engine(model_cfg, train, OPTIM, dims, precision="fp32", device=CPU, seed=SEED)
     loader = BlockLoader(tokens, dims, rank, seed=SEED)
     for _ in range(2):
@@ -255,6 +256,9 @@ def canonical_resume(out: Path) -> None:
         "zero3_to_zero1": canonical_continue(tokens, out / "ckpt_canonical_zero3", world, rank, zero=1,
                                              micro=GLOBAL // 2),
         "ep2_to_ep1_zero1": canonical_continue(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=1),
+        # saved by 2 ranks splitting every sequence (sequence parallelism), continued by one holding them whole
+        "sp2_to_sp1_zero1": canonical_continue(tokens, out / "ckpt_canonical_sp2", world, rank, zero=1,
+                                               micro=GLOBAL // 2),
     }
     results["one_rank_zero1"] = one_rank_check(tokens, out / "ckpt_one_rank", world, rank)
     if rank == 0:
@@ -425,6 +429,7 @@ def main(out_dir: str) -> None:
     canonical_save(tokens, out / "ckpt_canonical_ep2", world, rank, MOE_AUX, zero=2, ep_size=world)
     canonical_save(tokens, out / "ckpt_canonical_moe_ep1", world, rank, MOE_AUX, zero=2, ep_size=1)
     canonical_save(tokens, out / "ckpt_canonical_v3_ep2", world, rank, MOE_V3_SEQ, zero=2, ep_size=world)
+    canonical_save(tokens, out / "ckpt_canonical_sp2", world, rank, zero=1, sp_size=world)
     # Same world, another layout: ZeRO-2 -> ZeRO-3 (partitioned weights), ep_size 1 -> 2 (experts split);
     # V3's router (its score biases are buffers: canonical.pt carries them) ep_size 2 -> 1 and ZeRO 2 -> 1.
     results["canonical_same_world"] = {

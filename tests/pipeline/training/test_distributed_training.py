@@ -25,13 +25,14 @@ def results(world2):
 
 
 def test_canonical_checkpoint_resumes_on_another_world_size(world2):
-    """Saved by 2 ranks (ZeRO-2, ZeRO-3, and MoE with ep_size 2); resumed by 1 rank under other
-    ZeRO stages and ep_size 1; the weights after 2 more steps equal 4 single-process steps."""
+    """Saved by 2 ranks (ZeRO-2, ZeRO-3, MoE with ep_size 2, and ZeRO-1 with each sequence split over the two);
+    resumed by 1 rank under other ZeRO stages, ep_size 1 and whole sequences; the weights after 2 more steps
+    equal 4 single-process steps."""
     assert json.loads((world2 / "results.json").read_text())["canonical_saved_world"] == 2
     run_world("tests.pipeline.training.dist_checks", "canonical-resume", str(world2), world_size=1, timeout=600)
     r = json.loads((world2 / "canonical_resume.json").read_text())
     one_rank = r.pop("one_rank_zero1")
-    assert set(r) == {"zero2_to_zero1", "zero2_to_zero0", "zero3_to_zero1", "ep2_to_ep1_zero1"}
+    assert set(r) == {"zero2_to_zero1", "zero2_to_zero0", "zero3_to_zero1", "ep2_to_ep1_zero1", "sp2_to_sp1_zero1"}
     # ZeRO-1 over one rank partitions nothing: the engine runs stage 0 without the all-reduce (issue 18),
     # and still trains like plain torch, reports the clipping norm and resumes bit for bit.
     assert one_rank["engine_stage"] == 0 and one_rank["allreduce"] is False, one_rank
