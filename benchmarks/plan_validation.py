@@ -2,8 +2,8 @@
 
 1. Model states per GPU against DeepSpeed's estimators (ZeRO 1-3, offload), 8 GPUs.
 2. Activations kept at the end of the forward, and the micro-step's peak, against the live tensors of a
-   real fp32 forward + backward on this CPU (`pipeline.plan.measure`): dense, MoE, MLA, Mamba-2, hybrid
-   and encoder-decoder at two sizes, with and without activation checkpointing.
+   real forward + backward on this CPU (`pipeline.plan.measure`), in fp32 and in bf16: dense, MoE, MLA,
+   Mamba-2, hybrid and encoder-decoder at two sizes, with and without activation checkpointing.
 3. Communication bytes per step against the real collectives of a 2-rank gloo run of the engine (ZeRO 1,
    2, 3 and EP 2), one launch.
 4. Llama-3-8B- and DeepSeek-V3-shaped configs on the clusters their reports describe, at the MFU stated,
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -78,14 +79,18 @@ def activation_rows() -> list[dict]:
     from pipeline.plan.memory import model_shape
     from pipeline.plan.validation import ACTIVATION_BATCH, ACTIVATION_CASES, ACTIVATION_CHUNK, ACTIVATION_SEQ
 
+    import torch
+
     rows = []
     for name, cfg in ACTIVATION_CASES.items():
-        for ckpt in (False, True):
-            got = measure_step(cfg, ACTIVATION_BATCH, ACTIVATION_SEQ, checkpointing=ckpt, chunk_tokens=ACTIVATION_CHUNK)
-            setup = plain_setup(cfg, 1, 1, ACTIVATION_BATCH, ACTIVATION_SEQ, 0, ACTIVATION_BATCH, "fp32", ckpt,
+        for (precision, dtype), ckpt in itertools.product((("fp32", torch.float32), ("bf16", torch.bfloat16)),
+                                                          (False, True)):
+            got = measure_step(cfg, ACTIVATION_BATCH, ACTIVATION_SEQ, checkpointing=ckpt, chunk_tokens=ACTIVATION_CHUNK,
+                               dtype=dtype)
+            setup = plain_setup(cfg, 1, 1, ACTIVATION_BATCH, ACTIVATION_SEQ, 0, ACTIVATION_BATCH, precision, ckpt,
                                 ACTIVATION_CHUNK)
             plan = plan_activations(setup, model_shape(cfg, 1), grads_as_they_come=True)
-            tag = f"{name}{' ckpt' if ckpt else ''}"
+            tag = f"{name} {precision}{' ckpt' if ckpt else ''}"
             for what, planned, measured in (("kept", plan.kept, got.after_forward), ("peak", plan.peak, got.peak)):
                 rows.append({"validation": f"activations {what} vs measured", "case": tag, "planned": planned,
                              "reference": measured, "ratio": round(planned / measured, 4)})
@@ -176,9 +181,11 @@ expert all-to-alls never hidden); neither run used that layout (Llama 3: FSDP wi
 parallelism; DeepSeek-V3: 16-way pipeline, 64-way expert parallelism, ZeRO-1), and Conduit plans no
 pipeline or tensor parallelism, so the DeepSeek-V3-shaped plan does not fit in memory per GPU.
 
-Activations: fp32 steps on this CPU (the GPU plans' 16-bit activations are the same counts at 2 bytes;
-not measured here). MoE is the single-process step of an expert-parallel layer (a rank's experts see
-the k routed copies of the tokens of its ep group; with balanced routing as many as here).
+Activations: steps on this CPU in fp32 and in bf16 (weights and activations in bf16, as DeepSpeed's bf16
+runs a model on a GPU; what the code keeps in fp32 whatever the weights, norm statistics, softmax and the
+Mamba-2 scan, is counted at 4 bytes in both). MoE is the single-process step of an expert-parallel
+layer (a rank's experts see the k routed copies of the tokens of its ep group; with balanced routing as
+many as here).
 Communication: payload bytes handed to torch.distributed per rank and step, the mean over the 2
 ranks (the all-to-alls' split depends on routing; their sum does not)."""
 

@@ -116,17 +116,21 @@ def state_bytes_per_sequence(cfg: ModelConfig, bytes_per_element: int = 2) -> in
     return family(cfg).state_bytes_per_sequence(cfg, bytes_per_element)
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
-    """What one training forward keeps for backward, per token at ``seq_len``, in elements of the activation
-    dtype: the family's own count (`models.families.parts.Activations`; each family counts its layers from
-    its code, and `pipeline.plan.measure` checks the count against a real step).
+def activations(cfg: ModelConfig, seq_len: int, bytes_per_element: int = 4) -> Activations:
+    """What one training forward keeps for backward, in bytes per token at ``seq_len``, with activations of
+    ``bytes_per_element`` (4: fp32 or amp_bf16; 2: bf16 or fp16): the family's own count
+    (`models.families.parts.Activations`; each family counts its layers from its code, and
+    `pipeline.plan.measure` checks the count against a real step in fp32 and in bf16).
 
     Raises:
-        ValueError: if seq_len < 1, or the family does not model its activations.
+        ValueError: if seq_len < 1 or bytes_per_element is not 2 or 4, or the family does not count its
+            activations.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if bytes_per_element not in (2, 4):
+        raise ValueError(f"bytes_per_element must be 2 or 4, got {bytes_per_element}")
     fam = family(cfg)
     if fam.activations is None:
         raise ValueError(f"the {fam.title} family (arch {cfg.arch!r}) does not count its activations")
-    return fam.activations(cfg, seq_len)
+    return fam.activations(cfg, seq_len, bytes_per_element)

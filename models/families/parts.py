@@ -38,62 +38,70 @@ def require(cfg: ModelConfig, needed: dict[str, object], why: str = "", hint: st
 
 
 # ---- activations: what a training forward keeps for backward ---------------------------------------
-# Counted from the code, operator by operator, for an fp32 step (checked against the live tensors of a
-# real step, pipeline.plan.measure): every tensor an autograd node saves, in elements per token. A
-# tensor two nodes save is counted once; a tensor a node only reads and frees is not counted.
+# Counted from the code, operator by operator (checked against the live tensors of a real step in fp32
+# and in bf16, pipeline.plan.measure): every tensor an autograd node saves, in bytes per token, for
+# activations of ``b`` bytes (4: fp32 or amp_bf16, 2: bf16 or fp16). What the code computes in fp32
+# whatever the weights (norm statistics, softmax, the SSM scans) counts 4 bytes in both. A tensor two
+# nodes save is counted once; a tensor a node only reads and frees is not counted.
 
 
 @dataclass(frozen=True)
 class Activations:
-    """What one training forward keeps, per token of a micro-batch.
+    """What one training forward keeps, in bytes per token of a micro-batch.
 
     Attributes:
-        stem: elements kept outside the layers (the embedding output, position tables).
-        layers: per layer, the elements it keeps (its input included: the residual stream it reads).
-        widest: per layer, the widest tensor its backward makes per token (the transient of its backward).
-        inputs: per layer, what activation checkpointing keeps of it (the block's input).
+        stem: kept outside the layers (position tables).
+        layers: per layer, what it keeps (the residual stream it reads included).
+        widest: per layer, the widest tensor its backward makes (the transient of its backward).
+        inputs: per layer, what activation checkpointing keeps of it (the block's inputs).
+        stem_checkpointed: kept outside the layers under activation checkpointing (the checkpoints hold
+            the tables every block is called with); None: the same as ``stem``.
     """
 
     stem: float
     layers: tuple[float, ...]
     widest: tuple[float, ...]
     inputs: tuple[float, ...]
+    stem_checkpointed: float | None = None
 
 
-def norm_saved(cfg: ModelConfig) -> float:
-    """A norm's saved elements per token: RMSNorm keeps x * rsqrt and its product with the weight (the
-    next matmul's input) and the rsqrt; LayerNorm its output, mean and rstd (its input is the residual)."""
-    return 2 * cfg.d_model + 1 if cfg.norm == "rmsnorm" else cfg.d_model + 2
+def norm_saved(cfg: ModelConfig, b: int) -> float:
+    """A norm with its input, per token. RMSNorm keeps its input in fp32 (the input itself in fp32, a copy
+    otherwise) and its rsqrt, then x * rsqrt (in the activation dtype) and its product with the weight
+    (the next matmul's input); LayerNorm keeps its input and output and its fp32 mean and rstd."""
+    if cfg.norm == "rmsnorm":
+        return 4 * (cfg.d_model + 1) + b * 2 * cfg.d_model
+    return b * 2 * cfg.d_model + 8
 
 
-def ffn_saved(cfg: ModelConfig, hidden: int) -> float:
-    """A feed-forward's saved elements per token beyond its input: SwiGLU keeps w1 x, silu(w1 x), w3 x and
+def ffn_saved(cfg: ModelConfig, hidden: int, b: int) -> float:
+    """A feed-forward's saved bytes per token beyond its input: SwiGLU keeps w1 x, silu(w1 x), w3 x and
     their product; GELU w1 x and its activation; ReLU only its output (which its backward reads)."""
-    return {"swiglu": 4, "gelu": 2, "relu": 1}[cfg.ffn] * hidden
+    return {"swiglu": 4, "gelu": 2, "relu": 1}[cfg.ffn] * hidden * b
 
 
-def moe_saved(cfg: ModelConfig) -> float:
-    """An MoE feed-forward's saved elements per token beyond its input: the router's logits and
+def moe_saved(cfg: ModelConfig, b: int) -> float:
+    """An MoE feed-forward's saved bytes per token beyond its input: the router's logits and
     probabilities (2 E), the top-k values, indices and slot order (about 6 k), and for each of the k
     routed copies its gathered input, the experts' hidden (as a dense FFN of moe_d_ff) and its output
     before and after the gate (k (2 D + FFN)); each shared expert as a dense FFN plus its output."""
     k, D, F = cfg.moe_top_k, cfg.d_model, cfg.resolved_moe_d_ff
-    routed = 2 * cfg.num_experts + 6 * k + k * (2 * D + ffn_saved(cfg, F))
-    return routed + cfg.moe_shared_experts * (ffn_saved(cfg, F) + D)
+    routed = b * (2 * cfg.num_experts + 6 * k + 2 * k * D) + k * ffn_saved(cfg, F, b)
+    return routed + cfg.moe_shared_experts * (ffn_saved(cfg, F, b) + b * D)
 
 
 def dropout_saved(cfg: ModelConfig, sites: int) -> float:
-    """Dropout's masks (one byte per element, a quarter of an fp32 element) at ``sites`` D-wide places."""
-    return sites * cfg.d_model / 4 if cfg.dropout > 0 else 0.0
+    """Dropout's masks, one byte per element, at ``sites`` D-wide places (none without dropout)."""
+    return sites * cfg.d_model if cfg.dropout > 0 else 0.0
 
 
-def ffn_sublayer(cfg: ModelConfig, layer: int) -> tuple[float, float]:
-    """(saved, widest) per token of a layer's feed-forward sublayer: its norm, its FFN (dense or MoE)
-    and the residual sum it writes."""
+def ffn_sublayer(cfg: ModelConfig, layer: int, b: int) -> tuple[float, float]:
+    """(saved, widest) bytes per token of a layer's feed-forward sublayer: its norm with its input (the
+    residual sum before it) and its FFN (dense or MoE)."""
     if cfg.is_moe_layer(layer):
-        widest = cfg.moe_top_k * cfg.resolved_moe_d_ff
-        body = moe_saved(cfg)
+        widest = cfg.moe_top_k * cfg.resolved_moe_d_ff * b
+        body = moe_saved(cfg, b)
     else:
-        widest = cfg.resolved_d_ff
-        body = ffn_saved(cfg, cfg.resolved_d_ff)
-    return norm_saved(cfg) + body + cfg.d_model + dropout_saved(cfg, 1), widest
+        widest = cfg.resolved_d_ff * b
+        body = ffn_saved(cfg, cfg.resolved_d_ff, b)
+    return norm_saved(cfg, b) + body + dropout_saved(cfg, 1), widest

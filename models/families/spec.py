@@ -67,8 +67,8 @@ class Family:
             denoising evaluation, encoder-decoder generation), not one causal stream.
         draws_attention: evaluate can draw its causal attention maps and expert routing.
         describe: a short label of a config, e.g. "MoE" or "Mamba", for model descriptions.
-        activations: what one training forward keeps for backward, per token at a sequence length, as
-            `models.families.parts.Activations` (elements in the activation dtype); None: not modelled.
+        activations: what one training forward keeps for backward, in bytes per token at a sequence length
+            and activation width (4 or 2 bytes), as `models.families.parts.Activations`; None: not modelled.
     """
 
     arch: str
@@ -85,4 +85,4 @@ class Family:
     draws_attention: bool = True
     state_bytes_per_sequence: Callable[["ModelConfig", int], int] = field(default=lambda cfg, bytes_per_element: 0)
     describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")
-    activations: Callable[["ModelConfig", int], "Activations"] | None = None
+    activations: Callable[["ModelConfig", int, int], "Activations"] | None = None

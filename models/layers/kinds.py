@@ -46,8 +46,9 @@ class AttentionKind:
         cache_width: per layer and token, the elements the KV cache holds.
         cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
         rope_head_dim: how many features of each query/key head RoPE rotates.
-        activation_width: per token at a sequence length, the elements one layer's attention keeps for
-            backward beyond its input (its norm and residual are the block's), in a training forward.
+        activation_width: (saved, widest): bytes per token one layer's attention keeps for backward beyond
+            its input (its norm is the block's), in a training forward at a sequence length and activation
+            bytes b, and the widest tensor per token its backward makes.
     """
 
     name: str
@@ -59,7 +60,7 @@ class AttentionKind:
     cache_width: Callable[["ModelConfig"], int]
     cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
     rope_head_dim: Callable[["ModelConfig"], int]
-    activation_width: Callable[["ModelConfig", int], float] = lambda cfg, seq_len: 0.0
+    activation_width: Callable[["ModelConfig", int, int], tuple[float, float]] = lambda cfg, seq_len, b: (0.0, 0.0)
 
 
 def _mha_params(cfg: ModelConfig) -> int:
@@ -101,27 +102,37 @@ def _check_mla(cfg: ModelConfig) -> None:
         raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {cfg.resolved_qk_rope_head_dim}")
 
 
-def _mha_activations(cfg: ModelConfig, seq_len: int) -> float:
+def _rope_casts(cfg: ModelConfig, b: int, tables: int) -> float:
+    """In 16-bit, each layer casts the fp32 RoPE cos and sin to the activations' dtype, and its backward
+    keeps the casts (``tables`` of rope_head_dim each); in fp32 the shared tables are the model's."""
+    return tables * cfg.rope_head_dim * b if b < 4 and cfg.pos_encoding == "rope" else 0.0
+
+
+def _mha_activations(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
     """mha through ``F.scaled_dot_product_attention`` (flash on CPU and GPU: no T x T scores kept): the
     value projection (G K), the rotated queries and keys (H K + G K; without RoPE the projections
-    themselves), the attention output (H K) and its log-sum-exp (H); with attention dropout the explicit
-    path keeps the probabilities (H T, and a byte mask)."""
+    themselves), the attention output (H K) and its fp32 log-sum-exp (H); in 16-bit, the four RoPE tables
+    cast for the queries and keys; with attention dropout the explicit path keeps the probabilities
+    (H T, and a byte mask). Its backward makes nothing wider than the FFN's."""
     H, G, K = cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim
-    kept = 2 * H * K + 2 * G * K + H
+    kept = b * (2 * H * K + 2 * G * K) + 4 * H + _rope_casts(cfg, b, 4)
     if cfg.attn_dropout > 0:
-        kept += 1.25 * H * seq_len
-    return kept
+        kept += (b + 1) * H * seq_len
+    return kept, 0.0
 
 
-def _mla_activations(cfg: ModelConfig, seq_len: int) -> float:
-    """mla as `models.layers.mla` computes it, on the explicit path (its score and value widths differ):
-    the latent projection (R + P) and its norm (2 R + 1), the query latent's norm (2 rq + 1) when queries
-    are compressed, the scaled queries and keys (2 H Q), the softmax probabilities (H T), the values and
-    the attention output (2 H V)."""
+def _mla_activations(cfg: ModelConfig, seq_len: int, b: int) -> tuple[float, float]:
+    """mla as `models.layers.mla` computes it, on the explicit path (its score and value widths differ),
+    in fp32 whatever the weights: the latent projection and its norm's input and rsqrt (R + P + 1), the
+    scaled queries and keys (2 H Q), the softmax probabilities (H T) and the values (H V); in the
+    activations' dtype the latent norm's two products (2 R), the attention output (H V) and, in 16-bit,
+    the two RoPE tables cast; the query latent's norm (rq + 1 in fp32, rq) when queries are compressed.
+    Its backward makes the scores' gradient (H T, fp32)."""
     H, R, P = cfg.n_heads, cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim
     Q, V = cfg.resolved_qk_nope_head_dim + P, cfg.resolved_v_head_dim
-    query = 2 * cfg.q_lora_rank + 1 if cfg.q_lora_rank is not None else 0
-    return (R + P) + 2 * R + 1 + query + 2 * H * Q + H * seq_len + 2 * H * V
+    query = 4 * (cfg.q_lora_rank + 1) + b * cfg.q_lora_rank if cfg.q_lora_rank is not None else 0
+    fp32 = 4 * (R + P + 1 + 2 * H * Q + H * seq_len + H * V)
+    return fp32 + b * (2 * R + H * V) + query + _rope_casts(cfg, b, 2), 4 * H * seq_len  # the scores' gradient
 
 
 MHA = AttentionKind(

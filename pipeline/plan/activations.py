@@ -24,7 +24,7 @@ class ActivationPlan:
     Attributes:
         layers: what the stem and the layers keep at the end of the forward.
         output: what the output end keeps (the final norm, the loss's saved tensors).
-        loss_buffer: the logits the loss holds while it runs (one chunk's, or all of them).
+        loss_buffer: the logits the loss holds while it runs (two chunks', or all of them).
         peak: the most live bytes over forward and backward.
     """
 
@@ -43,11 +43,17 @@ def _output_end(setup: Setup) -> tuple[int, int, int]:
     """(kept, loss buffer, head gradient) bytes of the final norm, the head and the loss."""
     cfg, N, b, w = setup.model, setup.tokens, setup.activation_bytes, setup.weight_bytes
     D, V = cfg.d_model, cfg.vocab_size
-    norm = N * (2 * D + 1) * b  # the final norm's input (the last residual) and x * rsqrt, and its rsqrt
+    # The final norm's input (in fp32: the last residual, or its fp32 copy) and rsqrt, and x * rsqrt; the
+    # product with its weight goes to the loss, which keeps gradients instead of it.
+    norm = N * (4 * (D + 1) + b * D) if cfg.norm == "rmsnorm" else N * (b * 2 * D + 8)
     if setup.chunk_tokens:
         chunk = min(setup.chunk_tokens, N)
         kept = norm + N * D * b + V * D * w  # the chunked loss computes both gradients in its forward
-        buffer = chunk * V * 4 + (chunk * V * w if w == 2 else 0)  # fp32 logits, and their cast for the matmuls
+        # A chunk's fp32 logits (turned into its gradient in place) live until the next chunk's are made:
+        # two chunks at once, each with a 16-bit copy for the matmuls in 16-bit, which also sums the head's
+        # gradient in fp32 before casting it.
+        live = 2 if N > chunk else 1
+        buffer = live * chunk * V * 4 + (live * chunk * V * w + V * D * 4 if w == 2 else 0)
     else:
         kept = norm + N * D * b + N * V * 4  # the head's input and the fp32 log-softmax
         buffer = N * V * b + (N * V * 4 if b == 2 else 0)  # the logits (and their fp32 copy)
@@ -61,20 +67,22 @@ def plan_activations(setup: Setup, shape: ModelShape, grads_as_they_come: bool =
         grads_as_they_come: count the gradients in the peak as the backward makes them (a plain torch
             step); False when the model states hold them (DeepSpeed's flat buffers).
     """
-    acts = family_activations(setup.model, setup.seq_len)
     N, b, D = setup.tokens, setup.activation_bytes, setup.model.d_model
+    acts = family_activations(setup.model, setup.seq_len, b)
     kept = acts.inputs if setup.checkpointing else acts.layers
-    stem = N * acts.stem * b
-    layers = stem + round(N * sum(kept) * b)
+    checkpointed_stem = acts.stem if acts.stem_checkpointed is None else acts.stem_checkpointed
+    stem = N * (checkpointed_stem if setup.checkpointing else acts.stem)
+    layers = round(stem + N * sum(kept))
     output, buffer, head_grad = _output_end(setup)
     grad_bytes = setup.weight_bytes if grads_as_they_come else 0
     forward_peak = layers + output + buffer
     done = head_grad * (grad_bytes > 0)
     peak = max(forward_peak, layers + output + N * D * b + done)
-    below = stem + N * sum(kept) * b
+    below = stem + N * sum(kept)
     for i in reversed(range(len(kept))):
-        below -= N * kept[i] * b
-        live = below + N * (acts.layers[i] + 2 * D + acts.widest[i]) * b + done + shape.blocks[i] * grad_bytes
+        below -= N * kept[i]
+        # the gradient flowing down, and its fp32 form through the norms' backward
+        live = below + N * (acts.layers[i] + 2 * D * 4 + acts.widest[i]) + done + shape.blocks[i] * grad_bytes
         peak = max(peak, round(live))
         done += shape.blocks[i] * grad_bytes
     return ActivationPlan(layers=layers, output=output, loss_buffer=buffer, peak=peak)

@@ -70,17 +70,18 @@ class StepBytes:
 
 
 def measure_step(cfg: ModelConfig, batch: int, seq_len: int, *, checkpointing: bool, chunk_tokens: int,
-                 seed: int = 0) -> StepBytes:
-    """Build ``cfg`` in fp32 on the CPU and measure one forward + loss + backward at ``batch`` x ``seq_len``.
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> StepBytes:
+    """Build ``cfg`` on the CPU and measure one forward + loss + backward at ``batch`` x ``seq_len``.
 
     Args:
         checkpointing: recompute each block in backward (``pipeline.training.parallelize``'s wrapping).
         chunk_tokens: the loss's chunk (0: the whole logits at once).
+        dtype: the weights' and so the activations' dtype (bfloat16: DeepSpeed's bf16 runs the model in it).
     """
     from pipeline.training.parallelize import apply_activation_checkpointing
 
     torch.manual_seed(seed)
-    model = build_model(cfg)
+    model = build_model(cfg).to(dtype)
     if checkpointing:
         apply_activation_checkpointing(model)
     params = sum(p.numel() * p.element_size() for p in model.parameters())

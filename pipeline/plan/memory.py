@@ -50,6 +50,7 @@ class Setup:
 
     Attributes:
         precision: resolved ("bf16", "fp16", "fp32" or "amp_bf16").
+        sp_size: sequence-parallel degree (DeepSpeed-Ulysses, `pipeline.training.sequence_parallel`).
         zero_stage: the stage the engine runs (`pipeline.training.engine.engine_zero_stage`).
         zero: the generated DeepSpeed config's ``zero_optimization`` section.
     """
@@ -67,11 +68,18 @@ class Setup:
     checkpointing: bool
     chunk_tokens: int
     zero: dict
+    sp_size: int = 1
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank."""
-        return self.micro_batch * self.seq_len
+        """Tokens of one micro-batch on one rank (its shard of each sequence under sequence parallelism)."""
+        return self.micro_batch * self.seq_len // self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different sequences: the batch arithmetic divides by it (ZeRO still partitions
+        over every rank: DeepSpeed counts each rank's shards as its samples)."""
+        return self.world // self.sp_size
 
     @property
     def weight_bytes(self) -> int:

@@ -28,13 +28,17 @@ def check_layout(cfg, cluster: Cluster) -> None:
             does not divide the world (the config's own layout is validated when it loads).
     """
     t, world, ep = cfg.train, cluster.world, cfg.parallel.ep_size
+    sp = cfg.parallel.sequence_parallel_size
     where = f"on --cluster {cluster.nodes}x{cluster.per_node}x{cluster.device.name}"
-    if t.global_batch_size % (world * t.micro_batch_size_per_rank):
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the world ({world} "
-                          f"devices {where}) x train.micro_batch_size_per_rank={t.micro_batch_size_per_rank} = "
-                          f"{world * t.micro_batch_size_per_rank}")
     if world % ep:
         raise ConfigError(f"parallel.ep_size={ep} must divide the world ({world} devices {where})")
+    if world % sp:
+        raise ConfigError(f"parallel.sequence_parallel_size={sp} must divide the world ({world} devices {where})")
+    readers = f"the world ({world} devices {where})" + (f" / parallel.sequence_parallel_size={sp}" if sp > 1 else "")
+    if t.global_batch_size % (world // sp * t.micro_batch_size_per_rank):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of {readers} x "
+                          f"train.micro_batch_size_per_rank={t.micro_batch_size_per_rank} = "
+                          f"{world // sp * t.micro_batch_size_per_rank}")
 
 
 def setup_from_config(cfg, cluster: Cluster) -> Setup:
@@ -53,8 +57,9 @@ def setup_from_config(cfg, cluster: Cluster) -> Setup:
     t = cfg.train
     precision = resolve_precision(t.precision, "cuda" if cluster.device.is_gpu else "cpu")
     precision = "fp32" if precision == "auto" else precision
+    sp = cfg.parallel.sequence_parallel_size
     dims = ParallelDims(cluster.world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
-                        cfg.tokenize.seq_len)
+                        cfg.tokenize.seq_len, sp_size=sp)
     stage = engine_zero_stage(t, dims, precision)
     ds = build_ds_config(dims=dims, zero_stage=stage, precision=precision, grad_clip=cfg.optimizer.grad_clip,
                          offload_optimizer=t.offload_optimizer, offload_params=t.offload_params)
@@ -62,7 +67,7 @@ def setup_from_config(cfg, cluster: Cluster) -> Setup:
                  global_batch=t.global_batch_size, world=cluster.world, ep_size=cfg.parallel.ep_size, zero_stage=stage,
                  precision=precision, offload_optimizer=t.offload_optimizer, offload_params=t.offload_params,
                  checkpointing=t.activation_checkpointing, chunk_tokens=t.loss_chunk_tokens,
-                 zero=ds["zero_optimization"])
+                 zero=ds["zero_optimization"], sp_size=sp)
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ def _variants(setup: Setup) -> list[tuple[str, Setup]]:
     if not s.checkpointing:
         out.append(("train.activation_checkpointing=true", dataclasses.replace(s, checkpointing=True)))
     micro = s.micro_batch // 2
-    while micro >= 1 and s.global_batch % (s.world * micro):
+    while micro >= 1 and s.global_batch % (s.dp_size * micro):
         micro -= 1
     if micro >= 1:
         out.append((f"train.micro_batch_size_per_rank={micro}", dataclasses.replace(s, micro_batch=micro)))
@@ -200,8 +205,8 @@ def render(p: Plan) -> str:
              f"TFLOP/s peak per device",
              f"model {_count(counts['total'])} parameters ({_count(counts['active'])} active); per device "
              f"{s.micro_batch} x {s.seq_len} tokens a micro-batch, {s.precision}, ZeRO-{s.zero_stage}, ep_size "
-             f"{s.ep_size}, activation checkpointing {'on' if s.checkpointing else 'off'}, loss chunk "
-             f"{s.chunk_tokens or 'off'}",
+             f"{s.ep_size}, sequence parallel {s.sp_size}, activation checkpointing "
+             f"{'on' if s.checkpointing else 'off'}, loss chunk {s.chunk_tokens or 'off'}",
              "", "memory per device at the step's peak:"]
     for name, value in p.terms().items():
         lines.append(f"  {name:32} {_fmt(value)}")

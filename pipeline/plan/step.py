@@ -60,7 +60,7 @@ class Collective:
 
 
 def grad_accum(setup: Setup) -> int:
-    return setup.global_batch // (setup.world * setup.micro_batch)
+    return setup.global_batch // (setup.dp_size * setup.micro_batch)
 
 
 def _moe_tokens(setup: Setup) -> int:
@@ -113,7 +113,21 @@ def collectives(setup: Setup, shape: ModelShape) -> list[Collective]:
         counts = cfg.num_moe_layers * cfg.num_experts * 8 * accum
         payload = 4 * _moe_tokens(setup) * cfg.d_model * setup.activation_bytes * accum
         out.append(Collective("expert all-to-all", "all_to_all", payload + counts, setup.ep_size, False))
+    if setup.sp_size > 1:
+        out.append(_ulysses(setup))
     return out
+
+
+def _ulysses(setup: Setup) -> Collective:
+    """Sequence parallelism's all-to-alls (not measured here): per attention layer and micro-batch, the
+    queries, keys, values and output exchanged before and after the attention core, forward and backward
+    (and the forward's again when checkpointed recomputes it); key/value heads fewer than the ranks are
+    sent as copies, one per rank."""
+    cfg, sp = setup.model, setup.sp_size
+    width = 2 * cfg.n_heads * cfg.head_dim + 2 * max(cfg.resolved_num_kv_heads, sp) * cfg.head_dim
+    passes = 3 if setup.checkpointing else 2
+    payload = passes * cfg.n_layers * width * setup.tokens * setup.activation_bytes * grad_accum(setup)
+    return Collective("sequence-parallel all-to-all", "all_to_all", payload, sp, False)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ benchmark (benchmarks/plan_validation.py), so that both check the same cases.
 
 - ``ACTIVATION_CASES``: dense, MoE (the single-process step of an expert-parallel layer: with ep_size
   ranks each rank's experts see the k routed copies of every token, as here), MLA, Mamba-2, hybrid and
-  the encoder-decoder (its source as long as its target), each at two sizes; measured with and without activation checkpointing (`pipeline.plan.measure`).
+  the encoder-decoder (its source as long as its target), each at two sizes; measured in fp32 and in bf16,
+  with and without activation checkpointing (`pipeline.plan.measure`).
 - ``COMM_DENSE``, ``COMM_MOE``: the 2-rank gloo step whose collectives are counted
   (`pipeline.plan.comm_probe`).
 """

@@ -58,8 +58,12 @@ def test_a_config_that_does_not_fit_exits_1_with_the_cheapest_change(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["configs/gpu_1b.yaml", "--cluster", "1x8xB300"], "--cluster: unknown device type 'B300'; known: H100, H200"),
     (["configs/gpu_1b.yaml", "--cluster", "8 H100"], "--cluster '8 H100': write NODESxGPUSxTYPE"),
-    (["configs/gpu_moe.yaml", "--cluster", "1x12xH100"],
-     "train.global_batch_size=64 must be a multiple of the world (12 devices on --cluster 1x12xH100)"),
+    (["configs/gpu_1b.yaml", "--cluster", "1x12xH100"],
+     "train.global_batch_size=128 must be a multiple of the world (12 devices on --cluster 1x12xH100) x "
+     "train.micro_batch_size_per_rank=4 = 48"),
+    (["configs/gpu_1b.yaml", "--cluster", "1x6xH100", "parallel.sequence_parallel_size=4", "parallel.num_workers=4",
+      "train.global_batch_size=4"],
+     "parallel.sequence_parallel_size=4 must divide the world (6 devices on --cluster 1x6xH100)"),
     (["configs/gpu_moe.yaml", "--cluster", "1x4xH100"],
      "parallel.ep_size=8 must divide the world (4 devices on --cluster 1x4xH100)"),
     (["configs/gpu_1b.yaml", "--cluster", "1x8xH100", "train.micro_batch_size_per_rank=3"],

@@ -14,7 +14,7 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.decoder import hf_deepseek, hf_llama
 from models.families.decoder.model import Transformer
-from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved
+from models.families.parts import Activations, dropout_saved, ffn_params, ffn_sublayer, norm_params, norm_saved
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
 
@@ -62,28 +62,32 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_element: int) -> int:
     return cfg.n_layers * attention_kind(cfg).cache_width(cfg) * bytes_per_element
 
 
-def rope_tables(cfg: ModelConfig) -> float:
-    """The RoPE cos and sin tables a forward keeps, per token (one of each for the whole stack)."""
-    return 2 * attention_kind(cfg).rope_head_dim(cfg) if cfg.pos_encoding == "rope" else 0.0
+def rope_tables(cfg: ModelConfig, b: int, checkpointed: bool = False) -> float:
+    """The RoPE cos and sin tables a forward keeps, bytes per token: the model's one fp32 pair, which in fp32
+    every layer shares; in 16-bit the layers keep casts of their own (`models.layers.kinds`) and the pair
+    is freed, unless the blocks are checkpointed (each checkpoint holds the tables it was called with)."""
+    if cfg.pos_encoding != "rope" or (b < 4 and not checkpointed):
+        return 0.0
+    return 2 * 4 * attention_kind(cfg).rope_head_dim(cfg)
 
 
-def attention_sublayer(cfg: ModelConfig, seq_len: int) -> float:
-    """A block's attention sublayer per token: its input (the residual stream), its norm, the attention
-    kind's own (`models.layers.kinds`) and the residual dropout's mask."""
-    return cfg.d_model + norm_saved(cfg) + attention_kind(cfg).activation_width(cfg, seq_len) + (
-        cfg.d_model / 4 if cfg.dropout > 0 else 0.0)
+def attention_sublayer(cfg: ModelConfig, seq_len: int, b: int) -> float:
+    """A block's attention sublayer, bytes per token: its norm with its input (the residual stream), the
+    attention kind's own (`models.layers.kinds`) and the residual dropout's mask."""
+    return norm_saved(cfg, b) + attention_kind(cfg).activation_width(cfg, seq_len, b)[0] + dropout_saved(cfg, 1)
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
-    """Per layer: the attention sublayer, then the feed-forward sublayer (its input, the residual sum,
-    counted there); widest is the FFN's hidden (k of them for MoE)."""
+def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
+    """Per layer: the attention sublayer, then the feed-forward sublayer; widest is the FFN's hidden (k of
+    them for MoE) or the attention's widest gradient."""
     layers, widest = [], []
+    attention_widest = attention_kind(cfg).activation_width(cfg, seq_len, b)[1]
     for i in range(cfg.n_layers):
-        ffn, wide = ffn_sublayer(cfg, i)
-        layers.append(attention_sublayer(cfg, seq_len) + ffn)
-        widest.append(wide)
-    return Activations(stem=rope_tables(cfg), layers=tuple(layers), widest=tuple(widest),
-                       inputs=(float(cfg.d_model),) * cfg.n_layers)
+        ffn, wide = ffn_sublayer(cfg, i, b)
+        layers.append(attention_sublayer(cfg, seq_len, b) + ffn)
+        widest.append(max(wide, attention_widest))
+    return Activations(stem=rope_tables(cfg, b), layers=tuple(layers), widest=tuple(widest),
+                       inputs=(float(b * cfg.d_model),) * cfg.n_layers, stem_checkpointed=rope_tables(cfg, b, True))
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -78,20 +78,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return {"total": round(6 * n + 6 * attn), "forward": round(2 * n + 2 * attn)}
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
+def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
     """Per target token with the source as long as the target: the encoder layers as decoder layers, then
-    the decoder layers with a cross-attention sublayer (its input and norm, the queries, output and
+    the decoder layers with a cross-attention sublayer (its norm and input, the queries, output and fp32
     log-sum-exp, and the source's keys and values, which the model projects once outside the blocks, so a
     checkpointed decoder layer keeps them beside its input). Activation checkpointing wraps only
     ``layers`` (the decoder, `pipeline.training.parallelize`), so an encoder layer keeps all of its
     activations either way."""
     H, G, K, D = cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim, cfg.d_model
-    encoder = attention_sublayer(cfg, seq_len) + ffn_sublayer(cfg, 0)[0]
-    cross = D + norm_saved(cfg) + 2 * H * K + H + 2 * G * K
+    encoder = attention_sublayer(cfg, seq_len, b) + ffn_sublayer(cfg, 0, b)[0]
+    cross = norm_saved(cfg, b) + b * (2 * H * K + 2 * G * K) + 4 * H
     L_enc, L = cfg.resolved_n_encoder_layers, cfg.n_layers
     layers = (encoder,) * L_enc + (encoder + cross,) * L
-    return Activations(stem=2 * rope_tables(cfg), layers=layers, widest=(float(cfg.resolved_d_ff),) * (L_enc + L),
-                       inputs=(encoder,) * L_enc + (float(D + 2 * G * K),) * L)
+    return Activations(stem=2 * rope_tables(cfg, b), stem_checkpointed=2 * rope_tables(cfg, b, True), layers=layers,
+                       widest=(float(cfg.resolved_d_ff * b),) * (L_enc + L),
+                       inputs=(encoder,) * L_enc + (float(b * (D + 2 * G * K)),) * L)
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -54,18 +54,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return {"total": 6 * n + 6 * attn + 3 * scan, "forward": 2 * n + 2 * attn + scan}
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
-    """Per layer: its mixer sublayer (attention as the decoder's, or a Mamba-2 mixer with its input and
-    norm), then its feed-forward sublayer."""
-    mixer, mixer_widest = mamba2.mixer_activations(cfg)
+def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
+    """Per layer: its mixer sublayer (attention as the decoder's, or a Mamba-2 mixer with its norm and
+    input), then its feed-forward sublayer."""
+    mixer, mixer_widest = mamba2.mixer_activations(cfg, b)
     layers, widest = [], []
     for i, kind in enumerate(cfg.hybrid_layers):
-        ffn, wide = ffn_sublayer(cfg, i)
-        first = attention_sublayer(cfg, seq_len) if kind == ATTENTION else cfg.d_model + norm_saved(cfg) + mixer
+        ffn, wide = ffn_sublayer(cfg, i, b)
+        first = attention_sublayer(cfg, seq_len, b) if kind == ATTENTION else norm_saved(cfg, b) + mixer
         layers.append(first + ffn)
         widest.append(max(wide, 0 if kind == ATTENTION else mixer_widest))
-    return Activations(stem=rope_tables(cfg), layers=tuple(layers), widest=tuple(widest),
-                       inputs=(float(cfg.d_model),) * cfg.n_layers)
+    return Activations(stem=rope_tables(cfg, b), layers=tuple(layers), widest=tuple(widest),
+                       inputs=(float(b * cfg.d_model),) * cfg.n_layers, stem_checkpointed=rope_tables(cfg, b, True))
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -57,15 +57,16 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     return stack_flops(cfg, param_counts(cfg), 9 * cfg.n_layers * cfg.ssm_d_inner * cfg.ssm_state_size)
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
-    """Per layer and token: its input and norm; in_proj's output (2 E, the widest), the padded conv input, the
-    conv, the two SiLUs, delta's projection, bias and softplus, the skip and gate products (11 E in all
-    beyond in_proj: 9 E), x_proj's output (R + 2 N), and the scan's one state per chunk (E N / SCAN_CHUNK)."""
+def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
+    """Per layer and token: its norm with its input; in_proj's output (2 E, the widest), the padded conv
+    input, the conv, the two SiLUs, delta's projection, bias and softplus, the skip and gate products (9 E
+    beyond in_proj), x_proj's output (R + 2 N), and the scan's one state per chunk (E N / SCAN_CHUNK).
+    Counted in fp32; in 16-bit every term is taken at the activations' width (not measured)."""
     E, N = cfg.ssm_d_inner, cfg.ssm_state_size
-    mixer = 2 * E + 9 * E + cfg.resolved_ssm_dt_rank + 2 * N + E * N / SCAN_CHUNK
+    mixer = b * (2 * E + 9 * E + cfg.resolved_ssm_dt_rank + 2 * N + E * N / SCAN_CHUNK)
     L = cfg.n_layers
-    return Activations(stem=0.0, layers=(cfg.d_model + norm_saved(cfg) + mixer,) * L, widest=(2.0 * E,) * L,
-                       inputs=(float(cfg.d_model),) * L)
+    return Activations(stem=0.0, layers=(norm_saved(cfg, b) + mixer,) * L, widest=(2.0 * E * b,) * L,
+                       inputs=(float(b * cfg.d_model),) * L)
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -46,26 +46,32 @@ def state_bytes(cfg: ModelConfig, bytes_per_element: int) -> int:
     return conv * (cfg.ssm_conv_kernel - 1) * bytes_per_element + ssm * 4
 
 
-def mixer_activations(cfg: ModelConfig) -> tuple[float, float]:
-    """(saved, widest) per token of one Mamba-2 mixer in a training forward, as `model` computes it: in_proj's
-    output (2 E + 2 G N + H, also the widest), the padded conv input, the conv and its SiLU (3 C, C = E + 2 G N),
-    dt and its softplus and decays (4 H), B and C spread over the heads (5 H N), the inputs, gate, skip and
-    gated norm (8 E), the within-chunk scores, decays and their product (3 H Q), the chunk states (H P N / Q)
-    and the running state sums (7 N)."""
+def mixer_activations(cfg: ModelConfig, b: int) -> tuple[float, float]:
+    """(saved, widest) bytes per token of one Mamba-2 mixer in a training forward, as `model` computes it.
+
+    The scan runs in fp32 whatever the weights: dt, its softplus and decays (4 H), B and C spread over the
+    heads (5 H N), the within-chunk scores, decays and their product (3 H Q), the chunk states (H P N / Q),
+    the running state sums (7 N). In fp32 it also keeps in_proj's output (2 E + 2 G N + H, the widest), the
+    padded conv input, the conv and its SiLU (3 C, C = E + 2 G N) and the inputs, gate, skip and gated norm
+    (8 E). In 16-bit the padded conv input and the conv (2 C) and the gated norm's two products (2 E) are
+    in the activations' dtype, and the scan keeps fp32 copies of the inputs, gate and outputs (9 E) instead
+    of in_proj's output and the SiLU."""
     E, N, G, H = cfg.ssm_d_inner, cfg.ssm_state_size, cfg.ssm_n_groups, cfg.ssm_heads
     P, Q = cfg.ssm_head_dim, cfg.ssm_chunk_size
     conv = E + 2 * G * N
     in_proj = 2 * E + 2 * G * N + H
-    saved = in_proj + 3 * conv + 4 * H + 5 * H * N + 8 * E + 3 * H * Q + H * P * N / Q + 7 * N
-    return saved, in_proj
+    scan = 4 * H + 5 * H * N + 3 * H * Q + H * P * N / Q + 7 * N
+    if b == 4:
+        return 4 * (in_proj + 3 * conv + 8 * E + scan), 4 * in_proj
+    return b * (2 * conv + 2 * E) + 4 * (9 * E + scan), b * in_proj
 
 
-def activations(cfg: ModelConfig, seq_len: int) -> Activations:
-    """Per layer: its input, its norm and its mixer (`mixer_activations`)."""
-    saved, widest = mixer_activations(cfg)
+def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
+    """Per layer: its norm with its input, and its mixer (`mixer_activations`)."""
+    saved, widest = mixer_activations(cfg, b)
     L = cfg.n_layers
-    return Activations(stem=0.0, layers=(cfg.d_model + norm_saved(cfg) + saved,) * L, widest=(widest,) * L,
-                       inputs=(float(cfg.d_model),) * L)
+    return Activations(stem=0.0, layers=(norm_saved(cfg, b) + saved,) * L, widest=(widest,) * L,
+                       inputs=(float(b * cfg.d_model),) * L)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:

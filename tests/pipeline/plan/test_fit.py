@@ -21,7 +21,8 @@ L4_NODE = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:L4": 8.0}
      "train.activation_checkpointing=true"),
     ("gpu_moe", ["parallel.ep_size=1", "train.micro_batch_size_per_rank=8", "train.activation_checkpointing=false"],
      "activations", "train.micro_batch_size_per_rank=4"),
-    ("gpu_moe", ["parallel.ep_size=1", "train.zero_stage=0"], "optimizer", "parallel.ep_size=2"),
+    ("gpu_moe", ["parallel.ep_size=1", "train.zero_stage=0", "train.micro_batch_size_per_rank=2"], "optimizer",
+     "parallel.ep_size=2"),
     ("gpu_mla_moe", ["train.zero_stage=0"], "optimizer", "train.zero_stage=1"),
 ])
 def test_refuses_what_does_not_fit_and_names_the_term_and_a_change_that_fits(config, overrides, term, fix):
