@@ -123,6 +123,7 @@ bench: install
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/precision_auto.py
 	$(PY) benchmarks/plan_validation.py
+	$(PY) benchmarks/sequence_parallel.py
 	$(MAKE) $(DATATROVE_VENV)/.installed
 	$(PY) benchmarks/near_dedup.py --datatrove-python $(DATATROVE_VENV)/bin/python
 	$(PY) benchmarks/report.py

@@ -210,6 +210,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     precision = resolve_precision(cfg.train.precision, device)
     if cfg.parallel.sequence_parallel_size > 1:  # before any worker starts: can a shard be computed alone?
         check_sequence_parallel(cfg)
+        tracker.set_tags({"sequence_parallel_size": str(cfg.parallel.sequence_parallel_size)})
     if cfg.validation.every:  # before any worker starts: the validation subset must exist
         check_split(cfg.validation.batches, cfg.train.global_batch_size,
                     inputs["tokenize"].manifest["counts"]["splits"]["validation"]["blocks"])

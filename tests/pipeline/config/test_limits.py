@@ -41,12 +41,33 @@ def code_message(call) -> str:
      lambda: apply_expert_parallel(build_model("debug_moe", num_experts=3), 2, 0)),
     (["model.preset=debug_moe", "model.moe_shared_experts=1", "parallel.ep_size=2"], limits.ep_shared_experts(2, 1),
      lambda: apply_expert_parallel(build_model("debug_moe", moe_shared_experts=1), 2, 0)),
+    (["parallel.sequence_parallel_size=3", "parallel.num_workers=2"], limits.sequence_parallel(3, 2, 1, 128),
+     lambda: ParallelDims(2, 1, 16, 4, 128, 3)),
+    (["parallel.sequence_parallel_size=2", "tokenize.seq_len=127"], limits.sequence_parallel(2, 2, 1, 127),
+     lambda: ParallelDims(2, 1, 16, 4, 127, 2)),
+    (["parallel.sequence_parallel_size=2", "model.preset=debug_moe", "parallel.ep_size=2"],
+     limits.sequence_parallel(2, 2, 2, 128), lambda: ParallelDims(2, 2, 16, 4, 128, 2)),
+    (["parallel.sequence_parallel_size=2", "parallel.num_workers=4", "train.global_batch_size=12"],
+     limits.global_batch(12, 4, 4, 2), lambda: ParallelDims(4, 1, 12, 4, 128, 2)),
 ], ids=["global_batch", "ep_divides_workers", "layout_sizes", "offload_params", "offload_optimizer", "ep_needs_moe",
-        "ep_divides_experts", "ep_shared_experts"])
+        "ep_divides_experts", "ep_shared_experts", "sp_divides_workers", "sp_divides_seq_len", "sp_with_ep",
+        "sp_global_batch"])
 def test_config_and_code_refuse_with_the_same_message(overrides, rule, call):
     assert rule is not None  # the rule itself refuses these values
     assert config_message(*overrides) == f"<defaults>: {rule}"
     assert code_message(call).startswith(f"{rule} (a limit of pipeline.config.limits")
+
+
+def test_sequence_parallel_messages_name_the_fields():
+    assert limits.sequence_parallel(3, 2, 1, 128) == ("parallel.sequence_parallel_size=3 must be >= 1 and divide "
+                                                      "parallel.num_workers=2")
+    assert limits.sequence_parallel(2, 2, 1, 127) == ("parallel.sequence_parallel_size=2 must divide "
+                                                      "tokenize.seq_len=127 (each rank holds seq_len / sp positions)")
+    assert "with parallel.ep_size=2: expert parallelism and sequence parallelism" in limits.sequence_parallel(2, 2, 2, 8)
+    assert limits.global_batch(12, 4, 4, 2) == (
+        "train.global_batch_size=12 must be a multiple of (parallel.num_workers=4 / "
+        "parallel.sequence_parallel_size=2) x train.micro_batch_size_per_rank=4 = 8")
+    assert limits.sequence_parallel(2, 4, 1, 128) is None and limits.global_batch(16, 4, 4, 2) is None
 
 
 def test_ep_with_zero3_is_refused_at_config_validation():
