@@ -213,6 +213,10 @@ class MoEFeedForward(nn.Module):
         )
         self.expert_impl = cfg.moe_expert_impl
         self.dispatcher: Dispatcher = LocalDispatcher(self.experts, self.expert_impl)
+        # Where this call holds one of several equal shards of every sequence (sequence parallelism): the mean of
+        # a per-shard statistic over the shards, differentiable (pipeline.training.sequence_parallel installs
+        # it), so the balancing loss is the whole sequences'. None: the statistics are this call's own.
+        self.shard_mean = None
 
     def route(self, x_ND: torch.Tensor) -> RoutingDecision:
         """Pick the top-k experts of every token and apply the capacity rule.
@@ -293,10 +297,15 @@ class MoEFeedForward(nn.Module):
             assigned_BE = torch.zeros(B * E, device=idx_S.device).index_add_(
                 0, seq_S * E + idx_S, torch.ones(idx_S.numel(), device=idx_S.device)).view(B, E)
             P_BE = routing.router_probs_NE.view(B, T, E).mean(dim=1)
-            load_balance = E * (assigned_BE / (T * K) * P_BE).sum(dim=-1).mean()
+            f_BE = assigned_BE / (T * K)
+            if self.shard_mean is not None:
+                f_BE, P_BE = self.shard_mean(f_BE), self.shard_mean(P_BE)
+            load_balance = E * (f_BE * P_BE).sum(dim=-1).mean()
         else:
             f_E = assigned_E.float() / routing.expert_indices_NK.numel()
             P_E = routing.router_probs_NE.mean(dim=0)
+            if self.shard_mean is not None:
+                f_E, P_E = self.shard_mean(f_E), self.shard_mean(P_E)
             load_balance = E * (f_E * P_E).sum()
         lse_N = torch.logsumexp(routing.router_logits_NE, dim=-1)
         z_loss = lse_N.pow(2).mean()

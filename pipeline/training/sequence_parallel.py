@@ -15,10 +15,14 @@ ranks' losses is the loss of the whole sequence, and gradients averaged over the
 gradients are) are its gradients. The all-to-all's backward carries each head's gradient back to the rank
 that holds the shard.
 
+A mixture of experts routes each token on its rank; its balancing loss, a product of statistics over the
+tokens, is made from their means over the group (``ShardMean``), so it is the whole sequences' loss.
+
 Models are refused by name where a shard cannot be computed on its own: families whose layers scan the
 sequence (Mamba, Mamba-2, hybrids: the class says ``SEQUENCE_SHARDABLE``), ALiBi (its bias spans the whole
-sequence inside the core), dynamic NTK (it scales by the longest position a forward sees), multi-head latent
-attention and mixtures of experts (their per-sequence terms are not yet summed over the shards).
+sequence inside the core), dynamic NTK (it scales by the longest position a forward sees), a capacity-limited
+mixture of experts (a shard's capacity drops other tokens), and multi-head latent attention (its core is not
+replaceable yet).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def check_shardable(model_cfg: ModelConfig, model: torch.nn.Module, sp: int) -> 
         f"model.attention={model_cfg.attention}": any(not hasattr(b.attn, "core") for b in blocks),
         "model.pos_encoding=alibi": model_cfg.pos_encoding == "alibi",
         "model.rope_scaling_type=dynamic": model_cfg.pos_encoding == "rope" and model_cfg.rope_scaling_type == "dynamic",
-        f"model.num_experts={model_cfg.num_experts}": model_cfg.num_experts > 0,
+        # capacity is a share of the tokens of one call: a shard's would drop other tokens than the whole's
+        f"model.moe_capacity_factor={model_cfg.moe_capacity_factor}": (model_cfg.num_experts > 0
+                                                                       and model_cfg.moe_capacity_factor is not None),
     }
     refused = [name for name, hit in refusals.items() if hit]
     if refused:
@@ -103,6 +109,20 @@ class UlyssesCore:
         return out_BTHK.transpose(1, 2)
 
 
+class ShardMean:
+    """The mean over a sequence-parallel group of a statistic each rank computed on its shard (equal shards):
+    an all-reduce whose backward all-reduces the gradient, so each rank's copy of a loss built on it sends
+    every shard its part (DeepSpeed's average of the ranks' gradients then gives the whole loss's)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.size = group, dist.get_world_size(group)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=self.group) / self.size
+
+
 def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessGroup,
             seq_len: int | None = None) -> int:
     """Give every attention module of ``model`` the sequence-parallel core over ``group``; how many. With
@@ -120,6 +140,9 @@ def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessG
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     for m in modules:
         m.core = core
+    for m in model.modules():  # the mixtures of experts' balancing statistics: the whole sequences'
+        if hasattr(m, "shard_mean"):
+            m.shard_mean = ShardMean(group)
     if seq_len is not None:
         model.position_offset = dist.get_rank(group) * (seq_len // sp)
     return len(modules)

@@ -391,15 +391,21 @@ def main(out_dir: str) -> None:
 
     # Sequence parallelism: both ranks read the same sequences, each half of every one's positions (GQA,
     # 4 heads over 2 key/value heads), attention across them by DeepSpeed-Ulysses' all-to-all.
-    for case, fields in (("sp2_zero1", {"zero_stage": 1}), ("sp2_zero2", {"zero_stage": 2}),
-                         ("sp2_zero3", {"zero_stage": 3}),
-                         ("sp2_zero1_activation_ckpt", {"zero_stage": 1, "activation_checkpointing": True})):
+    # MoE: each rank routes its shard; the balancing statistics are the whole micro-batch's (a mean over the
+    # group), so the reference accumulates micro-batches of MICRO, as for the other MoE cases.
+    for case, model_cfg, fields in (
+            ("sp2_zero1", DENSE, {"zero_stage": 1}), ("sp2_zero2", DENSE, {"zero_stage": 2}),
+            ("sp2_zero3", DENSE, {"zero_stage": 3}),
+            ("sp2_zero1_activation_ckpt", DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
+            ("sp2_moe_zero1", MOE_AUX, {"zero_stage": 1}), ("sp2_moe_v3_sequence_aux_zero2", MOE_V3_SEQ, {"zero_stage": 2})):
         train = dataclasses.replace(TRAIN, **fields)
-        state, losses = distributed_weights(DENSE, train, tokens, 2, world, rank, sp_size=world)
+        state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank, sp_size=world)
         if rank == 0:
-            ref = reference_weights(DENSE, train, tokens, 2)
+            micro = MICRO if model_cfg.is_moe else GLOBAL
+            ref = reference_weights(model_cfg, train, tokens, 2, micro=micro)
             results[case] = {"max_abs_diff": max_diff(state, ref), "moved": max_diff(ref, reference_weights(
-                DENSE, train, tokens, 0)), "losses": losses}
+                model_cfg, train, tokens, 0, micro=micro)), "losses": losses,
+                "score_bias": [v.tolist() for k, v in state.items() if k.endswith("score_bias")]}
     # Expert parallelism: experts split over the 2 ranks (one replica each), tokens exchanged by all-to-all.
     results.update(ep_cases(world, rank, tokens, world, (
         ("ep2_zero1", MOE_AUX, 1), ("ep2_zero2", MOE_AUX, 2), ("ep2_capacity_zero1", MOE_CAPACITY, 1),

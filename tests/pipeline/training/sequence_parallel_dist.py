@@ -30,6 +30,12 @@ CASES = {
     "yarn": BASE.replace(num_kv_heads=2, rope_scaling_type="yarn", rope_scaling=4.0, rope_original_max_seq_len=16),
     "learned": BASE.replace(pos_encoding="learned"),
     "tied_gelu_layernorm": BASE.replace(tie_embeddings=True, ffn="gelu", norm="layernorm", bias=True),
+    # mixtures of experts: the balancing loss (a product of statistics over the tokens) and the z-loss
+    "moe": BASE.replace(num_kv_heads=2, num_experts=4, moe_top_k=2, moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01),
+    # DeepSeek-V3's sigmoid router with its per-sequence balance loss
+    "moe_v3_sequence_aux": BASE.replace(num_experts=8, moe_top_k=2, moe_router="sigmoid", moe_n_group=4,
+                                        moe_topk_group=2, moe_routed_scaling_factor=2.0, moe_aux_loss_coef=0.05,
+                                        moe_aux_loss_scope="sequence"),
 }
 STEPS = 3
 
@@ -43,7 +49,8 @@ def _steps(model, ids, targets, offset=0, sp_group=None):
     first = None
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(ids, targets_BT=targets, position_offset=offset).loss
+        out = model(ids, targets_BT=targets, position_offset=offset)
+        loss = out.loss + out.aux_loss  # what training backpropagates (aux: 0 for a dense model)
         loss.backward()
         if sp_group is not None:
             world = dist.get_world_size(sp_group)
