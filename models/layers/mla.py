@@ -63,6 +63,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.rope_dim = cfg.resolved_qk_rope_head_dim
         self.v_dim = cfg.resolved_v_head_dim
         self.attn_dropout = cfg.attn_dropout
+        # As Attention.core: sequence parallelism's attention over all positions, called as
+        # core(q_BHTQ, k_BHTQ, v_BHTV, dropout_p, softmax_scale) -> out_BHTV; None: scaled_dot_product_attention.
+        self.core = None
         D, H, Q = cfg.d_model, cfg.n_heads, self.nope_dim + self.rope_dim
         # 1/sqrt(N + P), as the paper; DeepSeek's YaRN multiplies it by mscale(s, mscale_all_dim)^2.
         mscale2 = yarn_softmax_scale(cfg.rope)
@@ -135,6 +138,11 @@ class MultiHeadLatentAttention(nn.Module):
         if return_attention:
             out_BHTV, weights_BHTS = explicit_attention(q_BHTQ, k_BHSQ, v_BHSV, attn_mask, dropout_p,
                                                         self.softmax_scale)
+        elif self.core is not None:
+            if kv_cache is not None or attn_mask is not None:
+                raise ValueError("an installed attention core (sequence parallelism) attends plain causal "
+                                 "training sequences only: no KV cache or padding mask")
+            out_BHTV, weights_BHTS = self.core(q_BHTQ, k_BHSQ, v_BHSV, dropout_p, self.softmax_scale), None
         else:
             # SDPA scales by 1/sqrt(q's width) = 1/sqrt(N + P) unless told (softmax_scale).
             out_BHTV = F.scaled_dot_product_attention(

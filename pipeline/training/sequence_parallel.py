@@ -21,8 +21,8 @@ tokens, is made from their means over the group (``ShardMean``), so it is the wh
 Models are refused by name where a shard cannot be computed on its own: families whose layers scan the
 sequence (Mamba, Mamba-2, hybrids: the class says ``SEQUENCE_SHARDABLE``), ALiBi (its bias spans the whole
 sequence inside the core), dynamic NTK (it scales by the longest position a forward sees), a capacity-limited
-mixture of experts (a shard's capacity drops other tokens), and multi-head latent attention (its core is not
-replaceable yet).
+mixture of experts (a shard's capacity drops other tokens). Multi-head latent attention hands the core its
+per-head keys and values (decompressed from the latent) and its softmax scale.
 """
 
 from __future__ import annotations
@@ -76,16 +76,18 @@ def shard(tokens_BT: torch.Tensor, rank: int, sp: int) -> tuple[torch.Tensor, in
 
 
 def _causal_attention(q_BTHK: torch.Tensor, k_BTGK: torch.Tensor, v_BTGK: torch.Tensor,
-                      dropout_p: float) -> torch.Tensor:
-    """Causal attention over all positions, for this rank's heads (DeepSpeed's layout: batch, time, heads)."""
+                      dropout_p: float, scale: float | None = None) -> torch.Tensor:
+    """Causal attention over all positions, for this rank's heads (DeepSpeed's layout: batch, time, heads);
+    ``scale``: the softmax's (1/sqrt(q's width) when None)."""
     out_BHTK = F.scaled_dot_product_attention(
         q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2), dropout_p=dropout_p,
-        is_causal=True, enable_gqa=k_BTGK.shape[2] != q_BTHK.shape[2])
+        is_causal=True, enable_gqa=k_BTGK.shape[2] != q_BTHK.shape[2], scale=scale)
     return out_BHTK.transpose(1, 2)
 
 
 class UlyssesCore:
-    """The attention core an ``Attention`` module calls with its shard's q, k, v (``Attention.core``)."""
+    """The attention core an attention module calls with its shard's q, k, v (``Attention.core``, and multi-head
+    latent attention's ``MultiHeadLatentAttention.core`` with its per-head keys and values and its scale)."""
 
     def __init__(self, group: dist.ProcessGroup, n_heads: int, n_kv_heads: int) -> None:
         from deepspeed.sequence.layer import DistributedAttention
@@ -100,12 +102,12 @@ class UlyssesCore:
                                               num_kv_heads=n_kv_heads * self.copies)
 
     def __call__(self, q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                 dropout_p: float) -> torch.Tensor:
+                 dropout_p: float, scale: float | None = None) -> torch.Tensor:
         if self.copies > 1:
             k_BGTK = k_BGTK.repeat_interleave(self.copies, dim=1)
             v_BGTK = v_BGTK.repeat_interleave(self.copies, dim=1)
         out_BTHK = self.attention(q_BHTK.transpose(1, 2).contiguous(), k_BGTK.transpose(1, 2).contiguous(),
-                                  v_BGTK.transpose(1, 2).contiguous(), 0, None, dropout_p)
+                                  v_BGTK.transpose(1, 2).contiguous(), 0, None, dropout_p, scale)
         return out_BTHK.transpose(1, 2)
 
 
@@ -132,12 +134,10 @@ def install(model: torch.nn.Module, model_cfg: ModelConfig, group: dist.ProcessG
     Raises:
         ValueError: a model that cannot be split along the sequence (``check_shardable``).
     """
-    from models.layers.attention import Attention
-
     sp = dist.get_world_size(group)
     check_shardable(model_cfg, model, sp)
-    core = UlyssesCore(group, model_cfg.n_heads, model_cfg.resolved_num_kv_heads)
-    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    core = UlyssesCore(group, model_cfg.n_heads, model_cfg.resolved_num_kv_heads)  # MLA: n_heads, per head
+    modules = [m for m in model.modules() if hasattr(m, "core")]  # every attention module's replaceable core
     for m in modules:
         m.core = core
     for m in model.modules():  # the mixtures of experts' balancing statistics: the whole sequences'

@@ -397,7 +397,8 @@ def main(out_dir: str) -> None:
             ("sp2_zero1", DENSE, {"zero_stage": 1}), ("sp2_zero2", DENSE, {"zero_stage": 2}),
             ("sp2_zero3", DENSE, {"zero_stage": 3}),
             ("sp2_zero1_activation_ckpt", DENSE, {"zero_stage": 1, "activation_checkpointing": True}),
-            ("sp2_moe_zero1", MOE_AUX, {"zero_stage": 1}), ("sp2_moe_v3_sequence_aux_zero2", MOE_V3_SEQ, {"zero_stage": 2})):
+            ("sp2_moe_zero1", MOE_AUX, {"zero_stage": 1}), ("sp2_moe_v3_sequence_aux_zero2", MOE_V3_SEQ, {"zero_stage": 2}),
+            ("sp2_mla_zero3", MLA, {"zero_stage": 3}), ("sp2_mla_moe_shared_zero2", MLA_MOE, {"zero_stage": 2})):
         train = dataclasses.replace(TRAIN, **fields)
         state, losses = distributed_weights(model_cfg, train, tokens, 2, world, rank, sp_size=world)
         if rank == 0:

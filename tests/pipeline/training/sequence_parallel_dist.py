@@ -36,6 +36,13 @@ CASES = {
     "moe_v3_sequence_aux": BASE.replace(num_experts=8, moe_top_k=2, moe_router="sigmoid", moe_n_group=4,
                                         moe_topk_group=2, moe_routed_scaling_factor=2.0, moe_aux_loss_coef=0.05,
                                         moe_aux_loss_scope="sequence"),
+    # multi-head latent attention: per-head keys and values from the latent, its own softmax scale (YaRN's)
+    "mla": BASE.replace(attention="mla", kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16),
+    "mla_yarn_moe": BASE.replace(attention="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                 v_head_dim=16, rope_scaling_type="yarn", rope_scaling=4.0, rope_original_max_seq_len=16,
+                                 rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0, num_experts=4, moe_top_k=2,
+                                 moe_shared_experts=1),
 }
 STEPS = 3
 

@@ -72,6 +72,7 @@ def test_canonical_checkpoint_resumes_on_another_layout_of_the_same_world(result
     "mamba2_zero1_activation_ckpt", "hybrid_moe_zero1", "hybrid_zero3", "hybrid_zero1_activation_ckpt",
     # sequence parallelism: the two ranks split every sequence (DeepSpeed-Ulysses) instead of the batch
     "sp2_zero1", "sp2_zero2", "sp2_zero3", "sp2_zero1_activation_ckpt", "sp2_moe_zero1", "sp2_moe_v3_sequence_aux_zero2",
+    "sp2_mla_zero3", "sp2_mla_moe_shared_zero2",
 ])
 def test_two_ranks_match_one_process(results, case):
     r = results[case]

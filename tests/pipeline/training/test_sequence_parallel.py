@@ -19,13 +19,14 @@ TOLERANCE = 1e-5  # float32
 def test_two_ranks_splitting_each_sequence_equal_one_process(tmp_path):
     """Dense MHA, GQA, MQA (fewer key/value heads than ranks), YaRN, learned positions, tied GELU with LayerNorm,
     mixtures of experts (softmax router with the batch balancing and z losses; V3's sigmoid router with the
-    per-sequence balance loss), the loss including their auxiliary losses; each
+    per-sequence balance loss), the loss including their auxiliary losses, and multi-head latent attention
+    (with a query latent, and with YaRN's softmax scale and shared plus routed experts); each
     with activation checkpointing off and on: the loss, every gradient and the weights after three SGD
     steps (sequence_parallel_dist.py)."""
     run_world("tests.pipeline.training.sequence_parallel_dist", str(tmp_path))
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(results) == 16
+        assert len(results) == 20
         for case, diff in results.items():
             assert diff["grad_scale"] > 1e-3, case  # gradients that are there to compare
             assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE and diff["weights"] < TOLERANCE, (case, diff)
@@ -47,9 +48,7 @@ def test_a_shard_is_consecutive_positions_and_its_offset():
     (get_preset("debug_dense").replace(rope_scaling_type="dynamic", rope_scaling=2.0, rope_original_max_seq_len=64),
      r"model\.rope_scaling_type=dynamic"),
     (get_preset("debug_dense").replace(n_heads=2, num_kv_heads=2), r"model\.n_heads=2 must be a multiple of it"),
-    (get_preset("debug_dense").replace(attention="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                       v_head_dim=16), r"not supported with model\.attention=mla"),
-], ids=["mamba2", "hybrid", "alibi", "moe-capacity", "dynamic-ntk", "heads", "mla"])
+], ids=["mamba2", "hybrid", "alibi", "moe-capacity", "dynamic-ntk", "heads"])
 def test_what_cannot_be_split_along_the_sequence_is_refused_by_name(cfg, pattern):
     with pytest.raises(ValueError, match=pattern):
         check_shardable(cfg, build_model(cfg), 4 if "heads" in pattern else 2)
