@@ -534,7 +534,8 @@ def router_at_first_step(cfg, tokens_dir: Path) -> tuple[list[list[int]], dict[s
 
 def test_a_context_extension_continues_the_registered_model_into_a_new_version(smoke, tmp_path):
     """configs/smoke_extend.yaml from the smoke run's registered version: the data stages it can reuse
-    are reused, tokenize runs at 128, training starts from that version's weights (its first loss is
+    are reused, tokenize runs at 128, two workers train it splitting every sequence between them (sequence
+    parallelism), training starts from that version's weights (its first loss is
     the parent's level, not a random model's), evaluate scores up to 256, and the new version names its
     parent and exports YaRN in its HF config."""
     import json
@@ -565,7 +566,9 @@ def test_a_context_extension_continues_the_registered_model_into_a_new_version(s
 
     with tempfile.TemporaryDirectory() as tmp:
         registered = load_safetensors(str(tracking.download_weights(dense.tracking_uri, ref, tmp))).state_dict()
-    started_from = tracking.client(result.tracking_uri).get_run(train_run_id(result)).data.tags[INIT_DIGEST_TAG]
+    train_tags = tracking.client(result.tracking_uri).get_run(train_run_id(result)).data.tags
+    assert train_tags["sequence_parallel_size"] == "2"  # the two workers split each sequence (the config's)
+    started_from = train_tags[INIT_DIGEST_TAG]
     assert started_from == state_digest(registered)
     trained = load_safetensors(str(result.artifacts["train"].path / WEIGHTS_FILE)).state_dict()
     assert started_from != state_digest(trained)  # and then trained on
