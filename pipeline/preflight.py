@@ -6,8 +6,8 @@ hang in the train stage. ``check_cluster_resources`` is called by the runner rig
 to Ray and turns that into an error with the numbers asked for and available.
 
 What a training worker reserves: on GPUs, Ray Train's default for ``ScalingConfig(use_gpu=True)`` (a GPU
-each, no CPU); on a CPU, ``parallel.threads_per_worker`` CPUs, or when that is unset the CPUs free as the
-train stage starts split over the workers, at least one (``device.worker_cpus``). The device and
+each, no CPU); on a CPU, ``parallel.threads_per_worker`` CPUs, or when that is unset the most that the
+nodes' free CPUs place for every worker as the train stage starts, at least one (``device.worker_cpus``). The device and
 precision rules themselves are ``pipeline.training.device``'s; this module applies them to the
 cluster's totals instead of waiting for the train stage to find out.
 """

@@ -236,8 +236,8 @@ class ParallelSection:
     num_workers: int = 2
     ep_size: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible
-    # Intra-op threads of each worker on a CPU, and the CPUs it reserves from Ray. None: the cluster's CPUs
-    # free as the train stage starts split over the workers, at most the node's cores split over its workers
+    # Intra-op threads of each worker on a CPU, and the CPUs it reserves from Ray. None: the most CPUs the nodes'
+    # free ones place for every worker as the train stage starts, threads at most the node's cores over its workers
     # (a sweep sets it to the cluster's CPUs split over the workers of the trials that run at once; two runs
     # meant to share a node set it to their share). A speed setting, like eval.threads, so not in the
     # train stage's hash: a trial's model is found cached on any cluster.

@@ -185,16 +185,21 @@ def check_sequence_parallel(cfg: RunConfig) -> None:
 
 
 def cpus_per_worker(cfg: RunConfig, device: str) -> int | None:
-    """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the CPUs free in the
-    cluster now, split over the workers, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's
-    default: a GPU each)."""
+    """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the most the nodes'
+    free CPUs place for every worker, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's default:
+    a GPU each)."""
     import ray
 
     if device == "cuda":
         return None
-    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
-    return worker_cpus(cfg.parallel.threads_per_worker, cfg.parallel.num_workers,
-                       ray.available_resources().get("CPU", 0.0), max(nodes, default=1.0))
+    try:  # each node's free CPUs (Ray keeps no public call for it)
+        from ray._private.state import available_resources_per_node
+
+        free = [r.get("CPU", 0.0) for r in available_resources_per_node().values()]
+    except (ImportError, AttributeError):  # a Ray without it: the cluster's free CPUs as if on one node
+        free = [ray.available_resources().get("CPU", 0.0)]
+    return worker_cpus(cfg.parallel.threads_per_worker, cfg.parallel.num_workers, free,
+                       cfg.parallel.placement_strategy)
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:

@@ -35,15 +35,28 @@ def resolve_precision(requested: str, device: str) -> str:
     return requested
 
 
-def worker_cpus(threads_per_worker: int | None, num_workers: int, free_cpus: float, largest_node_cpus: float) -> int:
+def worker_cpus(threads_per_worker: int | None, num_workers: int, free_by_node: list[float],
+                strategy: str = "PACK") -> int:
     """The CPUs each training worker on a CPU reserves from Ray, which are also its threads (``local_threads``).
 
-    ``parallel.threads_per_worker`` when set; else the cluster's CPUs that are free as the stage starts, split
-    over the run's workers (at least 1, at most what its largest node has). A lone run on a node so
+    ``parallel.threads_per_worker`` when set; else the most CPUs per worker that the nodes' free CPUs can
+    place for all ``num_workers`` under the placement strategy (``parallel.placement_strategy``: STRICT_PACK
+    on one node, STRICT_SPREAD one per node, PACK and SPREAD anywhere), at least 1. A lone run on a node so
     reserves the whole node, as many threads as it uses; a second run started on it meanwhile waits for CPUs
     instead of running that many threads again on the same cores, and two runs given a share each
     (``threads_per_worker``) train side by side on their shares.
     """
     if threads_per_worker:
         return threads_per_worker
-    return int(max(1, min(largest_node_cpus, free_cpus // max(1, num_workers))))
+
+    def fits(c: int) -> bool:
+        if strategy == "STRICT_PACK":
+            return any(free >= c * num_workers for free in free_by_node)
+        if strategy == "STRICT_SPREAD":
+            return sum(free >= c for free in free_by_node) >= num_workers
+        return sum(int(free // c) for free in free_by_node) >= num_workers
+
+    best = 1
+    while best + 1 <= max(free_by_node, default=0) and fits(best + 1):
+        best += 1
+    return best

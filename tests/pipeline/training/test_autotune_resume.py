@@ -86,18 +86,21 @@ def test_the_checkpoint_record_is_read_from_its_folder_or_is_none(tmp_path):
 
 # ---- threads = the CPUs Ray reserved (the whole path: tests/e2e/test_shared_node.py) ----------------------
 
-@pytest.mark.parametrize("configured,workers,free,largest,cpus", [
-    (None, 1, 2.0, 2.0, 2),  # a lone one-worker run takes its node
-    (None, 2, 2.0, 2.0, 1),  # two workers split it
-    (None, 1, 0.0, 2.0, 1),  # nothing free: one, and wait for it
-    (None, 1, 8.0, 4.0, 4),  # no more than the largest node has
-    (None, 3, 8.0, 8.0, 2),  # whole CPUs
-    (3, 2, 1.0, 2.0, 3),  # parallel.threads_per_worker is what it reserves
+@pytest.mark.parametrize("configured,workers,free,strategy,cpus", [
+    (None, 1, [2.0], "PACK", 2),  # a lone one-worker run takes its node
+    (None, 2, [2.0], "PACK", 1),  # two workers split it
+    (None, 1, [0.0], "PACK", 1),  # nothing free: one, and wait for it
+    (None, 3, [8.0], "PACK", 2),  # whole CPUs
+    (None, 2, [1.0, 3.0], "PACK", 1),  # 2 each would not place (1 + 3: one bundle of 2 only)
+    (None, 2, [4.0, 4.0], "PACK", 4),  # one worker a node
+    (None, 2, [1.0, 3.0], "STRICT_SPREAD", 1),  # one per node: the smaller node decides
+    (None, 2, [4.0, 4.0], "STRICT_PACK", 2),  # both on one node
+    (3, 2, [1.0], "PACK", 3),  # parallel.threads_per_worker is what it reserves
 ])
-def test_a_worker_reserves_the_free_cpus_split_over_the_workers(configured, workers, free, largest, cpus):
+def test_a_worker_reserves_what_the_free_cpus_place_for_every_worker(configured, workers, free, strategy, cpus):
     from pipeline.training.device import worker_cpus
 
-    assert worker_cpus(configured, workers, free, largest) == cpus
+    assert worker_cpus(configured, workers, free, strategy) == cpus
 
 
 def test_a_worker_runs_as_many_threads_as_it_reserved_at_most_its_share_of_the_cores(monkeypatch):
