@@ -12,7 +12,7 @@
       metric: val_loss                   # what train's validation reports (validation.every); or an
       mode: min                          #   evaluate metric (e.g. val_bits_per_byte), read at the end
       scheduler: asha                    # asha (on the validation loss) or none
-      grace_steps: 50                    # asha: steps a trial always gets; reduction_factor: 2
+      grace_steps: 50                    # asha: steps a trial always gets (default validation.every); reduction_factor: 2
       max_concurrent: 2                  # trials at once (the cluster's resources bound it too)
       order: shuffled                    # the trials start in a seeded random order (or as_written)
       register: best                     # best (the best trial's model) or none
@@ -32,6 +32,7 @@ newcomer beat the median so far and so run to the end.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -240,6 +241,9 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
     if spec.validation_metric and not base_cfg.validation.every:
         raise ConfigError(f"{where}: metric val_loss needs validation during training: set validation.every in "
                           f"{base.name} or in sweep.overrides (e.g. validation.every=50)")
+    if "grace_steps" not in s and base_cfg.validation.every:
+        # ASHA compares validation losses: a rung before the first one would stop trials on nothing measured
+        spec = dataclasses.replace(spec, grace_steps=min(base_cfg.validation.every, base_cfg.train.steps + 1))
     return _with_trials(spec)
 
 

@@ -32,6 +32,16 @@ def test_the_shipped_sweep_loads_with_eight_log_spaced_rates():
     assert [t.cfg.run.name for t in spec.trials] == [f"smoke_lr-trial_{i:03d}" for i in range(8)]
 
 
+def test_asha_gives_every_trial_its_first_validation_unless_told_otherwise(tmp_path):
+    """A sweep file without grace_steps: ASHA's first rung is the base's first validation step (the first
+    loss it can compare), not step 1; one that names it gets that; at most train.steps + 1."""
+    space = {"optimizer.lr": {"grid": [1e-3, 2e-3]}}
+    assert load_sweep(write(tmp_path, space=space)).grace_steps == 50
+    assert load_sweep(write(tmp_path, space=space, grace_steps=7)).grace_steps == 7
+    short = write(tmp_path, space=space, overrides=["validation.every=50", "train.steps=20"])
+    assert load_sweep(short).grace_steps == 21
+
+
 def test_grid_crossed_with_random_draws_reproducibly(tmp_path):
     path = write(tmp_path, space={"optimizer.lr": {"loguniform": [1e-4, 1e-2]},
                                   "model.n_layers": {"grid": [1, 2]},
