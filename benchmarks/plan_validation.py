@@ -3,7 +3,7 @@
 1. Model states per GPU against DeepSpeed's estimators (ZeRO 1-3, offload), 8 GPUs.
 2. Activations kept at the end of the forward, and the micro-step's peak, against the live tensors of a
    real forward + backward on this CPU (`pipeline.plan.measure`), in fp32 and in bf16: dense, MoE, MLA,
-   Mamba-2, hybrid and encoder-decoder at two sizes, with and without activation checkpointing.
+   Mamba, Mamba-2, hybrid and encoder-decoder at two sizes, with and without activation checkpointing.
 3. Communication bytes per step against the real collectives of a 2-rank gloo run of the engine (ZeRO 1,
    2, 3 and EP 2), one launch.
 4. Llama-3-8B- and DeepSeek-V3-shaped configs on the clusters their reports describe, at the MFU stated,

@@ -2,8 +2,8 @@
 benchmark (benchmarks/plan_validation.py), so that both check the same cases.
 
 - ``ACTIVATION_CASES``: dense, MoE (the single-process step of an expert-parallel layer: with ep_size
-  ranks each rank's experts see the k routed copies of every token, as here), MLA, Mamba-2, hybrid and
-  the encoder-decoder (its source as long as its target), each at two sizes; measured in fp32 and in bf16,
+  ranks each rank's experts see the k routed copies of every token, as here), MLA, Mamba, Mamba-2, hybrid
+  and the encoder-decoder (its source as long as its target), each at two sizes; measured in fp32 and in bf16,
   with and without activation checkpointing (`pipeline.plan.measure`).
 - ``COMM_DENSE``, ``COMM_MOE``: the 2-rank gloo step whose collectives are counted
   (`pipeline.plan.comm_probe`).
@@ -23,6 +23,7 @@ def _family_cases(base: ModelConfig, tag: str) -> dict[str, ModelConfig]:
         f"dense {tag}": base,
         f"moe {tag}": base.replace(num_experts=4, moe_top_k=2),
         f"mla {tag}": base.replace(attention="mla"),
+        f"mamba {tag}": base.replace(arch="mamba", pos_encoding="none", n_heads=1),
         f"mamba2 {tag}": base.replace(arch="mamba2", pos_encoding="none", n_heads=1, ssm_chunk_size=32),
         f"hybrid {tag}": base.replace(arch="hybrid", hybrid_layers="MA" * (L // 2), ssm_chunk_size=32),
         f"encdec {tag}": base.replace(arch="encoder_decoder"),

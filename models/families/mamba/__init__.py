@@ -58,14 +58,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
 
 
 def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
-    """Per layer and token: its norm with its input; in_proj's output (2 E, the widest), the padded conv
-    input, the conv, the two SiLUs, delta's projection, bias and softplus, the skip and gate products (9 E
-    beyond in_proj), x_proj's output (R + 2 N), and the scan's one state per chunk (E N / SCAN_CHUNK).
-    Counted in fp32; in 16-bit every term is taken at the activations' width (not measured)."""
-    E, N = cfg.ssm_d_inner, cfg.ssm_state_size
-    mixer = b * (2 * E + 9 * E + cfg.resolved_ssm_dt_rank + 2 * N + E * N / SCAN_CHUNK)
+    """Per layer and token: its norm with its input; then the mixer. In fp32: in_proj's output (2 E, the
+    widest), the padded conv input, the conv, the two SiLUs, delta's projection, bias and softplus, the skip
+    and gate products (9 E beyond in_proj), x_proj's output (R + 2 N) and the scan's one state per chunk
+    (E N / SCAN_CHUNK). In 16-bit the conv input, the conv, its activation and the output cast (4 E) and
+    x_proj's output stay in the activations' dtype, and the scan keeps fp32 copies of its inputs (delta,
+    its softplus, x, gate and skip terms: 7 E; B and C: 2 N) beside its states. The scan's backward
+    (`model._SelectiveScan`) recomputes one chunk at a time and holds about nine (B, SCAN_CHUNK, E, N) fp32
+    tensors at once (the log decays, states, their shifted copy, the decays, the outputs' gradient and its
+    shifted decays, the states' gradient, the decay gradient and an einsum's product): per sequence, not per
+    token, so it enters the widest term divided by the sequence length."""
+    E, N, R = cfg.ssm_d_inner, cfg.ssm_state_size, cfg.resolved_ssm_dt_rank
+    states = E * N / SCAN_CHUNK
+    if b == 4:
+        mixer = 4 * (11 * E + R + 2 * N + states)
+    else:
+        mixer = b * (4 * E + R + 2 * N) + 4 * (7 * E + 2 * N + states)
     L = cfg.n_layers
-    return Activations(stem=0.0, layers=(norm_saved(cfg, b) + mixer,) * L, widest=(2.0 * E * b,) * L,
+    widest = 2.0 * E * b + 9 * 4 * SCAN_CHUNK * E * N / seq_len
+    return Activations(stem=0.0, layers=(norm_saved(cfg, b) + mixer,) * L, widest=(widest,) * L,
                        inputs=(float(b * cfg.d_model),) * L)
 
 

@@ -1,6 +1,6 @@
 """Activation and peak bytes of a micro-step against the live tensors of a real forward + backward on this
-CPU (`pipeline.plan.measure`), within 15%: dense, MoE, MLA, Mamba-2, hybrid and encoder-decoder at two
-sizes, in fp32 and in bf16 (the weights and activations of DeepSpeed's bf16, which GPU plans assume), with
+CPU (`pipeline.plan.measure`), within 15%: dense, MoE, MLA, Mamba, Mamba-2, hybrid and encoder-decoder at
+two sizes, in fp32 and in bf16 (the weights and activations of DeepSpeed's bf16, which GPU plans assume), with
 and without activation checkpointing.
 
 MoE here is the single-process step: under expert parallelism a rank's experts receive the k routed
