@@ -21,13 +21,9 @@ by ep_size). With 16-bit weights (bf16, fp16) they follow DeepSpeed's own estima
 With fp32 weights (fp32, amp_bf16) weights and gradients take 4 bytes, stage 0 steps torch's AdamW
 (m and v: 8P) and stages 1-3 keep an fp32 partition copy beside m and v (12P/N).
 
-Activations: each family counts what its forward keeps (`models.accounting.activations`), in the
-activation dtype (4 bytes in fp32 and amp_bf16, 2 in bf16/fp16), times the micro-batch's tokens; with
-activation checkpointing a layer keeps only its input and is recomputed in backward. The output end
-keeps the final norm's input and output and, for the loss, either the chunked loss's gradients
-(hidden N x D and the head's V x D) or the whole logits' log-softmax (N x V, fp32). The peak walks the
-backward layer by layer (`backward_peak`). DeepSpeed's own buffers come from the generated config
-(`pipeline.training.ds_config`): the gradient bucket of stages 1-2 and the prefetch bucket of stage 3.
+Activations, the loss's buffers and the micro-step's peak are `pipeline.plan.activations`'. DeepSpeed's
+own buffers come from the generated config (`pipeline.training.ds_config`): the gradient bucket of
+stages 1-2 and the prefetch bucket of stage 3 (`deepspeed_buffers`).
 """
 
 from __future__ import annotations

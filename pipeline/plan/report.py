@@ -136,12 +136,14 @@ def plan(cfg, cluster: Cluster, mfu: float = 0.4, tokens: int | None = None) -> 
 
 
 def _variants(setup: Setup) -> list[tuple[str, Setup]]:
-    """The single changes `advise` tries: more ep_size, a higher ZeRO stage, activation checkpointing, a
-    smaller micro-batch, the optimizer offloaded."""
+    """The single changes `advise` tries, each where the limits allow it: more ep_size (MoE without shared
+    experts or sequence parallelism, below ZeRO-3), a higher ZeRO stage (ZeRO-3 not with ep_size > 1),
+    activation checkpointing, a smaller micro-batch that still divides the global batch, the optimizer
+    offloaded."""
     out, s, cfg = [], setup, setup.model
     ep = s.ep_size * 2
-    if (cfg.num_experts and s.zero_stage < 3 and cfg.moe_shared_experts == 0 and s.world % ep == 0
-            and cfg.num_experts % ep == 0):
+    if (cfg.num_experts and s.zero_stage < 3 and cfg.moe_shared_experts == 0 and s.sp_size == 1
+            and s.world % ep == 0 and cfg.num_experts % ep == 0):  # the limits of pipeline.config.limits
         out.append((f"parallel.ep_size={ep}", dataclasses.replace(s, ep_size=ep)))
     if s.zero_stage < 3 and (s.zero_stage < 2 or s.ep_size == 1):
         out.append((f"train.zero_stage={s.zero_stage + 1}", dataclasses.replace(s, zero_stage=s.zero_stage + 1)))
