@@ -28,7 +28,7 @@ ranks and experts over their expert-data-parallel group (world / ep_size):
 
 Time on the wire: a ring all-reduce sends 2 (n-1)/n of its payload, an all-gather or reduce-scatter
 (n-1)/n of its output or input, an all-to-all (n-1)/n of its input; at the intra-node bandwidth when the
-group fits in a node, else at the network's. Gradient reduction can hide under the backward only where
+group's ranks share a node (an expert's replicas are ep_size ranks apart), else at the network's. Gradient reduction can hide under the backward only where
 DeepSpeed overlaps it (``overlap_comm``, on by default at stage 3); the all-to-alls sit between the
 router and the experts and are never hidden.
 """
@@ -52,6 +52,11 @@ class Collective:
     payload: int
     group: int
     hidden: bool
+    stride: int = 1  # the distance between the group's ranks (an expert's replicas are ep_size apart)
+
+    def within_node(self, per_node: int) -> bool:
+        """Whether the group's ranks share a node (groups are aligned blocks of consecutive or strided ranks)."""
+        return self.group * self.stride <= per_node
 
     def wire_bytes(self) -> float:
         n = self.group
@@ -83,14 +88,14 @@ def _zero3_weights(setup: Setup, shape: ModelShape) -> list[Collective]:
                        uses * partitioned * wb * accum, setup.world, True)]
 
 
-def _gradients(setup: Setup, what: str, P: int, n: int, overlap: bool) -> list[Collective]:
+def _gradients(setup: Setup, what: str, P: int, n: int, overlap: bool, stride: int) -> list[Collective]:
     accum, gb, wb = grad_accum(setup), setup.weight_bytes, setup.weight_bytes
     if setup.zero_stage == 3:
-        return [Collective(f"{what} gradients", "reduce_scatter", P * gb * accum, n, overlap)]
+        return [Collective(f"{what} gradients", "reduce_scatter", P * gb * accum, n, overlap, stride)]
     per_step = accum if setup.zero_stage == 2 else 1
-    out = [Collective(f"{what} gradients", "all_reduce", P * gb * per_step, n, overlap)]
+    out = [Collective(f"{what} gradients", "all_reduce", P * gb * per_step, n, overlap, stride)]
     if setup.zero_stage in (1, 2) and n > 1:
-        out.append(Collective(f"{what} updated weights", "all_gather", P * wb, n, False))
+        out.append(Collective(f"{what} updated weights", "all_gather", P * wb, n, False, stride))
     return out
 
 
@@ -100,12 +105,12 @@ def collectives(setup: Setup, shape: ModelShape) -> list[Collective]:
         return []
     overlap = setup.zero_option("overlap_comm")
     overlap = setup.zero_stage == 3 if overlap is None else bool(overlap)
-    groups = [("dense", shape.dense, setup.world)]
-    if shape.experts:
-        groups.append(("experts", shape.experts, setup.world // setup.ep_size))
+    groups = [("dense", shape.dense, setup.world, 1)]
+    if shape.experts:  # an expert's replicas: ranks ep_size apart (the ep groups are consecutive blocks)
+        groups.append(("experts", shape.experts, setup.world // setup.ep_size, setup.ep_size))
     out = _zero3_weights(setup, shape) if setup.zero_stage == 3 else []
-    for what, P, n in groups:
-        out += _gradients(setup, what, P, n, overlap)
+    for what, P, n, stride in groups:
+        out += _gradients(setup, what, P, n, overlap, stride)
     scalar = 8 if setup.zero_stage == 3 else 4
     out.append(Collective("gradient norm and overflow", "all_reduce", 2 * scalar * len(groups), setup.world, False))
     if setup.ep_size > 1 and setup.model.num_experts:
@@ -153,7 +158,7 @@ def step_time(setup: Setup, shape: ModelShape, cluster: Cluster, mfu: float) -> 
     compute = flops["total"] * tokens_per_rank * recompute / (cluster.device.peak_flops * mfu)
     comm = exposed = 0.0
     for c in collectives(setup, shape):
-        bandwidth = (cluster.device.intra_node_bytes_per_s if c.group <= cluster.per_node
+        bandwidth = (cluster.device.intra_node_bytes_per_s if c.within_node(cluster.per_node)
                      else cluster.device.inter_node_bytes_per_s)
         seconds = c.wire_bytes() / bandwidth
         comm += seconds

@@ -36,3 +36,12 @@ def test_the_advice_fits_and_is_ordered_by_step_time():
     times = [q.time.step_s for _, q in fixes]
     assert times == sorted(times)
     assert p.peak == sum(p.terms().values()) and p.largest_term()[0] == "optimizer"
+
+
+def test_an_experts_replicas_are_ep_size_apart_and_cross_nodes():
+    p = plan(load_config("configs/gpu_moe.yaml", ["train.global_batch_size=128"]), parse_cluster("2x8xH100"))
+    experts = next(c for c in p.comm if c.name == "experts gradients")
+    dense = next(c for c in p.comm if c.name == "dense gradients")
+    a2a = next(c for c in p.comm if c.kind == "all_to_all")
+    assert (experts.group, experts.stride) == (2, 8) and not experts.within_node(8)  # ranks r and r + 8
+    assert not dense.within_node(8) and a2a.within_node(8)  # ep groups: 8 consecutive ranks, one node
