@@ -126,6 +126,7 @@ bench: install
 	$(PY) benchmarks/sequence_parallel.py
 	$(MAKE) $(DATATROVE_VENV)/.installed
 	$(PY) benchmarks/near_dedup.py --datatrove-python $(DATATROVE_VENV)/bin/python
+	$(PY) benchmarks/data_effect.py
 	$(PY) benchmarks/report.py
 
 # datatrove, the reference of benchmarks/near_dedup.py, in a venv of its own (it pins xxhash<4 and needs

@@ -35,6 +35,7 @@ EXPECTED = {"peak": "`benchmarks/peak.py`", "train_throughput": "`benchmarks/tra
             "mamba2": "`benchmarks/mamba2_speed.py`", "sweep": "`benchmarks/sweep.py`",
             "pipeline": "`benchmarks/pipeline.py`", "near_dedup": "`benchmarks/near_dedup.py`", "precision_auto": "`benchmarks/precision_auto.py`",
             "plan_validation": "`benchmarks/plan_validation.py`", "sequence_parallel": "`benchmarks/sequence_parallel.py`",
+            "data_effect": "`benchmarks/data_effect.py`",
             "gpu_check": "`benchmarks/gpu_check.sh` on a machine with a GPU"}
 # Causes found for results below target (issue 8 asks for each to be reported, not hidden).
 KNOWN_CAUSES = {
