@@ -83,6 +83,7 @@ def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: Tex
                          echo=console.line)
             from pipeline.plan.report import summary  # the planner builds the model on the meta device
 
+            console.line("")  # the stage table ends at the first blank line
             for line in summary(cfg).splitlines():
                 console.line(line)
             return 0

@@ -30,7 +30,8 @@ def worker_resources(device: str, threads_per_worker: int | None = None) -> dict
 
 
 def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
-                            stages_to_run: Collection[str] | None = None) -> None:
+                            stages_to_run: Collection[str] | None = None,
+                            node_cpus: Collection[float] | None = None) -> None:
     """Refuse a config that asks for more than the cluster has.
 
     Args:
@@ -39,6 +40,7 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
         stages_to_run: the stages this run will execute (not cached); None: all. Only the train
             stage starts workers, so a run without it (``--only shard``, or train cached) is not
             judged by them.
+        node_cpus: each node's CPUs (None: not judged per node): a worker's CPUs must fit on one node.
 
     Raises:
         ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
@@ -76,6 +78,12 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
                 "parallel.num_workers (and train.global_batch_size with it)"
                 f"{' or parallel.threads_per_worker' if name == 'CPU' and p.threads_per_worker else ''} or add nodes"
             )
+    largest = max(node_cpus, default=0.0) if node_cpus is not None else None
+    if device == "cpu" and p.threads_per_worker and largest is not None and p.threads_per_worker > largest:
+        raise ConfigError(
+            f"parallel.threads_per_worker={p.threads_per_worker}: each training worker reserves that many CPUs on "
+            f"one node, but the largest node of the Ray cluster has {largest:g}; Ray Train would wait for it "
+            f"forever. Use at most {largest:g}, or leave it unset")
     if device == "cuda":
         from pipeline.plan.fit import check_memory_fits  # the planner is heavier than this module's own checks
 

@@ -281,7 +281,8 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, until: str | None =
     started_ray = connect_ray(cfg)
     try:
         check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
-        check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run])
+        check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run],
+                                [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")])
         return _run_stages(cfg, plan, uri, echo, stages, nest or Nesting())
     finally:
         if started_ray:

@@ -35,6 +35,7 @@ from pipeline import tracking
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
 from pipeline.sweep.spec import SweepSpec
+from pipeline.training.device import worker_cpus
 from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
@@ -130,19 +131,21 @@ def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, exp
                  metric: value, "finished": True, "run_id": run_id})
 
 
-def trial_threads(cfg: RunConfig, max_concurrent: int, cluster_cpus: int) -> RunConfig:
-    """The trial's config with ``parallel.threads_per_worker`` set, when the sweep leaves it unset, to
-    the cluster's CPUs split over the training workers of ``max_concurrent`` trials.
+def trial_threads(cfg: RunConfig, max_concurrent: int, node_cpus: list[float]) -> RunConfig:
+    """The trial's config with ``parallel.threads_per_worker`` set, when the sweep leaves it unset, to the
+    most CPUs per worker that the cluster's nodes (``node_cpus``, each node's CPUs) place for the training
+    workers of ``max_concurrent`` trials (``device.worker_cpus``; a worker reserves as many CPUs as it runs
+    threads, so never more than one node has).
 
     A lone pipeline's workers split their node's cores among themselves; a sweep's trials train side by
     side, so that split would give each worker every core and the trials would fight for them (two
     1-worker trials on 2 cores ran 150 steps in 44 s that way, in 10 s with a thread each).
     """
-    if cfg.parallel.threads_per_worker is not None or cfg.parallel.device == "cuda" or cluster_cpus < 1:
+    if cfg.parallel.threads_per_worker is not None or cfg.parallel.device == "cuda" or sum(node_cpus) < 1:
         return cfg
     workers = max(1, max_concurrent) * cfg.parallel.num_workers
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, threads_per_worker=max(1, cluster_cpus // workers)))
+    threads = worker_cpus(None, workers, node_cpus, cfg.parallel.placement_strategy)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, threads_per_worker=threads))
 
 
 def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> str:
@@ -224,7 +227,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         echo(f"sweep {spec.name}: {len(spec.trials)} trials, MLflow run {sweep_run}"
              + (f"; {len(spec.dropped)} invalid samples dropped" if spec.dropped else ""))
         _data_stages_once(spec, echo, sweep_run)
-        cpus = int(ray.cluster_resources().get("CPU", 0))
+        cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
         trials = [{"name": t.name, "values": t.values, "cfg": trial_threads(resolve(t.cfg), spec.max_concurrent,
                                                                              cpus).to_dict()} for t in spec.trials]
         trainable = tune.with_resources(

@@ -314,7 +314,7 @@ def test_cli_dry_run_and_only(smoke):
         assert f"{name:<10} {first.artifacts[name].hash:<17} cached" in out.stdout
     forced = subprocess.run(cmd + ["--dry-run", "--only", "evaluate", "--force", "evaluate"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
-    rows = {ln.split()[0]: ln.split()[2] for ln in forced.stdout.splitlines()[1:]}
+    rows = {ln.split()[0]: ln.split()[2] for ln in forced.stdout.split("\n\n")[0].splitlines()[1:]}
     assert rows == {"shard": "cached", "tokenizer": "cached", "tokenize": "cached", "train": "cached",
                     "evaluate": "run", "register": "cached"}
 

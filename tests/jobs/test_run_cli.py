@@ -24,7 +24,7 @@ def test_unknown_key_fails_with_its_name_and_a_suggestion(tmp_path):
 def test_dry_run_on_a_fresh_workdir_plans_every_stage(tmp_path):
     out = run_cli("configs/smoke.yaml", "--dry-run", f"run.workdir={tmp_path}")  # overrides may follow flags
     assert out.returncode == 0, out.stderr
-    rows = [ln.split() for ln in out.stdout.splitlines()[1:]]
+    rows = [ln.split() for ln in out.stdout.split("\n\n")[0].splitlines()[1:]]  # the table; then the train plan
     assert [r[0] for r in rows] == ["shard", "tokenizer", "tokenize", "train", "evaluate", "register"]
     assert all(r[2] == "run" and len(r[1]) == 16 for r in rows)
     assert all(r[3].startswith(str(tmp_path / "artifacts" / r[0])) for r in rows)
@@ -34,7 +34,7 @@ def test_dry_run_on_a_fresh_workdir_plans_every_stage(tmp_path):
 def test_dry_run_until_plans_the_stages_up_to_it(tmp_path):
     out = run_cli("configs/smoke.yaml", "--dry-run", "--until", "tokenize", f"run.workdir={tmp_path}")
     assert out.returncode == 0, out.stderr
-    rows = [ln.split() for ln in out.stdout.splitlines()[1:]]
+    rows = [ln.split() for ln in out.stdout.split("\n\n")[0].splitlines()[1:]]  # the table; then the train plan
     assert [(r[0], r[2]) for r in rows] == [("shard", "run"), ("tokenizer", "run"), ("tokenize", "run"),
                                             ("train", "skip"), ("evaluate", "skip"), ("register", "skip")]
 

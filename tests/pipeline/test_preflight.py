@@ -50,6 +50,16 @@ def test_what_does_not_fit_names_asked_and_available(overrides, resources, patte
         check_cluster_resources(cfg_with(*overrides), resources)
 
 
+def test_a_worker_that_no_node_can_hold_is_refused():
+    """threads_per_worker is what each worker reserves on one node: 3 fits a cluster of 4 CPUs in total, but
+    not on two nodes of 2 (it would wait for a node that does not exist)."""
+    cfg = cfg_with("parallel.threads_per_worker=3", "parallel.num_workers=1", "train.global_batch_size=4")
+    check_cluster_resources(cfg, {"CPU": 4.0}, node_cpus=[4.0])
+    with pytest.raises(ConfigError, match=r"parallel\.threads_per_worker=3: each training worker reserves that many "
+                                          r"CPUs on one node, but the largest node of the Ray cluster has 2"):
+        check_cluster_resources(cfg, {"CPU": 4.0}, node_cpus=[2.0, 2.0])
+
+
 def test_only_a_run_that_trains_is_judged_by_its_workers():
     too_many = cfg_with("parallel.num_workers=8", "train.global_batch_size=32", "parallel.device=cuda")
     check_cluster_resources(too_many, {"CPU": 2.0}, ["shard", "tokenizer"])  # --only tokenizer, say

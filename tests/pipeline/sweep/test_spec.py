@@ -131,13 +131,17 @@ def test_trials_that_train_side_by_side_split_the_cpus_and_keep_their_hashes():
     cfg = spec.trials[0].cfg
     assert cfg.parallel.threads_per_worker is None and cfg.parallel.num_workers == 1
     # 2 trials of 1 worker on 2 CPUs: a thread each (a lone pipeline's worker would take both cores).
-    assert trial_threads(cfg, 2, 2).parallel.threads_per_worker == 1
-    assert trial_threads(cfg, 2, 16).parallel.threads_per_worker == 8
-    assert trial_threads(cfg, 4, 2).parallel.threads_per_worker == 1  # never below one
+    assert trial_threads(cfg, 2, [2.0]).parallel.threads_per_worker == 1
+    assert trial_threads(cfg, 2, [16.0]).parallel.threads_per_worker == 8
+    assert trial_threads(cfg, 4, [2.0]).parallel.threads_per_worker == 1  # never below one
     two_workers = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml", ["parallel.num_workers=2"]).trials[0].cfg
-    assert trial_threads(two_workers, 2, 16).parallel.threads_per_worker == 4
+    assert trial_threads(two_workers, 2, [16.0]).parallel.threads_per_worker == 4
+    # never more than a node has: one trial's one worker on two nodes of 2 CPUs reserves 2, not 4 (it
+    # reserves what it runs threads on, and a bundle of 4 CPUs would wait for a node that does not exist)
+    assert trial_threads(cfg, 1, [2.0, 2.0]).parallel.threads_per_worker == 2
+    assert trial_threads(cfg, 2, [2.0, 2.0]).parallel.threads_per_worker == 2  # one trial a node
     chosen = load_sweep(ROOT / "configs" / "sweeps" / "smoke_lr.yaml", ["parallel.threads_per_worker=3"])
-    assert trial_threads(chosen.trials[0].cfg, 2, 2).parallel.threads_per_worker == 3  # the user's choice stays
+    assert trial_threads(chosen.trials[0].cfg, 2, [2.0]).parallel.threads_per_worker == 3  # the user's choice stays
     # A speed setting: the trial's train artifact is the same one either way (cached on any cluster).
     train = STAGES["train"]
-    assert train.hash_config(trial_threads(cfg, 2, 2)) == train.hash_config(cfg)
+    assert train.hash_config(trial_threads(cfg, 2, [2.0])) == train.hash_config(cfg)
