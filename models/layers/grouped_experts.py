@@ -209,17 +209,22 @@ class GroupedMatmul(torch.autograd.Function):
 
 @functools.cache
 def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs forward and backward on this device type and dtype (probed once, tiny)."""
+    """Whether grouped_mm runs forward and backward on this device type and dtype (probed once, tiny).
+
+    The probe calls the three grouped matmuls of ``GroupedMatmul`` (forward, input and weight gradients)
+    directly, without autograd: the first call may come from inside an activation-checkpointed block, where
+    anything autograd saved would be counted as the block's and its recomputation (the probe cached by then)
+    would not match."""
     if not hasattr(F, "grouped_mm"):
         return False
-    # Grad mode on whatever the caller's mode (the first call may come from evaluation under no_grad):
-    # the answer is cached for the process.
-    with torch.inference_mode(False), torch.enable_grad():
-        x_SI = torch.ones(8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w_EIO = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        x_SI = torch.ones(8, 8, device=device_type, dtype=dtype)
+        w_EIO = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
         offsets_E = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
         try:
-            GroupedMatmul.apply(x_SI, w_EIO, offsets_E).sum().backward()
+            dy_SO = F.grouped_mm(x_SI, w_EIO, offs=offsets_E)
+            F.grouped_mm(dy_SO, w_EIO.transpose(1, 2), offs=offsets_E)
+            F.grouped_mm(x_SI.t(), dy_SO, offs=offsets_E)
         except (RuntimeError, NotImplementedError):  # unsupported dtype, device or GPU architecture
             return False
     return True

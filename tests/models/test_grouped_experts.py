@@ -147,6 +147,30 @@ def test_auto_falls_back_to_the_loop_where_grouped_mm_cannot_run():
         resolve_impl("fast", experts, torch.zeros(2, 16))
 
 
+def test_the_first_grouped_call_inside_a_checkpointed_block_recomputes_alike(make_cfg):
+    """The support probe of grouped_mm runs on a process's first MoE call. Made inside an activation-checkpointed
+    block (a fresh worker's first training step), it must save nothing there: the forward would hold three more
+    saved tensors than the recomputation (the probe is cached by then) and backward would fail with
+    torch's CheckpointError. It happened in CI on the first checkpointed MoE step of a test worker."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = MoEFeedForward(make_cfg(num_experts=4, moe_top_k=2, moe_expert_impl="auto"))
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    _grouped_mm_runs.cache_clear()
+    y, aux, _ = checkpoint(layer, x, use_reentrant=False)
+    (y.square().sum() + aux).backward()
+    assert _grouped_mm_runs(x.device.type, x.dtype)  # it took the grouped path
+    grads = [p.grad.clone() for p in layer.parameters()], x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    y, aux, _ = layer(x)
+    (y.square().sum() + aux).backward()
+    torch.testing.assert_close(grads[1], x.grad, rtol=0, atol=0)
+    for a, p in zip(grads[0], layer.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
+
+
 def test_dropless_grouped_layer_reads_no_tensor_values_on_the_host(make_cfg):
     """On the meta device every read of a value (.tolist(), .item(), a boolean mask) raises, so a
     dropless MoE layer that trains there needs no host sync in forward or backward."""
