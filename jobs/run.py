@@ -6,6 +6,9 @@
 The terminal shows the stages, one live status line and a closing summary; everything else (every
 Ray worker's output, DeepSpeed's, Ray's and MLflow's logs) goes to ``<workdir>/logs/run-<UTC time>.log``,
 named in the first and last lines. ``--verbose`` streams everything to the terminal instead, with no file.
+
+The runner and the console (Ray, MLflow, torch) are imported once the arguments parse, so ``--help`` and a
+bad flag answer at once; the stage names come from ``pipeline.base.STAGE_ORDER``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import contextlib
 import signal
 import sys
 import traceback
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from pipeline.base import STAGE_ORDER
 from pipeline.config import RunConfig, load_config
-from pipeline.console import Console, RunLog, StageStatus, log_path, summary_lines
-from pipeline.runner import EXPECTED_ERRORS, ORDER, main_exit_code, run_pipeline
+
+if TYPE_CHECKING:
+    from pipeline.console import Console, RunLog
 
 TRACEBACK_TAIL_LINES = 4  # of an unexpected error's traceback, shown on the terminal (all of it is in the log)
 
@@ -30,10 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. train.steps=50")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan with hashes and what is cached, and the train stage's memory and time plan")
-    p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
-    p.add_argument("--until", choices=ORDER,
+    p.add_argument("--only", choices=STAGE_ORDER, help="run just this stage (its inputs must be cached)")
+    p.add_argument("--until", choices=STAGE_ORDER,
                    help="run the stages up to and including this one (e.g. train: evaluate and register later)")
-    p.add_argument("--force", action="append", default=[], choices=ORDER,
+    p.add_argument("--force", action="append", default=[], choices=STAGE_ORDER,
                    help="rerun this stage and everything after it (repeatable)")
     p.add_argument("--verbose", action="store_true",
                    help="stream every process's output to the terminal (workers' progress bars too), no log file")
@@ -48,8 +53,18 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(_SIGNALS[-1])
 
 
+def run_pipeline(cfg: RunConfig, **kwargs):
+    """`pipeline.runner.run_pipeline`, imported when a run starts (tests replace this one with a stand-in)."""
+    from pipeline.runner import run_pipeline as run
+
+    return run(cfg, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pipeline.console import Console, RunLog, log_path
+    from pipeline.runner import EXPECTED_ERRORS, main_exit_code
+
     signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`, `kill`: end as Ctrl-C does (runs KILLED)
     quiet = not (args.verbose or args.dry_run)
     # Quiet, the workers' own progress bars would only fill the log file: the driver shows progress.
@@ -77,6 +92,9 @@ def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: Tex
         log: the run's log file; with it, an unexpected error's traceback goes there and its last
             lines to ``errors``. Without it (--verbose) the error propagates as it is.
     """
+    from pipeline.console import StageStatus, summary_lines
+    from pipeline.runner import EXPECTED_ERRORS, main_exit_code
+
     try:
         if args.dry_run:
             run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force), dry_run=True,

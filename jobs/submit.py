@@ -9,6 +9,9 @@ checked here first; the overrides apply to every trial.
 
 Prints the job id on stdout. With --follow, streams the job's logs and exits 0 if it SUCCEEDED,
 1 if it FAILED or was STOPPED. A bad config exits 2 before anything is sent.
+
+Checking a config imports neither torch nor the stages (Ray, MLflow): the stage names come from
+``pipeline.base.STAGE_ORDER``, so ``--help`` and a bad config answer at once.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import sys
 import tempfile
 
 from pipeline import cluster
+from pipeline.base import STAGE_ORDER
 from pipeline.config import ConfigError, load_config
-from pipeline.runner import ORDER
 from pipeline.sweep.spec import is_sweep_file, load_sweep
 
 
@@ -30,9 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", help="Ray Jobs API, http://HOST:8265 (default: $RAY_ADDRESS, then infra env file)")
     p.add_argument("--tracking-uri", help="MLflow server for the job (default: config, $MLFLOW_TRACKING_URI, env file)")
     p.add_argument("--follow", action="store_true", help="stream the logs and exit with the job's status")
-    p.add_argument("--only", choices=ORDER, help="passed to jobs.run")
-    p.add_argument("--until", choices=ORDER, help="passed to jobs.run")
-    p.add_argument("--force", action="append", default=[], choices=ORDER, help="passed to jobs.run (repeatable)")
+    p.add_argument("--only", choices=STAGE_ORDER, help="passed to jobs.run")
+    p.add_argument("--until", choices=STAGE_ORDER, help="passed to jobs.run")
+    p.add_argument("--force", action="append", default=[], choices=STAGE_ORDER, help="passed to jobs.run (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="passed to jobs.run: the job prints the plan")
     p.add_argument("--keep-paths", action="store_true",
                    help="send run.workdir / data root as written (the cluster does not share this disk)")

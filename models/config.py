@@ -30,6 +30,9 @@ MOE_EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_AUX_LOSS_SCOPES = ("batch", "sequence")
 ROPE_SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn", "llama3")  # models.layers.positions.RopeScaling
+# Tokens per chunk of the chunked loss (models.layers.loss): train.loss_chunk_tokens's default, and evaluation's
+# (see benchmarks/train_step.py). Here rather than beside the loss so that a run config reads it without torch.
+DEFAULT_CHUNK_TOKENS = 512
 # Optional sizes: None (derived) or an int >= 1.
 _OPTIONAL_SIZES = ("num_kv_heads", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                    "qk_rope_head_dim", "v_head_dim", "ssm_dt_rank", "n_encoder_layers")

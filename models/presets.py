@@ -19,14 +19,19 @@ against 122,880 for MHA with the same 12 x 128 heads, 5.3 times less.
 from __future__ import annotations
 
 import difflib
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families import family
-from models.families.decoder.model import Transformer
-from models.families.encdec.model import EncoderDecoderLM
-from models.families.mamba.model import MambaLM
+
+# torch, and the model classes, are imported when a model is built: the presets, read by every run config,
+# load without them.
+if TYPE_CHECKING:
+    import torch
+
+    from models.families.decoder.model import Transformer
+    from models.families.encdec.model import EncoderDecoderLM
+    from models.families.mamba.model import MambaLM
 
 _debug_dense = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
 _cpu_small = ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256)
@@ -101,7 +106,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer] | type[MambaLM] | type[EncoderDecoderLM]:
-    """The nn.Module class that builds `cfg` (its family's, `models.families`)."""
+    """The nn.Module class that builds `cfg` (its family's, `models.families`; importing it imports torch)."""
     return family(cfg).model_class
 
 
@@ -139,6 +144,8 @@ def build_model(
     Raises:
         ValueError: on an unknown preset, unknown override key or bad value.
     """
+    import torch
+
     if isinstance(cfg_or_preset_name, str):
         cfg = get_preset(cfg_or_preset_name)
     elif isinstance(cfg_or_preset_name, ModelConfig):

@@ -9,6 +9,9 @@
 - ``redact``: every URI password and secret query value in a text replaced by ``***``; a
   ``ConfigError``'s message passes through it (``pipeline.credentials`` finds and refuses
   credentials, with the same patterns).
+- ``STAGE_ORDER``: the six stages' names in the order the runner walks them, for the command lines'
+  ``--only``/``--until``/``--force`` choices: ``jobs.submit`` and ``jobs.run --help`` offer them without
+  importing the stages (Ray, MLflow, torch); `pipeline.stages` refuses a table that differs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+
+STAGE_ORDER = ("shard", "tokenizer", "tokenize", "train", "evaluate", "register")
 
 # Query parameters that carry a secret: pyarrow's S3 options, signed URLs, generic names.
 SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passwd", "secret", "token",

@@ -24,7 +24,7 @@ from pipeline.store.artifacts import Artifact, content_hash
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.serving.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
-from pipeline.stages import ORDER, STAGES, Stage  # ORDER: jobs read the stage names from here
+from pipeline.stages import ORDER, STAGES, Stage  # ORDER offered here too (the sweep reads it; jobs read STAGE_ORDER)
 from pipeline.store.backends import StorageError, Transfer, is_uri, join, release_held, store_for
 
 

@@ -9,6 +9,11 @@ beside the layers (`models.layers.kinds`). Everything above asks this table (`fa
 and one line below. Nothing below the table imports it: the config learns the family-dependent rules
 through `models.config.register_family_rules`, called at the bottom of this module.
 
+The table imports no torch (nor does anything it imports), so a run config is read and checked without it:
+a family names its nn.Module by path (`Family.model_class` imports it on first use), an attention kind
+imports its module when it builds one, and the ``hf_*.py`` modules import torch in the functions that make
+tensors.
+
 Families today: ``decoder`` (the decoder-only Transformer, dense or MoE, mha or mla attention),
 ``mamba`` (Mamba), ``mamba2`` (Mamba-2), ``hybrid`` (attention and Mamba-2 layers in one stack) and
 ``encoder_decoder`` (the encoder-decoder Transformer).

@@ -7,6 +7,7 @@ config's family (how it is checked, built, exported, counted) is asked through t
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -55,7 +56,8 @@ class Family:
         fields: ModelConfig fields only this family reads; under another family they must stay at
             their default (refused otherwise, naming the field and the family it belongs to).
         check: raises ValueError, naming the field, on options this family cannot honour.
-        model_class: the nn.Module built as ``model_class(cfg)``.
+        model: where the family's nn.Module lives, as "package.module:Class"; `model_class` imports it on
+            first use, so the table, and the config that is checked against it, load without torch.
         param_counts: total, active, embedding, non_embedding and active_non_embedding parameters.
         flops_per_token: training (total) and forward FLOPs per token at a sequence length.
         kv_cache_bytes_per_token: bytes the generation cache holds per token at a bytes-per-element.
@@ -75,7 +77,7 @@ class Family:
     title: str
     fields: tuple[str, ...]
     check: Callable[["ModelConfig"], None]
-    model_class: type
+    model: str
     param_counts: Callable[["ModelConfig"], dict[str, int]]
     flops_per_token: Callable[["ModelConfig", int], dict[str, int]]
     kv_cache_bytes_per_token: Callable[["ModelConfig", int], int]
@@ -86,3 +88,9 @@ class Family:
     state_bytes_per_sequence: Callable[["ModelConfig", int], int] = field(default=lambda cfg, bytes_per_element: 0)
     describe: Callable[["ModelConfig"], str] = field(default=lambda cfg: "")
     activations: Callable[["ModelConfig", int, int], "Activations"] | None = None
+
+    @property
+    def model_class(self) -> type:
+        """The nn.Module built as ``model_class(cfg)`` (importing its module, and torch, on first use)."""
+        module, _, name = self.model.partition(":")
+        return getattr(importlib.import_module(module), name)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from models.config import ModelConfig
-from models.layers.attention import Attention
-from models.layers.mla import MultiHeadLatentAttention
 
+# Each kind's module is imported by its `build`, so that the table, and a config checked against it, load
+# without torch.
 if TYPE_CHECKING:
     from torch import nn
 
@@ -61,6 +61,18 @@ class AttentionKind:
     cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
     rope_head_dim: Callable[["ModelConfig"], int]
     activation_width: Callable[["ModelConfig", int, int], tuple[float, float]] = lambda cfg, seq_len, b: (0.0, 0.0)
+
+
+def _build_mha(cfg: ModelConfig) -> nn.Module:
+    from models.layers.attention import Attention
+
+    return Attention(cfg)
+
+
+def _build_mla(cfg: ModelConfig) -> nn.Module:
+    from models.layers.mla import MultiHeadLatentAttention
+
+    return MultiHeadLatentAttention(cfg)
 
 
 def _mha_params(cfg: ModelConfig) -> int:
@@ -139,7 +151,7 @@ MHA = AttentionKind(
     name="mha",
     fields=(),
     check=_check_mha,
-    build=Attention,
+    build=_build_mha,
     params=_mha_params,
     score_and_value_width=lambda cfg: 2 * cfg.head_dim,
     cache_width=lambda cfg: 2 * cfg.resolved_num_kv_heads * cfg.head_dim,
@@ -152,7 +164,7 @@ MLA = AttentionKind(
     name="mla",
     fields=("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
     check=_check_mla,
-    build=MultiHeadLatentAttention,
+    build=_build_mla,
     params=_mla_params,
     score_and_value_width=lambda cfg: (cfg.resolved_qk_nope_head_dim + cfg.resolved_qk_rope_head_dim
                                        + cfg.resolved_v_head_dim),

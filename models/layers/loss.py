@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# train.loss_chunk_tokens's default, and evaluation's: see benchmarks/train_step.py.
-DEFAULT_CHUNK_TOKENS = 512
+# The default chunk (train.loss_chunk_tokens's and evaluation's), offered with the loss its callers pass it to;
+# it lives in models.config, which the run config reads without torch.
+from models.config import DEFAULT_CHUNK_TOKENS
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "linear_cross_entropy", "lm_loss"]
 
 
 def lm_loss(

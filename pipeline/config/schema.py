@@ -25,9 +25,9 @@ from typing import Any, Literal
 import yaml
 
 from models import PRESETS, ModelConfig
+from models.config import DEFAULT_CHUNK_TOKENS
 from models.families import family
 from models.families.encdec import denoising_lengths, span_counts
-from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline import credentials
 from pipeline.base import DEFAULT_DATA_ROOT, ConfigError, is_uri
 from pipeline.config import limits

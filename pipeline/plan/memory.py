@@ -47,7 +47,7 @@ class Setup:
     Attributes:
         precision: resolved ("bf16", "fp16", "fp32" or "amp_bf16").
         sp_size: sequence-parallel degree (DeepSpeed-Ulysses, `pipeline.training.sequence_parallel`).
-        zero_stage: the stage the engine runs (`pipeline.training.engine.engine_zero_stage`).
+        zero_stage: the stage the engine runs (`pipeline.training.ds_config.engine_zero_stage`).
         zero: the generated DeepSpeed config's ``zero_optimization`` section.
     """
 

@@ -49,8 +49,7 @@ def setup_from_config(cfg, cluster: Cluster) -> Setup:
         ConfigError: from `check_layout`.
     """
     from pipeline.training.device import resolve_precision
-    from pipeline.training.ds_config import build_ds_config
-    from pipeline.training.engine import engine_zero_stage
+    from pipeline.training.ds_config import build_ds_config, engine_zero_stage
     from pipeline.training.layout import ParallelDims
 
     check_layout(cfg, cluster)

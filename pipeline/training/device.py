@@ -1,8 +1,10 @@
-"""Device, distributed backend and precision: from config, or detected. Never hard-coded."""
+"""Device, distributed backend and precision: from config, or detected. Never hard-coded.
+
+torch is imported only to ask this process for its GPUs (`resolve_device` without a cluster's count): the
+planner (``jobs.submit --dry-run``) resolves precision without it.
+"""
 
 from __future__ import annotations
-
-import torch
 
 
 def resolve_device(requested: str, gpus_in_cluster: float | None = None) -> str:
@@ -12,7 +14,12 @@ def resolve_device(requested: str, gpus_in_cluster: float | None = None) -> str:
         requested: "auto", "cpu" or "cuda" (``parallel.device``).
         gpus_in_cluster: GPUs the Ray cluster reports; None asks this process's torch instead.
     """
-    have = torch.cuda.is_available() if gpus_in_cluster is None else gpus_in_cluster > 0
+    if gpus_in_cluster is None:
+        import torch
+
+        have = torch.cuda.is_available()
+    else:
+        have = gpus_in_cluster > 0
     if requested == "auto":
         return "cuda" if have else "cpu"
     if requested == "cuda" and not have:

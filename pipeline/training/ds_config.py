@@ -1,9 +1,34 @@
-"""The DeepSpeed config, generated from the typed config (never hand-written)."""
+"""The DeepSpeed config, generated from the typed config (never hand-written), and the ZeRO stage the engine
+runs (`engine_zero_stage`). Arithmetic on the config only, without torch: the planner (`pipeline.plan.report`,
+``jobs.submit --dry-run``) resolves a run's setup with it.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pipeline.config import limits
 from pipeline.training.layout import ParallelDims
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainSection
+
+
+def engine_zero_stage(train: TrainSection, dims: ParallelDims, precision: str) -> int:
+    """The ZeRO stage the engine runs: ``train.zero_stage``, except where ZeRO has nothing to do.
+
+    ZeRO 1 and 2 partition optimizer states and gradients over the data-parallel ranks; over one rank
+    they partition nothing, yet still copy every gradient into a bucket, "reduce" it, copy it into a
+    flat fp32 partition, step that copy and copy it back into the weights (issue 18: about 5% of a
+    cpu_medium step on one worker, ``benchmarks/full_path_profile.py``). So with one rank, fp32 weights (precision fp32 or amp_bf16) and no offload,
+    the engine runs stage 0: DeepSpeed steps the client AdamW on the model's own gradients. The update
+    is the same math. With bf16 or fp16 weights ZeRO keeps the fp32 master copy they need, and
+    offloading is a choice of where memory lives, so both keep the configured stage; so does ZeRO-3.
+    """
+    single = dims.world_size == 1 and precision in ("fp32", "amp_bf16")
+    if single and train.zero_stage in (1, 2) and not train.offload_optimizer:
+        return 0
+    return train.zero_stage
 
 
 def build_ds_config(*, dims: ParallelDims, zero_stage: int, precision: str, grad_clip: float,

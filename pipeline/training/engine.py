@@ -20,7 +20,7 @@ from models.families.mamba.model import MambaMixer
 from models.layers.grouped_experts import StackedExperts
 from models.schedules import lr_multiplier
 from pipeline.config import OptimizerSection, TrainSection
-from pipeline.training.ds_config import build_ds_config
+from pipeline.training.ds_config import build_ds_config, engine_zero_stage
 from pipeline.training.expert_parallel import (canonical_state_dict, check_groups, expert_shards, moe_layers,
                                                moe_param_groups)
 from pipeline.training.layout import ParallelDims
@@ -88,23 +88,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def engine_zero_stage(train: TrainSection, dims: ParallelDims, precision: str) -> int:
-    """The ZeRO stage the engine runs: ``train.zero_stage``, except where ZeRO has nothing to do.
-
-    ZeRO 1 and 2 partition optimizer states and gradients over the data-parallel ranks; over one rank
-    they partition nothing, yet still copy every gradient into a bucket, "reduce" it, copy it into a
-    flat fp32 partition, step that copy and copy it back into the weights (issue 18: about 5% of a
-    cpu_medium step on one worker, ``benchmarks/full_path_profile.py``). So with one rank, fp32 weights (precision fp32 or amp_bf16) and no offload,
-    the engine runs stage 0: DeepSpeed steps the client AdamW on the model's own gradients. The update
-    is the same math. With bf16 or fp16 weights ZeRO keeps the fp32 master copy they need, and
-    offloading is a choice of where memory lives, so both keep the configured stage; so does ZeRO-3.
-    """
-    single = dims.world_size == 1 and precision in ("fp32", "amp_bf16")
-    if single and train.zero_stage in (1, 2) and not train.offload_optimizer:
-        return 0
-    return train.zero_stage
 
 
 def _keep_clip_norm(engine) -> None:

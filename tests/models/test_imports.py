@@ -55,3 +55,13 @@ def test_the_checker_catches_forbidden_imports(tmp_path):
     export = tmp_path / "export.py"
     export.write_text("import json\nfrom safetensors.torch import save_file\nimport mlflow\n")
     assert violations(export) == ["mlflow"]
+
+
+def test_each_family_names_its_model_class_which_names_the_family_back():
+    """The table holds each family's nn.Module as a dotted path (imported on first use, so the table
+    loads without torch): the path resolves, and the class's ARCH is the family's arch."""
+    from models.families import FAMILIES
+
+    for arch, fam in FAMILIES.items():
+        assert fam.arch == arch
+        assert fam.model_class.ARCH == fam.arch, fam.model

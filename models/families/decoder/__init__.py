@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.families.decoder import hf_deepseek, hf_llama
-from models.families.decoder.model import Transformer
 from models.families.parts import Activations, dropout_saved, ffn_params, ffn_sublayer, norm_params, norm_saved
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
@@ -95,11 +94,11 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch=Transformer.ARCH,
+    arch="decoder",
     title="decoder-only Transformer",
     fields=(),
     check=_check,
-    model_class=Transformer,
+    model="models.families.decoder.model:Transformer",
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,

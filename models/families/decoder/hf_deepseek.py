@@ -40,13 +40,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.decoder import hf_llama
 from models.families.spec import HFFormat
-from models.layers.grouped_experts import unstack_expert_state
+
+# torch is imported by the functions that make tensors, so that the family table, and a config checked
+# against it, load without it.
+if TYPE_CHECKING:
+    import torch
 
 # Our MLA / MoE names (after "layers.{i}.") -> DeepseekV2's (after "model.layers.{i}.").
 _ATTN_NAMES = {
@@ -112,12 +115,16 @@ def unsupported_options_v3(cfg: ModelConfig) -> list[str]:
 
 def rope_row_order(P: int) -> torch.Tensor:
     """Row i of the DeepseekV2 layout is row order[i] of ours: [0, P/2, 1, P/2 + 1, ...]."""
+    import torch
+
     half = P // 2
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
 
 
 def _permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, name: str, to_hf: bool) -> torch.Tensor:
     """Reorder the RoPE output rows of q_proj / q_b_proj (per head) or kv_a_proj (after the latent)."""
+    import torch
+
     P = cfg.resolved_qk_rope_head_dim
     order = rope_row_order(P)
     if not to_hf:
@@ -140,6 +147,10 @@ def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     Raises:
         ValueError: on a parameter with no DeepseekV2 name.
     """
+    import torch
+
+    from models.layers.grouped_experts import unstack_expert_state
+
     out: dict[str, torch.Tensor] = {}
     shared: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
     for name, t in unstack_expert_state(state).items():

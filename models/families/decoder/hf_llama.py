@@ -13,12 +13,15 @@ Shape legend: none (names and dicts only).
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
-from models.layers.grouped_experts import unstack_expert_state
+
+# torch only in annotations, and the expert unstacking (a torch layer) imported by the one function that
+# uses it, so that the family table, and a config checked against it, load without torch.
+if TYPE_CHECKING:
+    import torch
 
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}
@@ -265,13 +268,20 @@ def architecture(cfg: ModelConfig) -> tuple:
     )
 
 
+def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict -> Llama / Mixtral checkpoint tensors: stacked experts unstacked, then renamed."""
+    from models.layers.grouped_experts import unstack_expert_state
+
+    return {hf_name(k, cfg.num_experts > 0): t for k, t in unstack_expert_state(state).items()}
+
+
 FORMAT = HFFormat(
     name="LlamaForCausalLM",
     model_types=("llama", "mixtral"),
     unsupported_options=unsupported_options,
     hf_config=hf_config,
     config_from_hf=config_from_hf,
-    to_hf=lambda state, cfg: {hf_name(k, cfg.num_experts > 0): t for k, t in unstack_expert_state(state).items()},
+    to_hf=to_hf_tensors,
     from_hf=lambda tensors, cfg: {our_name(k): t for k, t in tensors.items()},
     architecture=architecture,
 )

@@ -42,7 +42,7 @@ class Transformer(nn.Module):
         cfg: the model config.
     """
 
-    ARCH = "decoder"  # the family's name in the table (models.families); its Family record reads it
+    ARCH = "decoder"  # the family's name in the table (models.families), as its Family record spells it
     # Every layer mixes positions only in attention (the rest is per token), so a sequence may be split over
     # ranks with an attention core that sees all of it installed (pipeline.training.sequence_parallel).
     SEQUENCE_SHARDABLE = True

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.families.encdec import hf_marian
-from models.families.encdec.model import EncoderDecoderLM
 from models.families.decoder import attention_sublayer, rope_tables
 from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
@@ -105,11 +104,11 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch=EncoderDecoderLM.ARCH,
+    arch="encoder_decoder",
     title="encoder-decoder Transformer",
     fields=("n_encoder_layers", "embedding_norm", "denoise_noise_density", "denoise_mean_span_length"),
     check=_check,
-    model_class=EncoderDecoderLM,
+    model="models.families.encdec.model:EncoderDecoderLM",
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=lambda cfg, b: cfg.n_layers * attention_kind(cfg).cache_width(cfg) * b,

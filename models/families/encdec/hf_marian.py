@@ -30,11 +30,15 @@ Shape legend: D d_model, V vocab.
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
+
+# torch is imported by the functions that make tensors, so that the family table, and a config checked
+# against it, load without it.
+if TYPE_CHECKING:
+    import torch
 
 # Our per-layer names -> Marian's, for an encoder layer (e) and a decoder layer (d).
 _ENCODER_PARTS = {"attn_norm": "self_attn_layer_norm", "ffn_norm": "final_layer_norm", "attn.q_proj": "self_attn.q_proj",
@@ -68,6 +72,8 @@ def encdec_unsupported_options(cfg: ModelConfig) -> list[str]:
 
 def _perm(d_model: int) -> torch.Tensor:
     """Marian feature j = our feature perm[j]: our sin features (even) first, then our cos features (odd)."""
+    import torch
+
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
@@ -113,6 +119,8 @@ def from_marian_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, perm
         ValueError: on a non-zero final_logits_bias, stack embeddings that differ from the shared table,
             or a tensor with no counterpart here.
     """
+    import torch
+
     inverse = {}
     for name in _FIXED:
         inverse[_FIXED[name]] = name
@@ -155,6 +163,8 @@ BART_POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reads row position + 
 
 def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict -> MarianMTModel (sinusoidal) or BART (learned positions) checkpoint tensors."""
+    import torch
+
     if cfg.pos_encoding == "sinusoidal":
         return to_marian_tensors(state, cfg)
     rest = {k: v for k, v in state.items() if k not in _BART_EMBEDDINGS}

@@ -143,7 +143,7 @@ class EncoderDecoderLM(nn.Module):
         ValueError: when cfg.arch is not 'encoder_decoder'.
     """
 
-    ARCH = "encoder_decoder"  # the family's name in the table (models.families); its Family record reads it
+    ARCH = "encoder_decoder"  # the family's name in the table (models.families), as its Family record spells it
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

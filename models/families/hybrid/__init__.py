@@ -19,11 +19,14 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families import mamba2
 from models.families.hybrid import hf_granite_hybrid
-from models.families.hybrid.model import ATTENTION, MAMBA, HybridLM
 from models.families.decoder import attention_sublayer, rope_tables
 from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
+
+# The letters of ``hybrid_layers``. Here, not in torch's `model`, because the checks and accounting below read
+# them too.
+ATTENTION, MAMBA = "A", "M"
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -82,11 +85,11 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch=HybridLM.ARCH,
+    arch="hybrid",
     title="hybrid attention + Mamba-2",
     fields=mamba2.FAMILY.fields + ("hybrid_layers",),
     check=_check,
-    model_class=HybridLM,
+    model="models.families.hybrid.model:HybridLM",
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=lambda cfg, bytes_per_element: (

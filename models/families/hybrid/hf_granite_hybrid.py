@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import math
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.decoder.hf_llama import common_config, common_fields
 from models.families.mamba.hf_mamba import check_ssm_config
 from models.families.spec import HFFormat
+
+# torch is imported by the functions that make tensors, so that the family table, and a config checked
+# against it, load without it.
+if TYPE_CHECKING:
+    import torch
 
 _FIXED = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight"}
@@ -62,6 +66,8 @@ def unsupported_options(cfg: ModelConfig) -> list[str]:
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
     """Our state dict -> GraniteMoeHybrid's tensors."""
+    import torch
+
     out = {}
     for name, t in state.items():
         if name in _FIXED:

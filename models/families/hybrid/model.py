@@ -29,14 +29,13 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.families.decoder.model import Transformer, init_base
+from models.families.hybrid import ATTENTION, MAMBA
 from models.families.mamba2.model import Mamba2Mixer, Mamba2State
 from models.layers.attention import KVCache
 from models.layers.block import build_ffn, init_ffn
 from models.layers.head import LMHead
 from models.layers.kinds import attention_kind
 from models.layers.norms import build_norm
-
-ATTENTION, MAMBA = "A", "M"
 
 
 def layer_slots(cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -136,7 +135,7 @@ class HybridLM(Transformer):
         cfg: the model config.
     """
 
-    ARCH = "hybrid"  # the family's name in the table (models.families); its Family record reads it
+    ARCH = "hybrid"  # the family's name in the table (models.families), as its Family record spells it
     SEQUENCE_SHARDABLE = False  # its Mamba-2 layers scan the whole sequence: a shard's scan needs the state before it
 
     def __init__(self, cfg: ModelConfig) -> None:

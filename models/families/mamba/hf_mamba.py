@@ -13,11 +13,14 @@ sequence Conduit lets it read (and it sizes nothing).
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.spec import HFFormat
+
+# torch only in annotations, so that the family table, and a config checked against it, load without it.
+if TYPE_CHECKING:
+    import torch
 
 SSM_CONTEXT = 65536  # the context of an imported Mamba / Mamba-2 model whose config.json names none
 

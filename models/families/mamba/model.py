@@ -33,11 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.families.mamba import SCAN_CHUNK
 from models.layers.base import ModelOutput, init_base
 from models.layers.head import LMHead, head_output
 from models.layers.norms import RMSNorm
-
-SCAN_CHUNK = 4  # steps per chunk of the parallel scan: the fastest of 1-32 on CPU (benchmarks/mamba_speed.py)
 
 # Window decays below exp(-60) ~ 1e-26 are computed as exp(-60): the difference is far below fp32's
 # resolution of any state it is added to, and it keeps the products out of subnormal floats, which x86
@@ -330,7 +329,7 @@ class MambaLM(nn.Module):
         cfg: the model config.
     """
 
-    ARCH = "mamba"  # the family's name in the table (models.families); the Family record reads it here
+    ARCH = "mamba"  # the family's name in the table (models.families), as its Family record spells it
     BLOCK: type = None  # MambaBlock (set below); models.families.mamba2.model.Mamba2LM sets its own blocks and state
     STATE: type = None
 

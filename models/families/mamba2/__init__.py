@@ -19,7 +19,6 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.families.mamba import require_ssm, stack_counts, stack_flops
 from models.families.mamba2 import hf_mamba2
-from models.families.mamba2.model import Mamba2LM
 from models.families.parts import Activations, norm_saved
 from models.families.spec import Family
 
@@ -101,11 +100,11 @@ def _check(cfg: ModelConfig) -> None:
 
 
 FAMILY = Family(
-    arch=Mamba2LM.ARCH,
+    arch="mamba2",
     title="Mamba-2",
     fields=("ssm_state_size", "ssm_conv_kernel", "ssm_expand", "ssm_head_dim", "ssm_n_groups", "ssm_chunk_size"),
     check=_check,
-    model_class=Mamba2LM,
+    model="models.families.mamba2.model:Mamba2LM",
     param_counts=param_counts,
     flops_per_token=flops_per_token,
     kv_cache_bytes_per_token=lambda cfg, bytes_per_element: 0,

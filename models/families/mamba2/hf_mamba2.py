@@ -10,11 +10,15 @@ config.json without one (as transformers writes it) loads with `hf_mamba.SSM_CON
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from models.families.mamba.hf_mamba import SSM_CONTEXT, check_ssm_config, renamer
 from models.families.spec import HFFormat
+
+# torch only in annotations, so that the family table, and a config checked against it, load without it.
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_PARTS = (
     "norm.weight", "mixer.in_proj.weight", "mixer.in_proj.bias", "mixer.conv1d.weight", "mixer.conv1d.bias",

@@ -1,0 +1,79 @@
+"""Reading and checking a run config imports no torch, Ray, MLflow, DeepSpeed or matplotlib (issue #53):
+``jobs.submit`` and ``jobs.run --help`` answer in a fraction of a second, and a bad config is refused as fast.
+
+Each check runs in a fresh interpreter, since this one has imported everything already. What still needs
+torch is the train stage's plan (`pipeline.plan.report.summary` builds the model on the meta device and,
+for a CPU config, times a matmul), and building, exporting or running a model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "mlflow", "ray", "deepspeed", "matplotlib")
+
+LOAD_AND_CHECK = f"""
+import json, sys
+from pipeline.config import load_config
+from models import PRESETS, get_preset
+from models.accounting import param_counts, flops_per_token
+from models.families import FAMILIES, family
+import pipeline.plan.report, pipeline.sweep.spec
+
+cfg = load_config("configs/smoke.yaml", ["model.preset=debug_moe"])
+for name in PRESETS:  # every family and attention kind checked, and counted, without its nn.Module
+    param_counts(get_preset(name)), flops_per_token(get_preset(name), 64)
+try:  # a rule of the family table, which models.config learns when the table is imported
+    load_config("configs/smoke.yaml", ["model.ssm_state_size=32"])
+except Exception as e:
+    refused = f"{{type(e).__name__}}: {{e}}"
+print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "refused": refused,
+                  "families": sorted(FAMILIES), "arch": family(cfg.model_config()).arch}}))
+"""
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def imported(*args: str) -> set[str]:
+    """Every module ``python -X importtime ARGS`` imported (read from its import-time report)."""
+    out = run_python("-X", "importtime", *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_a_config_loads_checks_and_is_counted_without_torch():
+    out = run_python("-c", LOAD_AND_CHECK)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["heavy"] == []
+    assert result["refused"].startswith("ConfigError: model: ssm_state_size is an option of arch 'mamba'")
+    assert len(result["families"]) >= 5 and result["arch"] == "decoder"
+
+
+def test_the_job_commands_parse_their_arguments_without_torch_ray_or_mlflow():
+    for command in ("jobs.submit", "jobs.run"):
+        modules = imported("-m", command, "--help")
+        assert "pipeline.config" in modules, command  # its imports ran: the report is of the command itself
+        heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
+        assert heavy == [], f"{command} --help imports {heavy[:5]}"
+        assert not {"pipeline.runner", "pipeline.stages"} & modules, command
+
+
+def test_the_lazy_names_of_models_resolve_to_the_modules_that_define_them():
+    import models
+    from models.families.decoder.model import Transformer
+    from models.layers.attention import KVCache
+    from models.layers.base import ModelOutput
+
+    assert (models.Transformer, models.KVCache, models.ModelOutput) == (Transformer, KVCache, ModelOutput)
+    assert all(getattr(models, name) is not None for name in models.__all__)
+    with pytest.raises(AttributeError, match="NotAName"):
+        models.NotAName
