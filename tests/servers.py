@@ -28,6 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of every socket on this machine listening on ``port`` (TCP, IPv4 and IPv6):
+    what a server really bound, whatever it was told."""
+    return {c.laddr.ip for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
+
+
 def stop_tree(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM a process and all its descendants, then SIGKILL whatever is left after ``timeout``."""
     if proc.poll() is not None:

@@ -48,6 +48,8 @@ def test_every_test_named_in_reliability_md_exists():
     missing = [f"{path}::{name}" for path, name in refs
                if not (ROOT / "tests" / path).is_file() or (name and not defines(path, name))]
     assert missing == []
+    whole_files = [path for path, name in refs if name is None]  # a file proves nothing in particular
+    assert whole_files == []
 
 
 def test_every_row_of_reliability_md_names_a_test_function():

@@ -50,3 +50,31 @@ def test_two_workers_splitting_each_sequence_train_the_smoke_runs_weights(tmp_pa
                     for c, r in ((client, run), (smoke_client, smoke_train)))
     assert sorted(ours) == sorted(theirs) == [50, 100, 150]
     assert all(abs(ours[s] - theirs[s]) < 1e-5 for s in ours), (ours, theirs)
+
+
+def test_what_cannot_be_split_is_refused_by_name_before_any_worker(tmp_path, ray_cluster, smoke_artifact_root):
+    """As a user types it: sp that does not divide the workers stops at load (exit 2, before Ray); a model whose
+    layers read the whole sequence (Mamba-2) fails the train stage before any worker or checkpoint exists,
+    naming the field, its stage run FAILED with the reason."""
+    from mlflow.tracking import MlflowClient
+
+    base = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={tmp_path}",
+            f"run.artifact_root={smoke_artifact_root}", f"checkpoint.storage={tmp_path / 'checkpoints'}",
+            "tracking.system_metrics_every_s=0", "--only", "train"]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    bad = subprocess.run([*base, "parallel.sequence_parallel_size=3"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "parallel.sequence_parallel_size=3 must be >= 1 and divide parallel.num_workers=2" in bad.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # before MLflow, Ray or a stage
+    mamba = subprocess.run([*base, "model.preset=debug_mamba2", "parallel.sequence_parallel_size=2"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900, env=env)
+    out = mamba.stdout + mamba.stderr
+    assert mamba.returncode == 1, out[-4000:]
+    assert "sequence_parallel_size=2: the mamba2 family's layers read the whole sequence" in out
+    assert not list((tmp_path / "checkpoints").rglob("checkpoint_*"))  # no worker started, nothing checkpointed
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("conduit").experiment_id],
+                                "tags.`conduit.stage` = 'train'")
+    assert run.info.status == "FAILED" and "the mamba2 family's layers read the whole sequence" in run.data.tags["conduit.error"]
+    assert "checkpoints" not in run.data.tags and "cpus_per_worker" not in run.data.tags  # set just before workers

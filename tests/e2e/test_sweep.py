@@ -9,6 +9,7 @@ reported. As a user runs it: a killed ``jobs.sweep`` driver, run again, resumes.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ STEPS = 30
 RATES = [3e-3, 1e-6, 1e-2]
 
 
-def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
+def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, capfd):
     """On the session's Ray (a sweep joins a running Ray as a pipeline does, and leaves it running)."""
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"sweep": {
@@ -44,6 +45,7 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
     }}))
     spec = load_sweep(path)
     lines: list[str] = []
+    free_before = ray_cluster.available_resources().get("CPU", 0)
     result = run_sweep(spec, echo=lines.append)
     by_rate = {o.values["optimizer.lr"]: o for o in result.trials}
 
@@ -55,6 +57,16 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster):
         assert o.val_loss > max(by_rate[3e-3].val_loss, by_rate[1e-2].val_loss)
     assert result.best.values["optimizer.lr"] in (3e-3, 1e-2)
     assert result.best.metric == min(by_rate[3e-3].metric, by_rate[1e-2].metric)
+    # Stopped while its training went on reporting validation losses to a queue that died with the trial: no
+    # controller error, no traceback on the sweep's console (Ray forwards every worker's output to it).
+    console = "".join(capfd.readouterr())
+    assert "Traceback" not in console and "Reporting training result" in console, console[-5000:]
+    # The stopped trial's Train controller died with it, leaving its workers' placement group, which GCS keeps
+    # while the job (this test's process) lives: the sweep removed it, and every CPU free before is free again.
+    deadline = time.monotonic() + 60
+    while ray_cluster.available_resources().get("CPU", 0) < free_before:
+        assert time.monotonic() < deadline, (ray_cluster.available_resources(), free_before)
+        time.sleep(0.5)
 
     # The data stages ran once, before the trials, under the sweep's run; never in a trial.
     assert [ln for ln in lines if ": running" in ln and ln.startswith("data: ")] == \

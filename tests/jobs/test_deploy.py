@@ -20,7 +20,7 @@ from pipeline.serving import deploy
 from tests.jobs.client_load import steady_requests
 from tests.jobs.lm_eval_check import assert_scored_as_hf_export
 from tests.jobs.test_promote_serve import _register_with
-from tests.servers import free_port
+from tests.servers import free_port, listening_addresses
 
 pytestmark = pytest.mark.slow
 MODEL_NAME = "conduit-test-deploy"  # this module's registered model (tests/jobs/conftest.py: tiny_run)
@@ -63,6 +63,8 @@ def test_deploy_serves_the_champion_and_records_it_on_the_version(served, tiny_r
     assert tags["deploy.engine"] == "conduit"
     assert "LlamaForCausalLM on CPU: attention head size 16" in tags["deploy.engine_reason"]
     assert deploy.app_status(MODEL_NAME) == "RUNNING"
+    # deploy.host's default: Ray Serve's HTTP proxy bound to loopback only
+    assert listening_addresses(int(served.split(":")[2].split("/")[0])) == {"127.0.0.1"}
 
 
 def test_openai_client_completions_streaming_and_models(served):

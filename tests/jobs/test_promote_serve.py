@@ -23,7 +23,7 @@ from pipeline.config import ConfigError, PromoteSection, load_config
 from pipeline.evaluation.references import GPT2_117M
 from pipeline.inference.generator import TextGenerator
 from tests.jobs.conftest import MODEL_NAME, _artifact
-from tests.servers import ROOT, free_port, start_process, stop_tree, wait_http
+from tests.servers import ROOT, free_port, listening_addresses, start_process, stop_tree, wait_http
 
 ORIGINAL_KEYS = ("val_loss", "val_perplexity", "val_bits_per_byte", "unigram_val_loss", "unigram_bits_per_byte")
 
@@ -277,6 +277,7 @@ def test_serve_answers_prompts_and_rejects_bad_requests(tiny_run, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/ping", proc, log, timeout=300)
+        assert listening_addresses(port) == {"127.0.0.1"}  # jobs.serve's default --host: loopback only
 
         def post(payload, **kw):  # json.dumps writes NaN as JSON's NaN literal (requests' json= refuses)
             return requests.post(f"{url}/invocations", timeout=60, **kw, **({} if "data" in kw else {

@@ -30,7 +30,7 @@ from pipeline import cluster
 from pipeline.config import load_config
 from pipeline.runner import ORDER
 from tests.infra.local_infra import RAY, ROOT, UP, clean_env, down, jobs_cli, run, up, wait_for
-from tests.servers import free_port, stop_tree, wait_http
+from tests.servers import free_port, listening_addresses, stop_tree, wait_http
 
 SMALL = ["train.steps=40", "eval.max_batches=2", "eval.max_text_tokens=512", "eval.lambada_max_examples=16",
          "eval.max_new_tokens=4", "eval.context_lengths=[]", "parallel.placement_strategy=STRICT_SPREAD",
@@ -241,6 +241,9 @@ def test_up_answers_and_writes_env_and_the_clis_find_the_cluster_by_it(services,
     assert env["RAY_ADDRESS"].startswith("http://127.0.0.1:") and env["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
     assert env["RAY_AUTH_MODE"] == "token"
     assert requests.get(f"{env['MLFLOW_TRACKING_URI']}/health", timeout=10).status_code == 200
+    # Bound as announced: the MLflow server and the Ray dashboard (with the Jobs API) on loopback only.
+    for url in (env["MLFLOW_TRACKING_URI"], env["RAY_ADDRESS"]):
+        assert listening_addresses(int(url.rsplit(":", 1)[1].split("/")[0])) == {"127.0.0.1"}, url
     # The token is the cluster's own: in the state dir, readable by this user only, never in HOME,
     # and the env file says where it is, not what it is.
     token_path = Path(env["RAY_AUTH_TOKEN_PATH"])
@@ -299,6 +302,20 @@ def test_plain_ray_job_submit_runs_jobs_run_with_the_venv_python(services, data_
     assert followed.returncode == 0, followed.stdout[-3000:]
     assert f"prefix={ROOT / '.venv'}" in followed.stdout
     assert all(f"{name:<10}" in followed.stdout for name in ORDER)
+
+
+@pytest.mark.slow
+def test_a_local_artifact_root_on_two_nodes_is_refused_before_any_stage(services, tmp_path):
+    """The smoke config without ``cluster.shared_storage``, run for real on the two-node cluster: the job's driver
+    connects, counts two nodes, and stops before any stage with the path and what to use instead."""
+    work = tmp_path / "local_root"
+    done = services.cli("submit", "configs/smoke.yaml", *[o for o in SMALL if o != "cluster.shared_storage=true"],
+                        f"run.workdir={work}", "--follow", timeout=300)
+    assert done.returncode == 1 and "FAILED" in done.stderr, (done.stdout[-3000:], done.stderr[-3000:])
+    assert f"the Ray cluster has 2 nodes but run.artifact_root={work / 'artifacts'} is a local path" in done.stdout
+    assert "set cluster.shared_storage=true" in done.stdout
+    assert not any(f"{name:<10} done" in done.stdout for name in ORDER)
+    assert not (work / "artifacts" / "shard").exists()  # no stage began
 
 
 @pytest.mark.slow

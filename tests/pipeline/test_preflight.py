@@ -92,6 +92,16 @@ def test_run_pipeline_refuses_before_the_first_stage(tmp_path, ray_cluster):
     assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
 
 
+def test_run_pipeline_refuses_stage_resources_the_cluster_lacks_before_the_first_stage(tmp_path, ray_cluster):
+    """On the session's real Ray (no node has the resource): refused after connecting, before MLflow or a stage."""
+    cfg = load_config(None, [f"run.workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                             "cluster.stage_resources=[no_such_accelerator]"])
+    stages = in_order([Stage(name="shard", version=1, inputs=(), hash_config=lambda c: {}, run=never_run)])
+    with pytest.raises(ConfigError, match=r"cluster.stage_resources=\['no_such_accelerator'\]: no node"):
+        run_pipeline(cfg, stages=stages, echo=lambda s: None)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_stage_resources_that_no_node_has_are_refused():
     cfg = cfg_with("cluster.stage_resources=[stages]")
     check_cluster_resources(cfg, {"CPU": 4.0, "stages": 100.0})

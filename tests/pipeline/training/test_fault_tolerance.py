@@ -291,6 +291,26 @@ def a_ray_that_died_uncleanly():
             address_file.write_bytes(before)
 
 
+def dashboard_http_addresses(procs: list[psutil.Process]) -> set[str]:
+    """The addresses the embedded Ray's dashboard serves its UI and the Jobs API on, among ``procs``: of the
+    dashboard process's listening sockets, those whose HTTP answer comes from its aiohttp server (the same
+    process's Prometheus exporter, which Ray binds to every interface, answers from another server)."""
+    import requests
+
+    dashboard = next(p for p in procs if "dashboard/dashboard.py" in " ".join(p.cmdline()))
+    served = set()
+    for c in dashboard.net_connections(kind="tcp"):
+        if c.status != psutil.CONN_LISTEN:
+            continue
+        try:
+            answer = requests.get(f"http://127.0.0.1:{c.laddr.port}/api/version", timeout=10)
+        except requests.RequestException:
+            continue
+        if "aiohttp" in answer.headers.get("Server", ""):
+            served.add(c.laddr.ip)
+    return served
+
+
 def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_path, straight, smoke_artifact_root):
     """The driver SIGKILLed once two checkpoints are registered; then, with another Ray on the machine
     dead uncleanly (``/tmp/ray/ray_current_cluster`` left behind), the same command again: the rerun
@@ -312,6 +332,7 @@ def test_a_killed_driver_costs_no_training_and_its_runs_are_marked_failed(tmp_pa
         assert time.monotonic() < deadline, "no two checkpoints within 10 minutes"
         time.sleep(0.05)
     ray_procs = psutil.Process(driver.pid).children(recursive=True)
+    assert dashboard_http_addresses(ray_procs) == {"127.0.0.1"}  # cluster.dashboard_host's default, as bound
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     # The killed driver's embedded Ray goes with it: every process it had started (GCS, raylet, the
@@ -403,3 +424,48 @@ def test_resume_on_one_worker_from_a_checkpoint_on_s3(tmp_path, straight, smoke_
     written = [i.path for i in fs.get_file_info(pafs.FileSelector("conduit-ckpt/runs", recursive=True))]
     final = [p for p in written if p.endswith("/layout.json")]
     assert len(final) == 1 and f"{final[0].rsplit('/', 1)[0]}/canonical.pt" in written
+
+
+def test_a_prune_that_fails_after_sealing_leaves_the_stage_done_with_a_warning(tmp_path, smoke_artifact_root, capsys):
+    """The real train stage on one worker, two checkpoints (10, 20; both kept): once the first is registered, one of
+    its files is made immutable (``chattr +i``: the tests run as root, whom permissions do not stop), so the
+    stage's pruning after sealing (``keep_final_checkpoint``) fails on it for real. The stage is done, its
+    artifact verifies, the driver is told, and both checkpoints stay."""
+    overrides = ["parallel.num_workers=1", "train.steps=20", "checkpoint.every=10", "checkpoint.keep=2"]
+    work = tmp_path / "prune"
+    cfg = resolve(load_config(ROOT / "configs" / "smoke.yaml", [
+        f"run.workdir={work}", f"run.artifact_root={smoke_artifact_root}", f"checkpoint.storage={work / 'checkpoints'}",
+        *TRAIN, *overrides]))
+    ray_dir = ray_run_dir(cfg, next(p.hash for p in make_plan(cfg) if p.stage == "train"))
+    locked: list[Path] = []
+    done = threading.Event()
+
+    def lock_the_first_checkpoint() -> None:
+        while not done.is_set():
+            results = {}
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
+                results = {r["metrics"]["step"]: r["checkpoint_dir_name"] for r in json.loads(
+                    (ray_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]}
+            if 10 in results:
+                target = ray_dir / results[10] / "canonical.pt"
+                subprocess.run(["chattr", "+i", str(target)], check=True)
+                locked.append(target)
+                return
+            time.sleep(0.02)
+
+    locker = threading.Thread(target=lock_the_first_checkpoint)
+    locker.start()
+    try:
+        _, history, _, art = train_once(tmp_path, "prune", overrides, kill=False, data_root=smoke_artifact_root)
+    finally:
+        done.set()
+        locker.join()
+        for path in locked:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    assert locked, "the first checkpoint was never registered"
+    assert history[-1]["step"] == 20
+    assert store_for(cfg.artifact_root()).check(art) is None  # sealed and whole
+    out = capsys.readouterr().out
+    assert f"warning: stage train ({art.hash}) is done, but cleaning up its resumable state failed: " in out, out[-3000:]
+    assert "Operation not permitted" in out or "PermissionError" in out, out[-3000:]
+    assert len([p for p in ray_dir.glob("checkpoint_*") if p.is_dir()]) == 2  # nothing pruned, nothing lost
