@@ -70,7 +70,8 @@ KNOWN_CAUSES["ASHA sweep wall / all 8 trials to completion"] = (
     "once, 0.074 s a step. 0.5 needs the fixed cost under 19 steps' worth of training (wall = 8F + 525s "
     "against 8F + 1200s): here, steps at least 20x the smoke model's, or a trial's fixed cost under 1.4 s, "
     "which Tune plus Ray Train per trial cannot give on 2 cores (their own actors alone are about 9 "
-    "CPU-seconds).")
+    "CPU-seconds). With trials of 900 steps (about 70 s of training each) the same sweep's ASHA run takes 0.40 "
+    "of the full grid's wall: the sweep_long section.")
 KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "The ceiling assumes the experts' matmuls run at the dense FFN's rate. On this CPU torch's `grouped_mm` is a "
     "loop of one `mm` per expert over about N·k/E rows and a narrow expert width (80 at cpu_small, 208 at "

@@ -10,7 +10,11 @@ one, and the trial it picks ends within 1% of the full grid's best final validat
 
 Prints a table and writes ``benchmarks/results/sweep.json``.
 
-    .venv/bin/python benchmarks/sweep.py [--steps 150]
+    .venv/bin/python benchmarks/sweep.py [--steps 150] [--override KEY=VALUE ...] [--name sweep]
+
+The issue's second form (trials of at least a minute each, where the smoke trials are too short for ASHA's
+saving to show past each trial's fixed cost): ``--steps 900 --override train.compile=false train.precision=fp32
+--name sweep_long``.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ DATA_STAGES = ("shard", "tokenizer", "tokenize")
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--override", nargs="*", default=[], help="more config overrides for every trial of both sweeps")
+    p.add_argument("--name", default="sweep", help="the result's name (benchmarks/results/NAME.json)")
     args = p.parse_args()
     import ray
 
     with tempfile.TemporaryDirectory(prefix="sweep_bench_") as tmp:
-        common = [f"train.steps={args.steps}", "train.progress_bar=false"]
+        common = [f"train.steps={args.steps}", "train.progress_bar=false", *args.override]
         prep = load_sweep(SWEEP, [f"run.workdir={tmp}/prep", f"run.artifact_root={tmp}/prep/artifacts", *common])
         connect_ray(resolve(prep.trials[0].cfg))
         run_pipeline(resolve(prep.trials[0].cfg), until="tokenize", echo=lambda line: print(f"  data: {line}"))
@@ -76,7 +82,7 @@ def main() -> int:
           f"(target <= {TARGET_WALL}); best: ASHA {asha.best.metric:.4f} (trial_{asha.best.index:03d}), full "
           f"{full.best.metric:.4f} (trial_{full.best.index:03d}), gap {gap:+.2%} (target <= {TARGET_BEST:.0%}); "
           f"ASHA trained {steps_share:.2f} of the full grid's steps")
-    path = write_result("sweep", {
+    path = write_result(args.name, {
         "config": vars(args), "rows": rows,
         "walls_s": {k: v["wall_s"] for k, v in runs.items()},
         "asha_steps_share": steps_share,
@@ -88,7 +94,8 @@ def main() -> int:
         "summary": (f"configs/sweeps/smoke_lr.yaml: 8 learning rates (3e-4 to 3e-2, log grid), {args.steps} steps of 16 x "
                     "64 tokens, validation every 25 steps, 2 trials at a time on one training worker each, each "
                     f"trial up to evaluate; ASHA (grace {spec.grace_steps}, reduction {spec.reduction_factor}) against "
-                    "no scheduler, each with its own artifact root seeded with the same data stages."),
+                    "no scheduler, each with its own artifact root seeded with the same data stages"
+                    + (f"; every trial with {' '.join(args.override)}" if args.override else "") + "."),
     })
     print(f"wrote {path}")
     return 0
