@@ -28,12 +28,13 @@ from pipeline.training.layout import ParallelDims
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each Transformer block's activations during backward instead of storing them.
 
-    Wraps every block's forward in non-reentrant ``torch.utils.checkpoint`` (it takes the blocks'
-    non-tensor arguments and returns their MoE statistics); without grad it runs plainly.
+    Wraps every block's forward, the encoder's too in an encoder-decoder (the stacks ``compile_regions``
+    compiles), in non-reentrant ``torch.utils.checkpoint`` (it takes the blocks' non-tensor arguments and
+    returns their MoE statistics); without grad it runs plainly.
     """
     from torch.utils.checkpoint import checkpoint
 
-    for block in model.layers:
+    for block in [*getattr(model, "encoder_layers", ()), *model.layers]:
         plain = block.forward
 
         def forward(*args, _plain=plain, **kwargs):

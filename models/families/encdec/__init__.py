@@ -81,17 +81,27 @@ def activations(cfg: ModelConfig, seq_len: int, b: int) -> Activations:
     """Per target token with the source as long as the target: the encoder layers as decoder layers, then
     the decoder layers with a cross-attention sublayer (its norm and input, the queries, output and fp32
     log-sum-exp, and the source's keys and values, which the model projects once outside the blocks, so a
-    checkpointed decoder layer keeps them beside its input). Activation checkpointing wraps only
-    ``layers`` (the decoder, `pipeline.training.parallelize`), so an encoder layer keeps all of its
-    activations either way."""
+    checkpointed decoder layer keeps them beside its input). Activation checkpointing wraps the blocks of
+    both stacks (`pipeline.training.parallelize`): a checkpointed encoder layer keeps its input alone.
+
+    Outside the layers, in both modes: the encoder's bidirectional (B, 1, S, S) boolean mask (S bytes per
+    token, which every encoder layer's attention, or its checkpoint, holds); the encoder's output, which the
+    cross-attention projections read (with pre-norm the final norm's input and products; with post-norm the
+    last layer's normed output, which only a checkpointed layer does not keep itself); and with
+    ``embedding_norm`` each stack's embedding norm beyond its output (the first layer's input)."""
     H, G, K, D = cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim, cfg.d_model
     encoder = attention_sublayer(cfg, seq_len, b) + ffn_sublayer(cfg, 0, b)[0]
     cross = norm_saved(cfg, b) + b * (2 * H * K + 2 * G * K) + 4 * H
     L_enc, L = cfg.resolved_n_encoder_layers, cfg.n_layers
     layers = (encoder,) * L_enc + (encoder + cross,) * L
-    return Activations(stem=2 * rope_tables(cfg, b), stem_checkpointed=2 * rope_tables(cfg, b, True), layers=layers,
+    pre = cfg.norm_position == "pre"
+    memory, memory_checkpointed = (norm_saved(cfg, b),) * 2 if pre else (0.0, float(b * D))
+    embed_norms = 2 * (norm_saved(cfg, b) - b * D) if cfg.embedding_norm else 0.0
+    outside = float(seq_len) + embed_norms
+    return Activations(stem=2 * rope_tables(cfg, b) + memory + outside,
+                       stem_checkpointed=2 * rope_tables(cfg, b, True) + memory_checkpointed + outside, layers=layers,
                        widest=(float(cfg.resolved_d_ff * b),) * (L_enc + L),
-                       inputs=(encoder,) * L_enc + (float(b * (D + 2 * G * K)),) * L)
+                       inputs=(float(b * D),) * L_enc + (float(b * (D + 2 * G * K)),) * L)
 
 
 def _check(cfg: ModelConfig) -> None:
