@@ -244,7 +244,20 @@ def grouped_mm_supported(experts: StackedExperts, x_SD: torch.Tensor) -> bool:
     dtype = compute_dtype(x_SD)
     itemsize = torch.empty((), dtype=dtype).element_size()
     widths = (experts.d_model, experts.hidden)
-    return all(w * itemsize % 16 == 0 for w in widths) and _grouped_mm_runs(x_SD.device.type, dtype)
+    return all(w * itemsize % 16 == 0 for w in widths) and eager_probe()(x_SD.device.type, dtype)
+
+
+_EAGER_PROBE = None
+
+
+def eager_probe():
+    """``_grouped_mm_runs`` under ``torch.compiler.disable``, made on first use like ``eager_grouped_experts``: the
+    first call may come from a compiled block, where Dynamo would trace the probe with fake tensors (whose
+    grouped_mm takes bf16 alone) instead of running it."""
+    global _EAGER_PROBE
+    if _EAGER_PROBE is None:
+        _EAGER_PROBE = torch.compiler.disable(_grouped_mm_runs)
+    return _EAGER_PROBE
 
 
 def resolve_impl(impl: str, experts: StackedExperts, x_SD: torch.Tensor) -> str:

@@ -171,6 +171,20 @@ def test_the_first_grouped_call_inside_a_checkpointed_block_recomputes_alike(mak
         torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
 
 
+def test_the_first_grouped_call_inside_a_compiled_block_probes_eagerly(make_cfg):
+    """The probe's first call from a compiled block runs eagerly (Dynamo's fake grouped_mm takes bf16 alone: traced,
+    an fp32 probe failed the compile), and the compiled layer then equals the eager one."""
+    torch.manual_seed(0)
+    layer = MoEFeedForward(make_cfg(num_experts=4, moe_top_k=2, moe_expert_impl="auto"))
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    eager = layer(x)[0]
+    torch._dynamo.reset()
+    _grouped_mm_runs.cache_clear()
+    compiled = torch.compile(layer)(x)[0]
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert _grouped_mm_runs.cache_info().currsize == 1  # probed once, eagerly, and cached
+
+
 def test_dropless_grouped_layer_reads_no_tensor_values_on_the_host(make_cfg):
     """On the meta device every read of a value (.tolist(), .item(), a boolean mask) raises, so a
     dropless MoE layer that trains there needs no host sync in forward or backward."""
