@@ -28,6 +28,7 @@ from pipeline.data.fs import filesystem_for
 from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
+from pipeline.training.checkpoint.choice import CHECKPOINT_PREFIX
 from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
 from pipeline.training.validation import check_split
 
@@ -89,6 +90,30 @@ def discard_checkpoints(cfg: RunConfig, hash_: str) -> None:
     fs, run_dir = _run_dir(cfg, hash_)
     if fs.get_file_info(run_dir).type != pafs.FileType.NotFound:
         fs.delete_dir(run_dir)
+
+
+def recover_unreadable_snapshot(cfg: RunConfig, hash_: str) -> str | None:
+    """Ray Train rewrites its snapshot in place (truncate, then write): a controller killed meanwhile (its driver
+    SIGKILLed) leaves it empty or cut, and the next controller fails to start on it. Such a snapshot is moved
+    aside (``<snapshot>.unreadable``), so Ray Train starts a new record in the same run folder, and the newest
+    checkpoint folder the run left is returned for the workers to resume from (``resume_checkpoint``, which
+    verifies it and falls back to an earlier one). None when the snapshot reads, or there is none.
+    """
+    fs, run_dir = _run_dir(cfg, hash_)
+    path = f"{run_dir}/{SNAPSHOT_FILE}"
+    try:
+        with fs.open_input_stream(path) as f:
+            json.loads(f.read().decode("utf-8"))
+        return None
+    except FileNotFoundError:
+        return None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError: cut short while being rewritten
+        pass
+    fs.move(path, f"{path}.unreadable")
+    folders = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(run_dir))
+                     if i.type == pafs.FileType.Directory and i.base_name.startswith(CHECKPOINT_PREFIX))
+    storage, name = checkpoint_location(cfg, hash_)
+    return f"{storage.rstrip('/')}/{name}/{folders[-1]}" if folders else None
 
 
 def keep_final_checkpoint(cfg: RunConfig, hash_: str) -> None:
@@ -231,6 +256,11 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     # A controller that died with an earlier attempt of this stage (its task killed) left its workers'
     # placement group holding CPUs this trainer needs.
     reap_orphaned_placement_groups()
+    recovered = recover_unreadable_snapshot(cfg, out_dir.name)
+    if recovered:
+        print(f"warning: Ray Train's record of this training's checkpoints was cut short (its controller died while "
+              f"writing it); resuming from the newest checkpoint it left, {recovered}", flush=True)
+        tracker.set_tags({"checkpoint.recovered": recovered})
     cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
     if cpus:
         tracker.set_tags({"cpus_per_worker": str(cpus)})
@@ -246,6 +276,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             # Fault tests widen a moment to SIGKILL a worker in.
             "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
             "init_state": init_state,
+            "recovered_checkpoint": recovered,
             # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
             "report_validation": bool(getattr(tracker, "train_callbacks", ())),
         },

@@ -190,7 +190,8 @@ def _setup(config: dict) -> _Rank:
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len, cfg.parallel.sequence_parallel_size)
-    resume = resume_checkpoint(cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True))
+    resume = resume_checkpoint(cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True),
+                               recovered=config.get("recovered_checkpoint"))
     # precision auto (on a CPU) and compile auto: what the checkpoint resumed from trained in, else timed on
     # this run's own micro-steps, on every worker at once
     decided = autotune.decide(cfg, model_cfg, config["tokens"], dims, device, rank, world,

@@ -38,9 +38,11 @@ RUN_LOG_FILE = "run_log.json"  # rank 0's metric history and the steps training 
 PRECISION_FILE = "train_precision.json"  # rank 0's: what the run trained in (``autotune.Decided.record``)
 
 
-def resume_checkpoint(resume_from: str | None, warn: Callable[[str], None] = print):
+def resume_checkpoint(resume_from: str | None, warn: Callable[[str], None] = print, recovered: str | None = None):
     """The checkpoint this worker group starts from, or None for a fresh start: the one Ray Train hands a
-    restarted group (its newest kept checkpoint that verifies), else ``checkpoint.resume_from``.
+    restarted group (its newest kept checkpoint that verifies), else the newest this training left before Ray
+    Train's record of it was lost (``recovered``, `pipeline.stages.train.recover_unreadable_snapshot`; verified
+    alike), else ``checkpoint.resume_from``.
 
     Raises:
         NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
@@ -48,6 +50,8 @@ def resume_checkpoint(resume_from: str | None, warn: Callable[[str], None] = pri
     import ray.train
 
     resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
+    if resume is None and recovered:
+        resume = ray.train.Checkpoint(recovered)
     if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
         return usable_checkpoint(resume, verify_checkpoint, warn=warn)
     return ray.train.Checkpoint(resume_from) if resume_from else None  # continue another run

@@ -469,3 +469,30 @@ def test_a_prune_that_fails_after_sealing_leaves_the_stage_done_with_a_warning(t
     assert f"warning: stage train ({art.hash}) is done, but cleaning up its resumable state failed: " in out, out[-3000:]
     assert "Operation not permitted" in out or "PermissionError" in out, out[-3000:]
     assert len([p for p in ray_dir.glob("checkpoint_*") if p.is_dir()]) == 2  # nothing pruned, nothing lost
+
+
+def test_a_snapshot_cut_short_by_a_killed_controller_resumes_from_the_newest_checkpoint(tmp_path, straight,
+                                                                                        smoke_artifact_root, capsys):
+    """Ray Train rewrites its checkpoint record in place; a driver SIGKILLed during the rewrite left it empty, and the
+    rerun's controller failed to start on it (CI saw it). The uninterrupted run's kept checkpoints (40 and 60,
+    ``checkpoint.keep`` 2) copied without the last, their record emptied: the stage moves the record aside, resumes from step 40 (the newest
+    folder left, verified) and ends with the uninterrupted run's weights."""
+    import shutil
+
+    weights, _, _, straight_art = straight
+    storage = tmp_path / "storage"
+    source = artifact_run_dir(straight_art)
+    copy = storage / source.name
+    shutil.copytree(source, copy)
+    folders = sorted(p.name for p in copy.glob("checkpoint_*") if p.is_dir())
+    assert len(folders) == 2
+    shutil.rmtree(copy / folders[-1])
+    (copy / "checkpoint_manager_snapshot.json").write_bytes(b"")  # what a kill mid-rewrite leaves
+    resumed, history, _, art = train_once(tmp_path, "cut", [f"checkpoint.storage={storage}"], kill=False,
+                                          data_root=smoke_artifact_root)
+    assert art.hash == straight_art.hash
+    assert read_train_starts(art.path) == [0, STEPS - EVERY]
+    assert_same_weights(weights, resumed)
+    assert (copy / "checkpoint_manager_snapshot.json.unreadable").read_bytes() == b""
+    assert json.loads((copy / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]  # a new record
+    assert f"resuming from the newest checkpoint it left, {copy / folders[-2]}" in capsys.readouterr().out
