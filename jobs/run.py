@@ -63,7 +63,7 @@ def run_pipeline(cfg: RunConfig, **kwargs):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipeline.console import Console, RunLog, log_path
-    from pipeline.runner import EXPECTED_ERRORS, main_exit_code
+    from pipeline.errors import EXPECTED_ERRORS, main_exit_code
 
     signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`, `kill`: end as Ctrl-C does (runs KILLED)
     quiet = not (args.verbose or args.dry_run)
@@ -93,13 +93,14 @@ def _run(cfg: RunConfig, args: argparse.Namespace, console: Console, errors: Tex
             lines to ``errors``. Without it (--verbose) the error propagates as it is.
     """
     from pipeline.console import StageStatus, summary_lines
-    from pipeline.runner import EXPECTED_ERRORS, main_exit_code
+    from pipeline.errors import EXPECTED_ERRORS, main_exit_code
 
     try:
-        if args.dry_run:
-            run_pipeline(cfg, only=args.only, until=args.until, force=tuple(args.force), dry_run=True,
-                         echo=console.line)
-            from pipeline.plan.report import summary  # the planner builds the model on the meta device
+        if args.dry_run:  # the stage table and the train plan, from the config alone (no MLflow, Ray or torch)
+            from pipeline.plan.report import summary
+            from pipeline.stage_plan import format_plan, make_plan, resolve
+
+            console.line(format_plan(make_plan(resolve(cfg), only=args.only, force=tuple(args.force), until=args.until)))
 
             console.line("")  # the stage table ends at the first blank line
             for line in summary(cfg).splitlines():

@@ -61,3 +61,11 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(redact(message))
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; the message names the stage and carries the original error."""

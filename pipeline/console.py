@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from pipeline import tracking
 from pipeline.base import redact
 from pipeline.config import RunConfig
 
@@ -214,6 +213,8 @@ class StageStatus:
             name, hash_, started = stage
             waiting = None
             try:
+                from pipeline import tracking  # mlflow: where the status line asks it, not at import
+
                 progress = tracking.stage_progress(self.cfg.tracking_uri(), self.cfg.tracking.experiment, hash_,
                                                    timeout_s=STATUS_READ_TIMEOUT_S)
                 unanswered_since = None
@@ -316,5 +317,7 @@ def summary_lines(result) -> list[str]:
     if "register" in result.artifacts:
         reg = RegisteredModel.of(result.artifacts["register"])
         lines.append(f"Registered model: {reg.model_uri} (version {reg.version})")
+    from pipeline import tracking
+
     lines.append(f"Open the MLflow UI:  {tracking.ui_command(result.tracking_uri)}")
     return lines

@@ -20,26 +20,15 @@ from typing import Callable
 
 from pipeline import cluster, tracking
 from pipeline.store import locks
-from pipeline.store.artifacts import Artifact, content_hash
+from pipeline.store.artifacts import Artifact
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.serving.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
+from pipeline.base import StageFailed  # noqa: F401 - offered here too
+from pipeline.errors import EXPECTED_ERRORS, main_exit_code  # noqa: F401 - offered here too
+from pipeline.stage_plan import PlanItem, downstream, format_plan, make_plan, resolve  # noqa: F401 - offered here too
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER offered here too (the sweep reads it; jobs read STAGE_ORDER)
-from pipeline.store.backends import StorageError, Transfer, is_uri, join, release_held, store_for
-
-
-class StageFailed(RuntimeError):
-    """A stage raised; the message names the stage and carries the original error."""
-
-
-@dataclass
-class PlanItem:
-    stage: str
-    hash: str
-    path: Path | str  # the artifact's folder, or its URI in an object store (pipeline.store.backends)
-    cached: bool
-    run: bool  # False: skipped because cached, or outside --only
-    forced: bool = False  # --force (or downstream of it): state kept to resume an attempt is discarded
+from pipeline.store.backends import Transfer, is_uri, join, release_held, store_for
 
 
 @dataclass
@@ -49,72 +38,6 @@ class PipelineResult:
     plan: list[PlanItem]
     artifacts: dict[str, Artifact] = field(default_factory=dict)
     transfers: dict[str, Transfer] = field(default_factory=dict)  # stages that ran: bytes to/from the store
-
-
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Make every location absolute, so that each process (and node) reads the same places."""
-    d = cfg.to_dict()
-    d["run"]["workdir"] = str(cfg.workdir())
-    d["run"]["artifact_root"] = cfg.artifact_root()
-    d["data"]["data_root"] = str(cfg.data_root())
-    d["tracking"]["uri"] = cfg.tracking_uri()
-    return config_from_dict(d, source="<resolved>")
-
-
-def downstream(names: set[str], stages: dict[str, Stage] = STAGES) -> set[str]:
-    """``names`` and every stage of ``stages`` (a table in dependency order) that depends on them, transitively."""
-    out = set(names)
-    for stage in stages.values():
-        if any(i in out for i in stage.inputs):
-            out.add(stage.name)
-    return out
-
-
-def make_plan(cfg: RunConfig, only: str | None = None, force: tuple[str, ...] = (),
-              stages: dict[str, Stage] = STAGES, until: str | None = None) -> list[PlanItem]:
-    """Hash every stage and decide what runs.
-
-    Args:
-        only: run just this stage (its inputs must be cached).
-        until: run the stages up to and including this one, none after it.
-        force: rerun these stages and everything downstream of them, cached or not.
-        stages: the stage table in dependency order (``pipeline.stages.in_order``); the pipeline's six by default.
-
-    Raises:
-        ConfigError: an unknown stage name, or ``only`` whose inputs are not finished.
-    """
-    for name in [*force, *([only] if only else []), *([until] if until else [])]:
-        if name not in stages:
-            raise ConfigError(f"unknown stage {name!r}; stages are {list(stages)}")
-    if only and until:
-        raise ConfigError("--only and --until exclude each other: --only runs one stage, --until a prefix")
-    last = list(stages).index(until) if until else len(stages) - 1
-    forced = downstream(set(force), stages)
-    store = store_for(cfg.artifact_root())
-    hashes: dict[str, str] = {}
-    plan = []
-    for index, (name, stage) in enumerate(stages.items()):
-        h = content_hash(name, stage.version, stage.hash_config(cfg), {i: hashes[i] for i in stage.inputs})
-        hashes[name] = h
-        path = store.location(name, h)
-        cached = store.is_complete(name, h)
-        selected = (only is None or name == only) and index <= last
-        plan.append(PlanItem(name, h, path, cached, run=selected and (name in forced or not cached),
-                             forced=selected and name in forced))
-    if only:
-        by_name = {p.stage: p for p in plan}
-        missing = [i for i in stages[only].inputs if not by_name[i].cached]
-        if missing:
-            raise ConfigError(f"--only {only}: its inputs {missing} are not finished; run them first")
-    return plan
-
-
-def format_plan(plan: list[PlanItem]) -> str:
-    lines = [f"{'stage':<10} {'hash':<17} {'status':<8} path"]
-    for p in plan:
-        status = "run" if p.run else ("cached" if p.cached else "skip")
-        lines.append(f"{p.stage:<10} {p.hash:<17} {status:<8} {p.path}")
-    return "\n".join(lines)
 
 
 def worker_env() -> dict[str, str]:
@@ -483,13 +406,3 @@ def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_
 
 
 # Failures a user can act on from a one-paragraph message (jobs.run prints no traceback for them).
-EXPECTED_ERRORS = (ConfigError, cluster.ClusterError, StageFailed, tracking.TrackingUnavailable, locks.StageLocked,
-                   DiskError, StorageError)
-
-
-def main_exit_code(exc: BaseException) -> int:
-    """Exit status for a failed run, printed for people rather than as a traceback."""
-    print(f"error: {exc}", file=sys.stderr)
-    expected = (ConfigError, cluster.ClusterError, tracking.TrackingUnavailable, locks.StageLocked, DiskError,
-                StorageError)
-    return 2 if isinstance(exc, expected) else 1

@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 from urllib3.util import parse_url
 from urllib3.util.retry import Retry
 
+from pipeline.base import TrackingUnavailable  # defined there: the command lines name it without mlflow
 from pipeline.base import ConfigError, is_uri
 from pipeline import credentials
 from pipeline.serving import pyfunc
@@ -272,9 +273,6 @@ def client(uri: str, patient: bool = True) -> MlflowClient:
     inner = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return PatientClient(inner, uri) if patient else inner
 
-
-class TrackingUnavailable(RuntimeError):
-    """The MLflow tracking server does not answer."""
 
 
 def check_reachable(uri: str, timeout_s: float = 10.0) -> None:

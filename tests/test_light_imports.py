@@ -1,14 +1,16 @@
 """Reading and checking a run config imports no torch, Ray, MLflow, DeepSpeed or matplotlib (issue #53):
 ``jobs.submit`` and ``jobs.run --help`` answer in a fraction of a second, and a bad config is refused as fast.
 
-Each check runs in a fresh interpreter, since this one has imported everything already. What still needs
-torch is the train stage's plan (`pipeline.plan.report.summary` builds the model on the meta device and,
-for a CPU config, times a matmul), and building, exporting or running a model.
+Each check runs in a fresh interpreter, since this one has imported everything already. A dry run
+(``jobs.run --dry-run``: the stage table and the train stage's plan) imports none of them either, once the
+machine's CPU speed is kept (`pipeline.plan.hardware.kept_cpu_flops`: a machine's first plan times a matmul
+with torch); building, exporting or running a model needs torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +67,22 @@ def test_the_job_commands_parse_their_arguments_without_torch_ray_or_mlflow():
         heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
         assert heavy == [], f"{command} --help imports {heavy[:5]}"
         assert not {"pipeline.runner", "pipeline.stages"} & modules, command
+
+
+def test_a_dry_run_imports_no_torch_ray_or_mlflow_once_the_cpu_is_measured(tmp_path):
+    from pipeline.plan.hardware import CPU_FLOPS_FILE, cpu_model
+
+    (tmp_path / "conduit").mkdir()
+    (tmp_path / "conduit" / CPU_FLOPS_FILE).write_text(json.dumps({cpu_model(): 3.0e11}))
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "jobs.run", "configs/smoke.yaml", "--dry-run",
+                          f"run.workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    modules = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert {"pipeline.stage_plan", "pipeline.plan.report"} <= modules  # it planned the stages and the training
+    heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
+    assert heavy == [], f"jobs.run --dry-run imports {heavy[:5]}"
+    assert "train      " in out.stdout and "and 0.3 TFLOP/s peak per device" in out.stdout  # the kept figure
 
 
 def test_the_lazy_names_of_models_resolve_to_the_modules_that_define_them():

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from models.config import ModelConfig
     from models.families.parts import Activations
+    from models.tensors import Module
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Family:
             SSM layers' conv inputs and state), at a bytes-per-element for what is kept in the model's dtype.
         hf_format: the Hugging Face class a config of this family exports as.
         hf_formats: every Hugging Face format this family reads (``load_hf`` finds the family by them).
+        modules: every module of the built model that holds parameters, with their sizes, from the config
+            alone (`models.tensors`; the planner's model shape without torch).
         seq2seq: inputs are an encoder's source and a decoder's target (span-corruption data,
             denoising evaluation, encoder-decoder generation), not one causal stream.
         draws_attention: evaluate can draw its causal attention maps and expert routing.
@@ -83,6 +86,7 @@ class Family:
     kv_cache_bytes_per_token: Callable[["ModelConfig", int], int]
     hf_format: Callable[["ModelConfig"], HFFormat]
     hf_formats: tuple[HFFormat, ...]
+    modules: Callable[["ModelConfig"], list["Module"]]
     seq2seq: bool = False
     draws_attention: bool = True
     state_bytes_per_sequence: Callable[["ModelConfig", int], int] = field(default=lambda cfg, bytes_per_element: 0)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from models.config import ModelConfig
+from models.tensors import Module, linear, rms_norm
 
 # Each kind's module is imported by its `build`, so that the table, and a config checked against it, load
 # without torch.
@@ -46,6 +47,8 @@ class AttentionKind:
         cache_width: per layer and token, the elements the KV cache holds.
         cache_shape: (heads, key width, value width or None for the key width) of ``KVCache``.
         rope_head_dim: how many features of each query/key head RoPE rotates.
+        modules: one layer's attention modules under a path, with the parameters each holds
+            (`models.tensors`: what the built module holds, without building it).
         activation_width: (saved, widest): bytes per token one layer's attention keeps for backward beyond
             its input (its norm is the block's), in a training forward at a sequence length and activation
             bytes b, and the widest tensor per token its backward makes.
@@ -60,6 +63,7 @@ class AttentionKind:
     cache_width: Callable[["ModelConfig"], int]
     cache_shape: Callable[["ModelConfig"], tuple[int, int, int | None]]
     rope_head_dim: Callable[["ModelConfig"], int]
+    modules: Callable[["ModelConfig", str], list[Module]]
     activation_width: Callable[["ModelConfig", int, int], tuple[float, float]] = lambda cfg, seq_len, b: (0.0, 0.0)
 
 
@@ -82,9 +86,32 @@ def _mha_params(cfg: ModelConfig) -> int:
     return weights + biases
 
 
+def _mha_modules(cfg: ModelConfig, path: str) -> list[Module]:
+    """`models.layers.attention.Attention`: q/k/v/o_proj."""
+    D, H, G, K, b = cfg.d_model, cfg.n_heads, cfg.resolved_num_kv_heads, cfg.head_dim, cfg.bias
+    return [linear(f"{path}.q_proj", D, H * K, b), linear(f"{path}.k_proj", D, G * K, b),
+            linear(f"{path}.v_proj", D, G * K, b), linear(f"{path}.o_proj", H * K, D, b)]
+
+
 def _check_mha(cfg: ModelConfig) -> None:
     if cfg.pos_encoding == "rope" and cfg.head_dim % 2 != 0:
         raise ValueError(f"pos_encoding 'rope' needs an even head_dim, got d_model/n_heads = {cfg.head_dim}")
+
+
+def _mla_modules(cfg: ModelConfig, path: str) -> list[Module]:
+    """`models.layers.mla.MultiHeadLatentAttention`: the query (whole, or through its latent), the key/value
+    latent and its norm, the up-projection and the output."""
+    D, H, b = cfg.d_model, cfg.n_heads, cfg.bias
+    R, P = cfg.resolved_kv_lora_rank, cfg.resolved_qk_rope_head_dim
+    Q, V = cfg.resolved_qk_nope_head_dim + P, cfg.resolved_v_head_dim
+    if cfg.q_lora_rank is None:
+        query = [linear(f"{path}.q_proj", D, H * Q, b)]
+    else:
+        rq = cfg.q_lora_rank
+        query = [linear(f"{path}.q_a_proj", D, rq, b), rms_norm(f"{path}.q_a_norm", rq),
+                 linear(f"{path}.q_b_proj", rq, H * Q, b)]
+    return query + [linear(f"{path}.kv_a_proj", D, R + P, b), rms_norm(f"{path}.kv_a_norm", R),
+                    linear(f"{path}.kv_b_proj", R, H * (Q - P + V), b), linear(f"{path}.o_proj", H * V, D, b)]
 
 
 def _mla_params(cfg: ModelConfig) -> int:
@@ -153,6 +180,7 @@ MHA = AttentionKind(
     check=_check_mha,
     build=_build_mha,
     params=_mha_params,
+    modules=_mha_modules,
     score_and_value_width=lambda cfg: 2 * cfg.head_dim,
     cache_width=lambda cfg: 2 * cfg.resolved_num_kv_heads * cfg.head_dim,
     cache_shape=lambda cfg: (cfg.resolved_num_kv_heads, cfg.head_dim, None),
@@ -166,6 +194,7 @@ MLA = AttentionKind(
     check=_check_mla,
     build=_build_mla,
     params=_mla_params,
+    modules=_mla_modules,
     score_and_value_width=lambda cfg: (cfg.resolved_qk_nope_head_dim + cfg.resolved_qk_rope_head_dim
                                        + cfg.resolved_v_head_dim),
     cache_width=lambda cfg: cfg.resolved_kv_lora_rank + cfg.resolved_qk_rope_head_dim,

@@ -39,12 +39,16 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from models.families import family
 from models.families.encdec import span_counts
 from pipeline.tokenization.spm import EOS_ID, NUM_SPECIAL, PAD_ID
+
+if TYPE_CHECKING:  # torch is imported where batches are made: the tokenizer stage reads the counts without it
+    import torch
 
 DECODER_START_ID = PAD_ID  # the decoder's first input, as in T5 and Marian
 EVAL_SALT = -1  # the salt of evaluation's noise (training's is the step, >= 0)
@@ -111,6 +115,8 @@ class SpanCorruption:
 
     def batch(self, blocks_BL: torch.Tensor, salt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(encoder ids (B, S), decoder inputs (B, T), decoder targets (B, T)) of a batch of blocks."""
+        import torch
+
         pairs = [self.corrupt(b, salt) for b in blocks_BL.cpu().numpy()]
         enc_BS = torch.from_numpy(np.stack([p[0] for p in pairs]))
         tgt_BT = torch.from_numpy(np.stack([p[1] for p in pairs]))
@@ -147,6 +153,8 @@ def corrupt_micro_batches(corruption: SpanCorruption, micro_batches: list[tuple[
     The loader hands each block of seq_len + 1 tokens as inputs = block[:-1] and targets = block[1:];
     the block is cat(inputs, targets[:, -1:]).
     """
+    import torch
+
     out = []
     for inputs_BT, targets_BT in micro_batches:
         blocks_BL = torch.cat([inputs_BT, targets_BT[:, -1:]], dim=1)

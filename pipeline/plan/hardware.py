@@ -9,15 +9,19 @@ bytes as the device reports it (80 GB parts report 80 GiB less a little; we take
 for the 80 GB parts and in GB for the H200's 141 and the L4's 24).
 
 ``cpu`` is this machine: its memory from the OS and its peak from a short matmul measured here (or
-``--cpu-flops``); gloo between processes of one node goes through shared memory.
+``--cpu-flops``); gloo between processes of one node goes through shared memory. The measurement is kept
+per machine (``$XDG_CACHE_HOME/conduit/cpu_flops.json``, by CPU model and cores), so only a machine's first
+plan pays for torch and the matmul: a dry run answers in a fraction of a second after that.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pipeline.base import ConfigError
 
@@ -74,10 +78,52 @@ def measure_cpu_flops(seconds: float = 0.3, size: int = 512) -> float:
     return 2 * size**3 * n / (time.perf_counter() - start)
 
 
+CPU_FLOPS_FILE = "cpu_flops.json"
+
+
+def cpu_model() -> str:
+    """This machine's CPU as the kept measurement knows it: its model name and the cores this process may use."""
+    name = ""
+    try:
+        name = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.partition(":")[0].strip() == "model name"), "")
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name or 'unknown cpu'} | {cores} cores"
+
+
+def cpu_flops_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "conduit" / CPU_FLOPS_FILE
+
+
+def kept_cpu_flops() -> float:
+    """`measure_cpu_flops` of this machine, measured once and kept (module docstring); an unreadable file is
+    measured again and rewritten."""
+    from pipeline.store.artifacts import write_json_atomic
+
+    path, machine = cpu_flops_path(), cpu_model()
+    try:
+        kept = json.loads(path.read_text())
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    value = kept.get(machine)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    kept[machine] = measure_cpu_flops()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, kept)
+    except OSError:  # a read-only home: measured again next time
+        pass
+    return kept[machine]
+
+
 def cpu(flops: float | None = None) -> Accelerator:
-    """This machine as an accelerator: its RAM, and ``flops`` (measured when None)."""
+    """This machine as an accelerator: its RAM, and ``flops`` (this machine's kept measurement when None)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Accelerator("cpu", memory, flops if flops is not None else measure_cpu_flops(), CPU_INTRA_NODE,
+    return Accelerator("cpu", memory, flops if flops is not None else kept_cpu_flops(), CPU_INTRA_NODE,
                        CPU_INTER_NODE)
 
 

@@ -92,7 +92,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Parameter counts the memory terms need, from the model built on the meta device.
+    """Parameter counts the memory terms need, from the family's module listing (`models.tensors`).
 
     Attributes:
         dense: parameters every rank holds (everything but routed experts under expert parallelism).
@@ -114,26 +114,31 @@ class ModelShape:
 
 
 def model_shape(cfg: ModelConfig, ep_size: int) -> ModelShape:
-    """Count ``cfg``'s parameters on the meta device (no memory), experts split over ``ep_size``."""
-    from models import build_model
-    from models.layers.grouped_experts import StackedExperts
+    """Count ``cfg``'s parameters from its family's module listing (`models.tensors`: what the built model
+    holds, without torch), experts split over ``ep_size``."""
+    from models.families import family
 
-    model = build_model(cfg, device="meta")
+    modules = family(cfg).modules(cfg)
     # Experts are a group of their own only under expert parallelism (DeepSpeed's MoE groups); with
     # ep_size 1 they are parameters like any other (pipeline.training.engine).
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()
-                  if ep_size > 1}
+    split = ep_size > 1
 
-    def on_rank(params) -> int:
-        return sum(p.numel() // ep_size if id(p) in expert_ids else p.numel() for p in params)
+    def on_rank(m) -> int:
+        return 0 if m.tied else sum(m.sizes) // ep_size if split and m.experts else sum(m.sizes)
 
-    experts = sum(p.numel() for p in model.parameters() if id(p) in expert_ids) // ep_size
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    stacks = [*getattr(model, "encoder_layers", ()), *model.layers]  # in the order the family counts them
-    blocks = tuple(on_rank(block.parameters()) for block in stacks)
-    sizes = tuple(p.numel() for p in model.parameters() if id(p) not in expert_ids)
-    return ModelShape(dense=on_rank(model.parameters()) - experts, experts=experts, largest_layer=largest,
-                      blocks=blocks, dense_sizes=sizes)
+    experts = sum(sum(m.sizes) for m in modules if split and m.experts) // ep_size
+    blocks: dict[str, int] = {}
+    for m in modules:
+        stack, _, rest = m.path.partition(".")
+        if stack in ("encoder_layers", "layers") and rest:
+            key = f"{stack}.{rest.partition('.')[0]}"
+            blocks[key] = blocks.get(key, 0) + on_rank(m)
+    # in the order the family counts them: the encoder's layers, then the (decoder's) layers
+    order = sorted(blocks, key=lambda k: (k.startswith("layers"), int(k.rpartition(".")[2])))
+    sizes = tuple(sorted(n for m in modules if not m.tied and not (split and m.experts) for n in m.sizes))
+    return ModelShape(dense=sum(on_rank(m) for m in modules) - experts, experts=experts,
+                      largest_layer=max(sum(m.sizes) for m in modules), blocks=tuple(blocks[k] for k in order),
+                      dense_sizes=sizes)
 
 
 def _states_16bit(P: float, N: float, stage: int, offload: bool) -> dict[str, float]:

@@ -22,21 +22,18 @@ import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from models.export import load_safetensors
+import numpy as np
+
 from pipeline.config import RunConfig, hash_view
-from pipeline.data import span_corruption
-from pipeline.data.corpora import data_root_hint
-from pipeline.evaluation import context_length, denoising, lambada, plots, references, routing, text_metrics, word_order
-from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
-from pipeline.inference.generator import TextGenerator
-from pipeline.data.token_blocks import TokenBlocks
 from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex
 from pipeline.stages.stage import Resources, Stage
-from pipeline.tokenization.spm import load_sentencepiece
-from models.families import family
+
+# The body's libraries (torch, the evaluation sets, matplotlib) are imported where it runs: the stage table,
+# read by a dry run or by another stage's task, loads without them.
+if TYPE_CHECKING:
+    import torch
 
 
 def hash_config(cfg: RunConfig) -> dict:
@@ -62,6 +59,9 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
     Raises:
         ValueError: naming the ``eval.*`` field with a bad value; FileNotFoundError for missing data.
     """
+    from pipeline.data.corpora import data_root_hint
+    from pipeline.evaluation import lambada, text_metrics
+
     e, root, context = cfg.eval, cfg.data_root(), cfg.tokenize.seq_len
     batch_size = batch_size or e.batch_size
     if e.max_text_tokens < 1:
@@ -91,6 +91,9 @@ def benchmark_metrics(cfg: RunConfig, model: torch.nn.Module, sp,
 def log_pictures(cfg: RunConfig, model: torch.nn.Module, sp, routing_stats: dict | None, tracker) -> None:
     """Log the attention heatmap grid and, for MoE models (``routing_stats`` from the scoring), the
     expert-load heatmap."""
+    from models.families import family
+    from pipeline.evaluation import plots
+
     if not family(model.cfg).draws_attention:  # no decoder-only attention map, no experts
         return
     weights, labels = plots.attention_maps(model, sp, cfg.eval.attention_sentence)
@@ -113,12 +116,25 @@ def resources_on(cfg: RunConfig, gpus_in_cluster: float) -> Resources:
     Raises:
         ValueError: ``eval.device=cuda`` on a cluster without GPUs.
     """
+    from pipeline.evaluation.device import eval_device
+
     if eval_device(cfg.eval.device, gpus_in_cluster) == "cuda":
         return Resources(cpus=1, gpus=1)
     return Resources(cpus=cfg.eval.cpus)
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    import torch
+
+    from models.export import load_safetensors
+    from models.families import family
+    from pipeline.data import span_corruption
+    from pipeline.data.token_blocks import TokenBlocks
+    from pipeline.evaluation import context_length, denoising, references
+    from pipeline.evaluation.device import autocast, eval_device, eval_precision, fit_batch_size
+    from pipeline.inference.generator import TextGenerator
+    from pipeline.tokenization.spm import load_sentencepiece
+
     tok_dir = inputs["tokenize"].path
     val = TokenIndex.read(tok_dir).splits["validation"]
     tokens_per_byte = val.tokens / val.bytes
@@ -164,6 +180,10 @@ def _score(cfg: RunConfig, model: torch.nn.Module, evaluated: np.ndarray, batch_
            tokens_per_byte: float, inputs: dict, tracker) -> tuple[dict[str, float], dict | None]:
     """Every number that needs a pass of the model over text: validation, word order, the benchmarks and,
     for an MoE model, routing (whose statistics are returned too, for the picture)."""
+    from pipeline.data.token_blocks import TokenBlocks
+    from pipeline.evaluation import context_length, routing, text_metrics, word_order
+    from pipeline.tokenization.spm import load_sentencepiece
+
     # One pass gives the validation loss (the text as written) and the word-order control beside it.
     order = word_order.word_order_metrics(model, evaluated, batch_size, cfg.run.seed)
     loss, n_tokens = order["word_order_loss"], evaluated[:, 1:].size

@@ -14,8 +14,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from models.export import hf_unsupported_options, load_safetensors, read_config, save_hf
-from pipeline import tracking
 from pipeline.tokenization import hf_fast
 from pipeline.store.artifacts import code_version, content_hash
 from pipeline.config import REPO_ROOT, RunConfig, hash_view
@@ -39,6 +37,8 @@ def export_hf(weights: Path, tokenizer: Path, out_dir: Path) -> str | None:
         None when exported, else why not (the options HF Llama / Mixtral / DeepseekV2 / V3 or the tokenizer
         export cannot express).
     """
+    from models.export import hf_unsupported_options, load_safetensors, read_config, save_hf  # torch: here only
+
     problems = hf_unsupported_options(read_config(weights))
     problems += hf_fast.unsupported_options(hf_fast.read_model(tokenizer))
     if problems:
@@ -93,6 +93,8 @@ def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
+    from pipeline import tracking  # mlflow: here only (the stage table loads without it)
+
     metrics = EvalReport.read(inputs["evaluate"].path).metrics
     weights = inputs["train"].path / WEIGHTS_FILE
     tokenizer = inputs["tokenizer"].path / TOKENIZER_FILE

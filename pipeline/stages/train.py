@@ -21,16 +21,13 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from models.export import load_safetensors
-from pipeline import tracking
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
 from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
-from pipeline.training.checkpoint.choice import CHECKPOINT_PREFIX
 from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
-from pipeline.training.validation import check_split
+from pipeline.training.layout import check_split
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
 # the training loop gets as its ``failpoints`` (see pipeline.training.loop).
@@ -99,6 +96,8 @@ def recover_unreadable_snapshot(cfg: RunConfig, hash_: str) -> str | None:
     checkpoint folder the run left is returned for the workers to resume from (``resume_checkpoint``, which
     verifies it and falls back to an earlier one). None when the snapshot reads, or there is none.
     """
+    from pipeline.training.checkpoint.choice import CHECKPOINT_PREFIX
+
     fs, run_dir = _run_dir(cfg, hash_)
     path = f"{run_dir}/{SNAPSHOT_FILE}"
     try:
@@ -160,6 +159,8 @@ def parent_state(cfg: RunConfig, tokens) -> tuple[dict, dict[str, str]]:
     import tempfile
 
     from models.config import continuation_problems
+    from models.export import load_safetensors
+    from pipeline import tracking
     from pipeline.store.backends import store_for
     from pipeline.store.contracts import WEIGHTS_FILE
 
@@ -232,8 +233,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray.train
     from ray.train.torch import TorchConfig
 
-    from pipeline.training.loop import main
-    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, trainer_class
+    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, train_worker, trainer_class
 
     # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
     device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
@@ -265,7 +265,7 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     if cpus:
         tracker.set_tags({"cpus_per_worker": str(cpus)})
     trainer = trainer_class()(
-        main,
+        train_worker,
         train_loop_config={
             "run_config": cfg.to_dict(),
             "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is

@@ -84,3 +84,14 @@ class ParallelDims:
             f"global batch {self.global_batch_size} seq x {self.seq_len} tok = {self.global_batch_tokens} tok "
             f"= {self.micro_batch_size_per_rank}/rank x {self.dp_size} data-parallel ranks x {self.grad_accum_steps} accum"
         )
+
+
+def check_split(eval_batches: int, global_batch_size: int, n_blocks: int) -> None:
+    """Raises ValueError when the validation split is smaller than the subset."""
+    need = eval_batches * global_batch_size
+    if n_blocks < need:
+        raise ValueError(
+            f"validation.batches={eval_batches} asks for {need} validation blocks (x train.global_batch_size="
+            f"{global_batch_size}) but the validation split has {n_blocks}: lower validation.batches or raise "
+            "data.validation_fraction"
+        )

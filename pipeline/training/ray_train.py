@@ -21,6 +21,14 @@ leaves them out:
 from __future__ import annotations
 
 
+def train_worker(config: dict) -> None:
+    """Each worker's training function: `pipeline.training.loop.main`, imported in the worker, so that the train
+    stage's task, which hands this function to Ray Train, imports neither torch nor the training loop."""
+    from pipeline.training.loop import main
+
+    main(config)
+
+
 def trainer_class():
     """``ray.train.torch.TorchTrainer`` without the two helper actors above (the module's docstring)."""
     from ray.train.torch import TorchTrainer

@@ -24,23 +24,12 @@ import torch
 
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.data.token_blocks import TokenBlocks
-from pipeline.training.layout import ParallelDims
+from pipeline.training.layout import ParallelDims, check_split  # noqa: F401 - offered here too
 
 
 def subset_size(eval_batches: int, dims: ParallelDims) -> int:
     """Blocks in the validation subset: ``eval_batches`` global batches."""
     return eval_batches * dims.global_batch_size
-
-
-def check_split(eval_batches: int, global_batch_size: int, n_blocks: int) -> None:
-    """Raises ValueError when the validation split is smaller than the subset."""
-    need = eval_batches * global_batch_size
-    if n_blocks < need:
-        raise ValueError(
-            f"validation.batches={eval_batches} asks for {need} validation blocks (x train.global_batch_size="
-            f"{global_batch_size}) but the validation split has {n_blocks}: lower validation.batches or raise "
-            "data.validation_fraction"
-        )
 
 
 def rank_slice(n: int, world: int, rank: int) -> slice:

@@ -16,6 +16,7 @@ from models.families.decoder import hf_deepseek, hf_llama
 from models.families.parts import Activations, dropout_saved, ffn_params, ffn_sublayer, norm_params, norm_saved
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
+from models.tensors import Module, block_ffn, embedding, norm, output_head
 
 # The Hugging Face class a decoder exports as, by attention kind (`models.layers.kinds`): mha as Llama /
 # Mixtral, mla as DeepseekV2, or DeepseekV3 when its MoE layers route with the sigmoid router. A new
@@ -93,6 +94,19 @@ def _check(cfg: ModelConfig) -> None:
     """Nothing beyond the attention kind's own checks (which every Transformer family runs)."""
 
 
+def modules(cfg: ModelConfig) -> list[Module]:
+    """`models.families.decoder.model.Transformer`'s modules (`models.tensors`)."""
+    out = [embedding("tok_embeddings", cfg.vocab_size, cfg.d_model)]
+    if cfg.pos_encoding == "learned":
+        out.append(embedding("pos_embeddings", cfg.max_seq_len, cfg.d_model))
+    for i in range(cfg.n_layers):
+        out += [norm(cfg, f"layers.{i}.attn_norm"), *attention_kind(cfg).modules(cfg, f"layers.{i}.attn"),
+                norm(cfg, f"layers.{i}.ffn_norm"), *block_ffn(cfg, f"layers.{i}.ffn", i)]
+    if cfg.norm_position == "pre":
+        out.append(norm(cfg, "norm"))
+    return out + [output_head(cfg)]
+
+
 FAMILY = Family(
     arch="decoder",
     title="decoder-only Transformer",
@@ -104,6 +118,7 @@ FAMILY = Family(
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
     hf_format=lambda cfg: HF_FORMAT_OF_ATTENTION[cfg.attention](cfg),
     hf_formats=(hf_llama.FORMAT, hf_deepseek.FORMAT, hf_deepseek.FORMAT_V3),
+    modules=modules,
     describe=lambda cfg: "MoE" if cfg.num_experts else "dense",
     activations=activations,
 )

@@ -21,7 +21,8 @@ from models.families.encdec import hf_marian
 from models.families.decoder import attention_sublayer, rope_tables
 from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
-from models.layers.kinds import attention_kind
+from models.layers.kinds import MHA, attention_kind
+from models.tensors import Module, block_ffn, embedding, ffn, norm, output_head
 
 
 def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
@@ -113,6 +114,29 @@ def _check(cfg: ModelConfig) -> None:
                          "'encoder_decoder' (ALiBi is defined for causal attention), got 'alibi'")
 
 
+def modules(cfg: ModelConfig) -> list[Module]:
+    """`models.families.encdec.model.EncoderDecoderLM`'s modules (`models.tensors`): the shared token table,
+    each stack's positions and embedding norm, the encoder's Transformer blocks, the decoder's blocks
+    (self-attention, cross-attention, feed-forward, each with its norm) and the final norms."""
+    D = cfg.d_model
+    out = [embedding("tok_embeddings", cfg.vocab_size, D)]
+    if cfg.pos_encoding == "learned":
+        out += [embedding("encoder_pos_embeddings", cfg.max_seq_len, D), embedding("pos_embeddings", cfg.max_seq_len, D)]
+    if cfg.embedding_norm:
+        out += [norm(cfg, "encoder_embed_norm"), norm(cfg, "embed_norm")]
+    for i in range(cfg.resolved_n_encoder_layers):
+        p = f"encoder_layers.{i}"
+        out += [norm(cfg, f"{p}.attn_norm"), *attention_kind(cfg).modules(cfg, f"{p}.attn"), norm(cfg, f"{p}.ffn_norm"),
+                *block_ffn(cfg, f"{p}.ffn", i)]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        out += [norm(cfg, f"{p}.attn_norm"), *MHA.modules(cfg, f"{p}.attn"), norm(cfg, f"{p}.cross_norm"),
+                *MHA.modules(cfg, f"{p}.cross_attn"), norm(cfg, f"{p}.ffn_norm"), *ffn(cfg, f"{p}.ffn", cfg.resolved_d_ff)]
+    if cfg.norm_position == "pre":
+        out += [norm(cfg, "encoder_norm"), norm(cfg, "norm")]
+    return out + [output_head(cfg)]
+
+
 FAMILY = Family(
     arch="encoder_decoder",
     title="encoder-decoder Transformer",
@@ -124,6 +148,7 @@ FAMILY = Family(
     kv_cache_bytes_per_token=lambda cfg, b: cfg.n_layers * attention_kind(cfg).cache_width(cfg) * b,
     hf_format=lambda cfg: hf_marian.FORMAT,
     hf_formats=(hf_marian.FORMAT,),
+    modules=modules,
     seq2seq=True,
     draws_attention=False,
     describe=lambda cfg: "encoder-decoder",

@@ -23,6 +23,7 @@ from models.families.decoder import attention_sublayer, rope_tables
 from models.families.parts import Activations, ffn_params, ffn_sublayer, norm_params, norm_saved, require
 from models.families.spec import Family
 from models.layers.kinds import attention_kind
+from models.tensors import Module, block_ffn, embedding, norm, output_head
 
 # The letters of ``hybrid_layers``. Here, not in torch's `model`, because the checks and accounting below read
 # them too.
@@ -84,6 +85,20 @@ def _check(cfg: ModelConfig) -> None:
     mamba2.check_sizes(cfg)
 
 
+def modules(cfg: ModelConfig) -> list[Module]:
+    """`models.families.hybrid.model.HybridLM`'s modules (`models.tensors`): per layer its mixer's norm, its
+    attention or Mamba-2 mixer, and the feed-forward with its norm."""
+    out = [embedding("tok_embeddings", cfg.vocab_size, cfg.d_model)]
+    if cfg.pos_encoding == "learned":
+        out.append(embedding("pos_embeddings", cfg.max_seq_len, cfg.d_model))
+    for i, kind in enumerate(cfg.hybrid_layers):
+        mixer = (attention_kind(cfg).modules(cfg, f"layers.{i}.attn") if kind == ATTENTION
+                 else mamba2.mixer_modules(cfg, f"layers.{i}.mixer"))
+        out += [norm(cfg, f"layers.{i}.mixer_norm"), *mixer, norm(cfg, f"layers.{i}.ffn_norm"),
+                *block_ffn(cfg, f"layers.{i}.ffn", i)]
+    return out + [norm(cfg, "norm"), output_head(cfg)]
+
+
 FAMILY = Family(
     arch="hybrid",
     title="hybrid attention + Mamba-2",
@@ -98,6 +113,7 @@ FAMILY = Family(
         cfg.hybrid_layers.count(MAMBA) * mamba2.state_bytes(cfg, bytes_per_element)),
     hf_format=lambda cfg: hf_granite_hybrid.FORMAT,
     hf_formats=(hf_granite_hybrid.FORMAT,),
+    modules=modules,
     draws_attention=False,
     activations=activations,
     describe=lambda cfg: (f"hybrid {cfg.hybrid_layers.count(ATTENTION)} attention + "

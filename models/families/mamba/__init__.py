@@ -18,6 +18,7 @@ from models.config import ModelConfig
 from models.families.mamba import hf_mamba
 from models.families.parts import Activations, norm_saved, require
 from models.families.spec import Family
+from models.tensors import Module, embedding, linear, output_head, rms_norm
 
 # Steps per chunk of the parallel scan (`model`): the fastest of 1-32 on CPU (benchmarks/mamba_speed.py). Here,
 # not in torch's `model`, because the accounting below counts the states it keeps.
@@ -87,6 +88,24 @@ def _check(cfg: ModelConfig) -> None:
     require_ssm(cfg, "Mamba", "debug_mamba and mamba")
 
 
+def stack_modules(cfg: ModelConfig, mixer) -> list[Module]:
+    """`models.families.mamba.model.MambaLM`'s modules (`models.tensors`), each layer an RMSNorm and the
+    modules ``mixer(cfg, path)`` lists."""
+    out = [embedding("tok_embeddings", cfg.vocab_size, cfg.d_model)]
+    for i in range(cfg.n_layers):
+        out += [rms_norm(f"layers.{i}.norm", cfg.d_model), *mixer(cfg, f"layers.{i}.mixer")]
+    return out + [rms_norm("norm", cfg.d_model), output_head(cfg)]
+
+
+def mixer_modules(cfg: ModelConfig, path: str) -> list[Module]:
+    """`models.families.mamba.model.MambaMixer`: the dynamics (A_log, D) it holds itself, and its projections
+    and depthwise convolution."""
+    D, E, N, R, K = cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.resolved_ssm_dt_rank, cfg.ssm_conv_kernel
+    return [Module(path, (E * N, E)), linear(f"{path}.in_proj", D, 2 * E, cfg.bias),
+            Module(f"{path}.conv1d", (E * K, E)), linear(f"{path}.x_proj", E, R + 2 * N, False),
+            linear(f"{path}.dt_proj", R, E, True), linear(f"{path}.out_proj", E, D, cfg.bias)]
+
+
 FAMILY = Family(
     arch="mamba",
     title="Mamba",
@@ -100,6 +119,7 @@ FAMILY = Family(
         cfg.ssm_d_inner * (cfg.ssm_conv_kernel - 1) * bytes_per_element + cfg.ssm_d_inner * cfg.ssm_state_size * 4),
     hf_format=lambda cfg: hf_mamba.FORMAT,
     hf_formats=(hf_mamba.FORMAT,),
+    modules=lambda cfg: stack_modules(cfg, mixer_modules),
     draws_attention=False,
     describe=lambda cfg: "Mamba",
     activations=activations,

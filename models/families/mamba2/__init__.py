@@ -17,10 +17,11 @@ not grow with T. The generation state is fixed-size (`models.families.mamba2.mod
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.families.mamba import require_ssm, stack_counts, stack_flops
+from models.families.mamba import require_ssm, stack_counts, stack_flops, stack_modules
 from models.families.mamba2 import hf_mamba2
 from models.families.parts import Activations, norm_saved
 from models.families.spec import Family
+from models.tensors import Module, linear
 
 
 def mixer_params(cfg: ModelConfig) -> int:
@@ -99,6 +100,17 @@ def _check(cfg: ModelConfig) -> None:
     check_sizes(cfg)
 
 
+def mixer_modules(cfg: ModelConfig, path: str) -> list[Module]:
+    """`models.families.mamba2.model.Mamba2Mixer`: the per-head dynamics (dt_bias, A_log, D) it holds itself,
+    the input projection, the depthwise convolution over x, B and C, the gated norm and the output."""
+    D, E, N, G, K, H = (cfg.d_model, cfg.ssm_d_inner, cfg.ssm_state_size, cfg.ssm_n_groups, cfg.ssm_conv_kernel,
+                        cfg.ssm_heads)
+    conv = E + 2 * G * N
+    return [Module(path, (H, H, H)), linear(f"{path}.in_proj", D, E + conv + H, cfg.bias),
+            Module(f"{path}.conv1d", (conv * K, conv)), Module(f"{path}.norm", (E,)),
+            linear(f"{path}.out_proj", E, D, cfg.bias)]
+
+
 FAMILY = Family(
     arch="mamba2",
     title="Mamba-2",
@@ -111,6 +123,7 @@ FAMILY = Family(
     state_bytes_per_sequence=lambda cfg, bytes_per_element: cfg.n_layers * state_bytes(cfg, bytes_per_element),
     hf_format=lambda cfg: hf_mamba2.FORMAT,
     hf_formats=(hf_mamba2.FORMAT,),
+    modules=lambda cfg: stack_modules(cfg, mixer_modules),
     draws_attention=False,
     describe=lambda cfg: "Mamba-2",
     activations=activations,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.config import ConfigError
+from pipeline.plan import hardware
 from pipeline.plan.hardware import GPUS, from_ray_resources, measure_cpu_flops, parse_cluster
 
 
@@ -34,3 +37,20 @@ def test_ray_accelerator_types():
     assert from_ray_resources({"GPU": 8.0, "accelerator_type:A100-80G": 8.0}) is GPUS["A100-80G"]
     assert from_ray_resources({"GPU": 8.0, "accelerator_type:A100-40G": 8.0}) is None  # not in the table
     assert from_ray_resources({"GPU": 16.0, "accelerator_type:H100": 8.0, "accelerator_type:L4": 8.0}) is GPUS["L4"]
+
+
+def test_the_cpu_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(hardware, "measure_cpu_flops", lambda: measured.append(1) or 2.5e11)
+    assert hardware.cpu().peak_flops == 2.5e11 and len(measured) == 1
+    assert hardware.cpu().peak_flops == 2.5e11 and len(measured) == 1  # read back, not measured again
+    kept = json.loads((tmp_path / "conduit" / hardware.CPU_FLOPS_FILE).read_text())
+    assert kept == {hardware.cpu_model(): 2.5e11}
+    assert hardware.cpu(1e12).peak_flops == 1e12 and len(measured) == 1  # --cpu-flops: no measurement at all
+    (tmp_path / "conduit" / hardware.CPU_FLOPS_FILE).write_text("{cut sho")  # unreadable: measured again
+    assert hardware.cpu().peak_flops == 2.5e11 and len(measured) == 2
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "another cpu | 64 cores")  # another machine: its own
+    assert hardware.cpu().peak_flops == 2.5e11 and len(measured) == 3
+    assert set(json.loads((tmp_path / "conduit" / hardware.CPU_FLOPS_FILE).read_text())) == {
+        "another cpu | 64 cores", kept and next(iter(kept))}

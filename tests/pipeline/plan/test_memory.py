@@ -8,7 +8,7 @@ plus 2P(N-1)/N; its stage 3 must equal the second plus the 16-bit gradient parti
 estimator's GPU figure leaves out (its 18 bytes per parameter are the 16-bit weights and the 16 of fp32
 master, moments and gradients). Each within 1% (they come out exact). P and the largest layer come
 from the estimators' own ``model_to_params`` / module walk over the real built model, so the planner's
-meta-device counts are checked too.
+counts (read from the config, `models.tensors`) are checked too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from models import build_model
 from models.presets import PRESETS
-from pipeline.plan.memory import DS_ZERO_DEFAULTS, Setup, model_shape, model_states
+from pipeline.plan.memory import DS_ZERO_DEFAULTS, ModelShape, Setup, model_shape, model_states
 
 MODELS = {"dense": PRESETS["cpu_small"], "mla_moe": PRESETS["cpu_mla_moe"], "mamba2": PRESETS["debug_mamba2"]}
 
@@ -83,6 +83,32 @@ def test_expert_parallelism_shards_experts_and_partitions_each_group():
     # Dense parameters partitioned over the 8 ranks, each rank's quarter of the experts over their 2 replicas.
     assert states["optimizer"] == round(16 * split.dense / 8 + 16 * split.experts / 2)
     assert states["weights"] == 2 * (split.dense + split.experts)
+
+
+def shape_of_the_built_model(cfg, ep_size: int) -> ModelShape:
+    """What `model_shape` reads from the config, read off the model built on the meta device."""
+    from models.layers.grouped_experts import StackedExperts
+
+    model = build_model(cfg, device="meta")
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()
+                  if ep_size > 1}
+
+    def on_rank(params) -> int:
+        return sum(p.numel() // ep_size if id(p) in expert_ids else p.numel() for p in params)
+
+    experts = sum(p.numel() for p in model.parameters() if id(p) in expert_ids) // ep_size
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    blocks = tuple(on_rank(b.parameters()) for b in [*getattr(model, "encoder_layers", ()), *model.layers])
+    sizes = tuple(sorted(p.numel() for p in model.parameters() if id(p) not in expert_ids))
+    return ModelShape(dense=on_rank(model.parameters()) - experts, experts=experts, largest_layer=largest,
+                      blocks=blocks, dense_sizes=sizes)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_shape_read_from_the_config_is_the_built_models(name):
+    cfg = PRESETS[name]
+    for ep_size in (1, 2, 4) if cfg.num_experts % 4 == 0 and cfg.num_experts else (1,):
+        assert model_shape(cfg, ep_size) == shape_of_the_built_model(cfg, ep_size), ep_size
 
 
 def test_deepspeed_defaults_the_planner_assumes():
