@@ -121,6 +121,7 @@ bench: install
 	$(PY) benchmarks/serve.py --batch-wait-s 0.05
 	$(PY) benchmarks/serve_vllm.py
 	$(PY) benchmarks/sweep.py
+	$(PY) benchmarks/fixed_costs.py --against b391b4d
 	$(PY) benchmarks/precision_auto.py
 	$(PY) benchmarks/plan_validation.py
 	$(PY) benchmarks/sequence_parallel.py

@@ -116,6 +116,7 @@ class FullPath:
         import ray
 
         from pipeline import tracking
+        from pipeline.stage_tracker import StageTracker
         from pipeline.store.artifacts import write_manifest
         from pipeline.runner import worker_env
         from pipeline.store.contracts import SplitTokens, TokenIndex, tokens_file
@@ -159,6 +160,7 @@ class FullPath:
             included), ``peak_memory_gib`` (rank 0's).
         """
         from pipeline import tracking
+        from pipeline.stage_tracker import StageTracker
         from pipeline.config import load_config
         from pipeline.runner import resolve
         from pipeline.store.contracts import read_train_metrics
@@ -176,7 +178,7 @@ class FullPath:
         out = self.work / f"train-{self.runs}"
         started = time.perf_counter()
         STAGES["train"].execute(cfg, f"bench{self.runs}", out, {"tokenize": self.tokens},
-                                tracking.StageTracker(self.uri, run_id))
+                                StageTracker(self.uri, run_id))
         seconds = time.perf_counter() - started
         tracking.end_run(self.uri, run_id)
         history = read_train_metrics(out)[1:]

@@ -53,6 +53,7 @@ from benchmarks.common import write_result
 from models import build_model
 from models.export import save_safetensors
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.serving import deploy
 from pipeline.config import DEFAULT_DATA_ROOT, REPO_ROOT, DeploySection
 from pipeline.tokenization.spm import load_sentencepiece, train_sentencepiece, training_lines
@@ -91,7 +92,7 @@ def register_untrained(work: Path, preset: str, corpus: Path, names: list[str]) 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     exp = tracking.ensure_experiment(uri, "bench", artifact_location=str(work / "mlartifacts"))
     for name in names:
-        tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "register"))
+        tracker = StageTracker(uri, tracking.start_run(uri, exp, "register"))
         tracking.log_and_register_model(tracker, weights=work / "model.safetensors", tokenizer=tok, model_name=name,
                                         alias="champion", tags={"conduit.hf_export": f"artifacts/{HF_DIR}"},
                                         description=f"untrained {preset}",

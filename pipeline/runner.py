@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import cluster, tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.store import locks
 from pipeline.store.artifacts import Artifact
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
@@ -47,6 +48,11 @@ def worker_env() -> dict[str, str]:
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
+        # Ray Train starts a preemption watcher (an actor: a process, 1.5-2.5 CPU-seconds) with every worker
+        # group; it logs node drains and marks the workers, which nothing of ours reads (a drained node's
+        # workers fail and restart from the last checkpoint either way). The stage task's value reaches the
+        # controller (Ray Train propagates it from the process that calls fit).
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
         # DeepSpeed compiles its ops once per machine; a pinned folder keeps Ray workers from rebuilding.
         "TORCH_EXTENSIONS_DIR": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "conduit" / "torch_extensions")
@@ -246,13 +252,13 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
             "conduit.workdir": str(cfg.workdir()), DRIVER_TAG: json.dumps(driver_identity()), **nest.tags}
     if nest.run_id:
         parent = nest.run_id
-        tracking.StageTracker(uri, parent).set_tags(tags)
+        StageTracker(uri, parent).set_tags(tags)
     else:
         parent = tracking.start_run(uri, exp_id, job_id or cfg.run.name, parent_id=nest.parent_run_id, tags=tags)
     result = PipelineResult(run_id=parent, tracking_uri=uri, plan=plan)
     store = store_for(cfg.artifact_root())
     try:
-        tracking.StageTracker(uri, parent).log_params({**flatten(cfg.to_dict()), **nest.params})
+        StageTracker(uri, parent).log_params({**flatten(cfg.to_dict()), **nest.params})
         for item in plan:
             stage = stages[item.stage]
             if not item.run and item.cached:
@@ -271,7 +277,7 @@ def _run_stages(cfg: RunConfig, plan: list[PlanItem], uri: str, echo: Callable[[
                 _run_one(cfg, store, item, stage, result, uri, exp_id, parent, echo, nest.train_callbacks)
             finally:
                 lock.release()
-        tracking.StageTracker(uri, parent).set_tags(
+        StageTracker(uri, parent).set_tags(
             {f"conduit.artifact.{k}": a.hash for k, a in result.artifacts.items()}
         )
         tracking.end_run(uri, parent)
@@ -320,7 +326,7 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
         "conduit.stage": item.stage, "conduit.hash": item.hash,
         **{f"conduit.input.{k}": a.hash for k, a in inputs.items()},
     })
-    tracker = tracking.StageTracker(uri, child, train_callbacks if item.stage == "train" else ())
+    tracker = StageTracker(uri, child, train_callbacks if item.stage == "train" else ())
     store.clear(item.stage, item.hash)  # forced, damaged, or left unsealed by an earlier attempt
     if item.forced and stage.discard_state is not None:
         stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
@@ -384,9 +390,9 @@ def fail_runs_of_dead_drivers(uri: str, exp_id: str, cfg: RunConfig) -> list[str
         children = tracking.search_runs(uri, exp_id, f"attributes.status = 'RUNNING' and "
                                                      f"tags.`mlflow.parentRunId` = '{run_id}'")
         for child, _ in children:
-            tracking.StageTracker(uri, child).set_tags({"conduit.error": "the driver died during this stage"})
+            StageTracker(uri, child).set_tags({"conduit.error": "the driver died during this stage"})
             tracking.end_run(uri, child, "FAILED")
-        tracking.StageTracker(uri, run_id).set_tags({"conduit.error": "the driver died (no longer running)"})
+        StageTracker(uri, run_id).set_tags({"conduit.error": "the driver died (no longer running)"})
         tracking.end_run(uri, run_id, "FAILED")
         lines.append(f"marked MLflow run {run_id} (and {len(children)} stage runs) FAILED: its driver, pid "
                      f"{identity['pid']} on {identity['host']}, is gone")
@@ -398,7 +404,7 @@ def end_status(exc: BaseException) -> str:
     return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
 
 
-def record_failure(tracker: tracking.StageTracker, cause: BaseException, remote_traceback: str) -> None:
+def record_failure(tracker: StageTracker, cause: BaseException, remote_traceback: str) -> None:
     """Put a failed stage's error on its MLflow run: the message as a tag, the traceback (the frames of
     the stage's Ray task, as Ray reports them, without colour codes) as ``error.txt``."""
     tracker.set_tags({"conduit.error": f"{type(cause).__name__}: {cause}"[:5000]})

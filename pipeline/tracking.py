@@ -1,5 +1,6 @@
 """Everything Conduit says to MLflow goes through this module (with ``pipeline.serving.pyfunc``, the served
-model itself, the only modules that import mlflow).
+model itself, the only modules that import mlflow; ``pipeline.stage_tracker``'s run handle reaches MLflow
+through this module).
 
 Lineage: one parent run per pipeline run, one nested run per stage, artifact hashes as tags. Stage
 bodies and training workers run in other processes, so they get a ``StageTracker``: a small,
@@ -9,7 +10,6 @@ The model registry is written here on behalf of the register stage and ``jobs/pr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -34,8 +34,6 @@ from pipeline.base import ConfigError, is_uri
 from pipeline import credentials
 from pipeline.serving import pyfunc
 
-_MAX_PARAM_LEN = 6000  # MLflow's limit on a param value is 6000 characters
-_LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # the run tag that lists its tables (the UI's artifact view)
 
 
 @contextmanager
@@ -446,94 +444,20 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(uri).set_terminated(run_id, status=status)
 
 
-@dataclass(frozen=True)
-class StageTracker:
-    """A picklable handle on one MLflow run, usable from any process (Ray tasks, Train workers), and
-    where else its stage reports progress: ``train_callbacks``, Ray Train callbacks of the train
-    stage's trainer (a sweep trial's report to Ray Tune; ``pipeline.sweep``)."""
+def log_input(c: MlflowClient, run_id: str, name: str, source: str, digest: str, context: str,
+              profile: dict[str, Any] | None) -> None:
+    """``StageTracker.log_input_dataset`` through the client ``c``: the dataset as MLflow's own file sources
+    write it (source ``{"uri": ...}``, typed by the URI's scheme)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    uri: str
-    run_id: str
-    train_callbacks: tuple = ()
-    patient: bool = True  # its calls wait out an MLflow restart (``PatientClient``); the outbox's do not
-
-    def impatient(self) -> StageTracker:
-        """This run's tracker whose calls fail at once when the server is down (for a caller that retries)."""
-        return dataclasses.replace(self, patient=False)
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
-        c = client(self.uri, self.patient)
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            c.log_batch(self.run_id, params=items[i : i + 100])
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-        client(self.uri, self.patient).log_batch(self.run_id, metrics=items)
-
-    def log_metric_records(self, records: list[tuple[str, float, int, int]]) -> None:
-        """Metrics measured earlier: ``(name, value, timestamp ms, step)`` each, in one batch
-        (what ``pipeline.training.outbox`` delivers)."""
-        client(self.uri, self.patient).log_batch(self.run_id, metrics=[Metric(k, v, ts, step) for k, v, ts, step in records])
-
-    def logged_steps(self, key: str) -> list[int]:
-        """The steps at which the run holds metric ``key``."""
-        return [m.step for m in client(self.uri, self.patient).get_metric_history(self.run_id, key)]
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        client(self.uri, self.patient).log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        client(self.uri, self.patient).log_text(self.run_id, text, artifact_file)
-
-    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
-        client(self.uri, self.patient).log_artifact(self.run_id, str(local_path), artifact_path)
-
-    def log_dict(self, data: dict, artifact_file: str) -> None:
-        client(self.uri, self.patient).log_dict(self.run_id, data, artifact_file)
-
-    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
-        """``data`` (column -> values) as the run's table ``artifact_file``, in the file and tag that
-        ``MlflowClient.log_table`` writes. Written whole: that one appends to a table the run already has,
-        so a retry after a lost answer would hold its rows twice."""
-        import pandas as pd
-
-        c = client(self.uri, self.patient)
-        c.log_text(self.run_id, pd.DataFrame(data).to_json(orient="split", index=False, date_format="iso"),
-                   artifact_file)
-        logged = json.loads(c.get_run(self.run_id).data.tags.get(_LOGGED_ARTIFACTS, "[]"))
-        if {"path": artifact_file, "type": "table"} not in logged:
-            c.set_tag(self.run_id, _LOGGED_ARTIFACTS, json.dumps([*logged, {"path": artifact_file, "type": "table"}]))
-
-    def log_figure(self, figure: Any, artifact_file: str) -> None:
-        client(self.uri, self.patient).log_figure(self.run_id, figure, artifact_file)
-
-    def log_input_dataset(self, name: str, source: str, digest: str, context: str,
-                          profile: dict[str, Any] | None = None) -> None:
-        """Record a dataset the stage read or wrote (``mlflow.log_input``: the run's Datasets column and
-        panel in the UI).
-
-        Args:
-            name: the dataset's name.
-            source: where it lives (a path or URI).
-            digest: what identifies its content (Conduit's artifact hash).
-            context: what the run did with it (``training``, ``evaluation``).
-            profile: counts and provenance, shown as the dataset's profile (JSON).
-        """
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
-        # The source as MLflow's own file sources write it: {"uri": ...}, typed by the URI's scheme.
-        source_type = source.split("://", 1)[0] if is_uri(source) else "local"
-        entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
-                         profile=None if profile is None else json.dumps(profile, sort_keys=True))
-        client(self.uri, self.patient).log_inputs(
-            self.run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
-        )
+    source_type = source.split("://", 1)[0] if is_uri(source) else "local"
+    entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
+                     profile=None if profile is None else json.dumps(profile, sort_keys=True))
+    c.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])])
 
 
 def log_and_register_model(
-    tracker: StageTracker,
+    tracker,  # the stage's pipeline.stage_tracker.StageTracker
     *,
     weights: Path,
     tokenizer: Path,
@@ -737,7 +661,7 @@ def env_for_workers() -> dict[str, str]:
 
 
 __all__ = [
-    "StageTracker", "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_hf_export", "download_model", "end_run",
+    "TrackingUnavailable", "VersionInfo", "check_login", "check_reachable", "client", "download_hf_export", "download_model", "end_run",
     "ensure_experiment", "env_for_workers", "get_version", "hf_export_config", "load_registered_model", "log_and_register_model",
     "model_aliases", "register_model", "search_runs", "set_alias", "set_version_tags", "stage_progress", "start_run", "ui_command",
     "version_by_alias", "versions_with_tag",

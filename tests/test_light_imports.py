@@ -85,6 +85,28 @@ def test_a_dry_run_imports_no_torch_ray_or_mlflow_once_the_cpu_is_measured(tmp_p
     assert "train      " in out.stdout and "and 0.3 TFLOP/s peak per device" in out.stdout  # the kept figure
 
 
+def test_what_a_train_stage_hands_its_controller_and_workers_unpickles_without_mlflow_or_torch():
+    """Ray Train's controller and every worker unpickle the train function and the run's tracker (the failure
+    callback's, the loop config's): neither brings MLflow or torch with it, nor does the train stage's own module
+    (a stage task imports just it). Only a call on the tracker imports MLflow (pipeline.tracking)."""
+    import pickle
+
+    from pipeline.stage_tracker import StageTracker
+    from pipeline.training.ray_train import train_worker
+
+    payload = pickle.dumps((train_worker, StageTracker("sqlite:////nowhere/mlflow.db", "run0")))
+    code = f"""
+import json, pickle, sys
+import pipeline.stages.train
+fn, tracker = pickle.loads({payload!r})
+print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "fn": fn.__module__, "run": tracker.run_id}}))
+"""
+    out = run_python("-c", code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"heavy": [], "fn": "pipeline.training.ray_train", "run": "run0"}
+
+
 def test_the_lazy_names_of_models_resolve_to_the_modules_that_define_them():
     import models
     from models.families.decoder.model import Transformer

@@ -117,7 +117,7 @@ class Stage:
             hash_: the artifact hash the runner computed for this stage.
             out_dir: ``<artifact_root>/<name>/<hash_>``; cleared first if an earlier attempt left it unsealed.
             inputs: upstream artifacts by stage name.
-            tracker: the stage's ``tracking.StageTracker`` (or a test's stand-in).
+            tracker: the stage's ``StageTracker`` (or a test's stand-in).
 
         Returns:
             The sealed Artifact.

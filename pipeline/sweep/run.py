@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
 from pipeline.sweep.spec import SweepSpec
@@ -126,7 +127,7 @@ def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, exp
     value = last_val if metric == "val_loss" else metrics.get(metric)
     if value is None:
         raise ValueError(f"sweep metric {metric!r} is not among the evaluate stage's metrics ({sorted(metrics)[:8]}...)")
-    tracking.StageTracker(uri, run_id).set_tags({"conduit.sweep_status": FINISHED, "conduit.sweep_metric": value})
+    StageTracker(uri, run_id).set_tags({"conduit.sweep_status": FINISHED, "conduit.sweep_metric": value})
     tune.report({"step": counts["steps_trained"], "val_loss": last_val if last_val is not None else value,
                  metric: value, "finished": True, "run_id": run_id})
 
@@ -156,12 +157,12 @@ def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> st
     from pipeline.runner import DRIVER_TAG, driver_identity
 
     for run_id, tags in _trial_runs(uri, experiment_id, sweep_run_id, name, running=False):
-        tracker = tracking.StageTracker(uri, run_id)
+        tracker = StageTracker(uri, run_id)
         tracker.set_tags({DRIVER_TAG: json.dumps(driver_identity()), "conduit.sweep_status": "running",
                           "conduit.sweep_attempts": int(tags.get("conduit.sweep_attempts", "1")) + 1})
         for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
                                                                  f"tags.`mlflow.parentRunId` = '{run_id}'"):
-            tracking.StageTracker(uri, child).set_tags({"conduit.error": "the trial's process died during this stage"})
+            StageTracker(uri, child).set_tags({"conduit.error": "the trial's process died during this stage"})
             tracking.end_run(uri, child, "FAILED")
         tracking.client(uri).update_run(run_id, status="RUNNING")
         return run_id
@@ -195,7 +196,7 @@ def _sweep_run(spec: SweepSpec, uri: str, experiment_id: str) -> str:
     run_id = tracking.start_run(uri, experiment_id, spec.name, tags={
         "conduit.sweep": spec.name, "conduit.sweep_key": key, "conduit.sweep_file": str(spec.path),
         "conduit.sweep_trials": len(spec.trials)})
-    tracker = tracking.StageTracker(uri, run_id)
+    tracker = StageTracker(uri, run_id)
     tracker.log_params({"sweep.metric": spec.metric, "sweep.mode": spec.mode, "sweep.scheduler": spec.scheduler,
                         "sweep.trials": len(spec.trials), "sweep.max_concurrent": spec.max_concurrent,
                         **{f"space.{d.path}": f"{d.kind} {list(d.values)}" for d in spec.dimensions}})
@@ -310,7 +311,7 @@ def _outcomes_class():
         def on_trial_error(self, iteration, trials, trial, **info):
             self.echo(f"{_name(trial)}: failed ({trial.error_file or 'see the log'})")
             for run_id, _ in _trial_runs(self.uri, self.experiment_id, self.sweep_run, _name(trial), running=True):
-                tracking.StageTracker(self.uri, run_id).set_tags({"conduit.sweep_status": FAILED})
+                StageTracker(self.uri, run_id).set_tags({"conduit.sweep_status": FAILED})
                 tracking.end_run(self.uri, run_id, "FAILED")
 
     return Outcomes
@@ -332,12 +333,12 @@ def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last:
     the last validation loss."""
     status = f"stopped at step {last.get('step')}"
     for run_id, _ in _trial_runs(uri, experiment_id, sweep_run, name, running=False):
-        tracking.StageTracker(uri, run_id).set_tags({
+        StageTracker(uri, run_id).set_tags({
             "conduit.sweep_status": STOPPED, "conduit.sweep_stopped_at_step": last.get("step"),
             "conduit.sweep_last_val_loss": last.get("val_loss"), "mlflow.note.content": f"{name}: {status} by ASHA"})
         for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
                                                                  f"tags.`mlflow.parentRunId` = '{run_id}'"):
-            tracking.StageTracker(uri, child).set_tags({"conduit.error": f"the sweep's scheduler {status}"})
+            StageTracker(uri, child).set_tags({"conduit.error": f"the sweep's scheduler {status}"})
             tracking.end_run(uri, child, "KILLED")
         tracking.end_run(uri, run_id, "KILLED")
 
@@ -378,13 +379,13 @@ def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: s
     trials = [outcomes[i] for i in sorted(outcomes)]
     for o in trials:
         if o.status == FAILED and o.run_id is not None:
-            tracking.StageTracker(uri, o.run_id).set_tags({"conduit.error": o.error or "",
+            StageTracker(uri, o.run_id).set_tags({"conduit.error": o.error or "",
                                                            "conduit.sweep_status": FAILED})
     finished = [o for o in trials if o.status == FINISHED and o.metric is not None]
     sign = 1 if spec.mode == "min" else -1
     best = min(finished, key=lambda o: sign * o.metric) if finished else None
     result = SweepResult(sweep_run, uri, trials, best)
-    tracker = tracking.StageTracker(uri, sweep_run)
+    tracker = StageTracker(uri, sweep_run)
     table = {"trial": [f"trial_{o.index:03d}" for o in trials], "status": [o.label for o in trials],
              "step": [o.step for o in trials], "val_loss": [o.val_loss for o in trials],
              spec.metric: [o.metric for o in trials], "run_id": [o.run_id for o in trials],
@@ -459,6 +460,6 @@ def _register_best(spec: SweepSpec, result: SweepResult, uri: str, sweep_run: st
     if version is not None:
         tracking.client(uri).set_model_version_tag(cfg.register.model_name, str(version), "conduit.sweep_run_id",
                                                    sweep_run)
-    tracking.StageTracker(uri, sweep_run).set_tags({"conduit.sweep_registered": f"{cfg.register.model_name}/{version}"})
+    StageTracker(uri, sweep_run).set_tags({"conduit.sweep_registered": f"{cfg.register.model_name}/{version}"})
     return {"model_name": cfg.register.model_name, "version": version}
 

@@ -28,7 +28,7 @@ MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch
 
 
 class MetricsSink(Protocol):
-    """What the outbox sends to (``pipeline.tracking.StageTracker``)."""
+    """What the outbox sends to (``pipeline.stage_tracker.StageTracker``)."""
 
     uri: str
 

@@ -20,6 +20,7 @@ from models import build_model
 from models.export import save_safetensors
 from models.layers.loss import lm_loss
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.store.artifacts import Artifact
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.data.packing import SplitWriter, pack, segment
@@ -83,7 +84,7 @@ class TinyRun:
         """Run a stage body under a fresh MLflow run on the server (its id kept under ``out_dir.name``)."""
         run_id = tracking.start_run(self.uri, self.experiment_id, name)
         art = STAGES[name].execute(self.cfg, f"{name}-{out_dir.name}", out_dir, inputs,
-                                   tracking.StageTracker(self.uri, run_id))
+                                   StageTracker(self.uri, run_id))
         tracking.end_run(self.uri, run_id)
         self.run_ids[f"{name}/{out_dir.name}"] = run_id
         return art

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.config import load_config
 from pipeline.console import Console, describe, summary_lines
 from pipeline.training.ray_train import failure_phase
@@ -107,7 +108,7 @@ def test_stage_progress_reads_the_running_stage_run_by_its_hash(tmp_path):
     exp = tracking.ensure_experiment(uri, "conduit")
     assert tracking.stage_progress(uri, "conduit", "abc123") is None
     run = tracking.start_run(uri, exp, "train", tags={"conduit.hash": "abc123"})
-    tracker = tracking.StageTracker(uri, run)
+    tracker = StageTracker(uri, run)
     tracker.log_metrics({"loss": 5.0, "tokens_per_s": 100.0}, step=5)
     tracker.log_metrics({"loss": 4.0, "tokens_per_s": 120.0}, step=10)
     assert tracking.stage_progress(uri, "conduit", "abc123") == {"loss": 4.0, "tokens_per_s": 120.0, "step": 10.0}
@@ -159,7 +160,7 @@ def test_the_status_reads_a_server_without_retries_and_says_at_once_when_it_is_d
     uri = mlflow_server.uri
     exp = tracking.ensure_experiment(uri, "status")
     run = tracking.start_run(uri, exp, "train", tags={"conduit.hash": "feed01"})
-    tracker = tracking.StageTracker(uri, run)
+    tracker = StageTracker(uri, run)
     tracker.log_metrics({"loss": 5.0, "tokens_per_s": 100.0}, step=5)
     tracker.log_metrics({"loss": 4.0, "tokens_per_s": 120.0}, step=10)
     tracker.set_tags({"conduit.phase": "loading the checkpoint checkpoint_000001"})

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 
 
 def test_fluent_calls_leave_the_environment_as_they_found_it(tmp_path, monkeypatch):
@@ -28,7 +29,7 @@ def test_stage_tracker_logs_to_its_run(tmp_path):
     exp = tracking.ensure_experiment(uri, "t", artifact_location=str(tmp_path / "art"))
     parent = tracking.start_run(uri, exp, "parent")
     child = tracking.start_run(uri, exp, "child", parent_id=parent, tags={"k": "v"})
-    t = tracking.StageTracker(uri, child)
+    t = StageTracker(uri, child)
     t.log_params({f"p{i}": i for i in range(150)})  # more than one batch of 100
     t.log_metrics({"loss": 2.5}, step=3)
     t.log_metrics({"loss": 2.0}, step=4)
@@ -54,7 +55,7 @@ def test_train_stage_records_its_tokens_as_an_mlflow_dataset(tmp_path):
     tokens = Artifact(stage="tokenize", hash="0123456789abcdef", path=Path("/node/cache/tokenize"), manifest={
         "inputs": {"shard": "shardhash", "tokenizer": "tokhash"},
         "counts": {"splits": {"train": {**split, "documents": 7}, "validation": {**split, "documents": 1}}}})
-    tracking.StageTracker(uri, run_id).log_input_dataset(**training_dataset(cfg, tokens))
+    StageTracker(uri, run_id).log_input_dataset(**training_dataset(cfg, tokens))
 
     (inp,) = tracking.client(uri).get_run(run_id).inputs.dataset_inputs
     assert inp.dataset.digest == "0123456789abcdef" and inp.dataset.name == "a/*.txt, b.jsonl"

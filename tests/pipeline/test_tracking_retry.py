@@ -21,6 +21,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 
 pytestmark = pytest.mark.slow  # the session's MLflow server
 
@@ -178,7 +179,7 @@ def test_metrics_params_and_tables_whose_answers_are_lost_are_stored_once(mlflow
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     server = MlflowClient(mlflow_server.uri)
     exp = tracking.ensure_experiment(mlflow_server.uri, "lost-writes")
-    tracker = tracking.StageTracker(proxy.uri, tracking.start_run(mlflow_server.uri, exp, "train"))
+    tracker = StageTracker(proxy.uri, tracking.start_run(mlflow_server.uri, exp, "train"))
     proxy.lose = {"/runs/log-batch": 1}
     tracker.log_metric_records([("loss", 2.5, 1_700_000_000_000, 1), ("loss", 2.0, 1_700_000_000_500, 2)])
     proxy.lose = {"/runs/log-batch": 1}

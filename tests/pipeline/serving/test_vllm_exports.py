@@ -70,6 +70,7 @@ def test_the_vllm_interpreter_fetches_a_version_from_a_sqlite_registry(tmp_path)
     """`make run`'s registry is sqlite (no MLflow server): the replicas' callback, in the vLLM interpreter
     (mlflow-skinny, which registers sqlite stores only beside SQLAlchemy), fetches the version's export."""
     from pipeline import tracking
+    from pipeline.stage_tracker import StageTracker
     from pipeline.stages.register import export_hf
     from pipeline.tokenization.spm import train_sentencepiece, training_lines
     from models.export import save_safetensors
@@ -85,7 +86,7 @@ def test_the_vllm_interpreter_fetches_a_version_from_a_sqlite_registry(tmp_path)
     assert export_hf(tmp_path / "model.safetensors", tok, tmp_path / "hf") is None
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = tracking.ensure_experiment(uri, "t", artifact_location=str(tmp_path / "mlartifacts"))
-    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "register"))
+    tracker = StageTracker(uri, tracking.start_run(uri, exp, "register"))
     version = tracking.log_and_register_model(
         tracker, weights=tmp_path / "model.safetensors", tokenizer=tok, model_name="m", alias="champion",
         tags={"conduit.hf_export": "artifacts/hf"}, description="", code_paths=[str(REPO_ROOT / "models")],

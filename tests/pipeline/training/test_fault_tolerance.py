@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from models.accounting import param_counts
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.config import config_from_dict, load_config
 from pipeline.console import describe
 from pipeline.runner import make_plan, resolve
@@ -127,7 +128,7 @@ def train_once(tmp: Path, name: str, overrides: list[str], kill: bool, data_root
     store = store_for(cfg.artifact_root())
     arts = {stage: store.load(stage, plan[stage].hash) for stage in DATA_STAGES}
     assert all(store.check(a) is None for a in arts.values()), "the smoke run's data stages are not sealed"
-    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "train", tags={"conduit.hash": plan["train"].hash}))
+    tracker = StageTracker(uri, tracking.start_run(uri, exp, "train", tags={"conduit.hash": plan["train"].hash}))
     killed: list[int] = []
     killer, done = None, threading.Event()
     watcher = None

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pipeline import tracking
+from pipeline.stage_tracker import StageTracker
 from pipeline.training.outbox import MAX_METRICS_PER_BATCH, Outbox
 
 
@@ -104,7 +105,7 @@ def test_a_stopped_mlflow_server_loses_no_metric(mlflow_server, monkeypatch):
     uri = mlflow_server.uri
     exp = tracking.ensure_experiment(uri, "outbox")
     run_id = tracking.start_run(uri, exp, "train")
-    box = Outbox(tracking.StageTracker(uri, run_id), retry_s=0.5, max_retry_s=4.0)
+    box = Outbox(StageTracker(uri, run_id), retry_s=0.5, max_retry_s=4.0)
     try:
         for step in range(1, 11):
             box.log_metrics({"loss": 10.0 - step / 10}, step=step)
@@ -139,12 +140,12 @@ def test_a_restarted_attempt_sends_each_step_once(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = tracking.ensure_experiment(uri, "outbox")
     run_id = tracking.start_run(uri, exp, "train")
-    first = Outbox(tracking.StageTracker(uri, run_id), once_per_step="loss")
+    first = Outbox(StageTracker(uri, run_id), once_per_step="loss")
     for step in range(1, 6):
         first.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
     assert first.close(timeout_s=60) == 0
     for target in (run_id, tracking.start_run(uri, exp, "train")):
-        again = Outbox(tracking.StageTracker(uri, target), once_per_step="loss")
+        again = Outbox(StageTracker(uri, target), once_per_step="loss")
         for step in range(1, 9):
             again.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
         assert again.close(timeout_s=60) == 0
@@ -163,7 +164,7 @@ def test_a_stage_call_waits_out_an_mlflow_restart(mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     uri = mlflow_server.uri
     exp = tracking.ensure_experiment(uri, "patient")
-    tracker = tracking.StageTracker(uri, tracking.start_run(uri, exp, "shard"))
+    tracker = StageTracker(uri, tracking.start_run(uri, exp, "shard"))
     mlflow_server.stop()
     try:
         done = threading.Event()
