@@ -85,10 +85,11 @@ def test_a_dry_run_imports_no_torch_ray_or_mlflow_once_the_cpu_is_measured(tmp_p
     assert "train      " in out.stdout and "and 0.3 TFLOP/s peak per device" in out.stdout  # the kept figure
 
 
-def test_what_a_train_stage_hands_its_controller_and_workers_unpickles_without_mlflow_or_torch():
+def test_what_a_train_stage_hands_its_controller_and_workers_unpickles_without_mlflow_or_torch(tmp_path):
     """Ray Train's controller and every worker unpickle the train function and the run's tracker (the failure
     callback's, the loop config's): neither brings MLflow or torch with it, nor does the train stage's own module
-    (a stage task imports just it). Only a call on the tracker imports MLflow (pipeline.tracking)."""
+    (a stage task imports just it), nor its look at Ray Train's checkpoint record before the trainer starts. Only
+    a call on the tracker imports MLflow (pipeline.tracking)."""
     import pickle
 
     from pipeline.stage_tracker import StageTracker
@@ -98,7 +99,10 @@ def test_what_a_train_stage_hands_its_controller_and_workers_unpickles_without_m
     code = f"""
 import json, pickle, sys
 import pipeline.stages.train
+from pipeline.config import load_config
 fn, tracker = pickle.loads({payload!r})
+assert pipeline.stages.train.recover_unreadable_snapshot(
+    load_config("configs/smoke.yaml", ["run.workdir={tmp_path}"]), "0123456789abcdef") is None
 print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "fn": fn.__module__, "run": tracker.run_id}}))
 """
     out = run_python("-c", code)

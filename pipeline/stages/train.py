@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 
 from pipeline.config import RunConfig, hash_view
 from pipeline.data.fs import filesystem_for
-from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
+from pipeline.store.contracts import CHECKPOINT_PREFIX, read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
@@ -96,8 +96,6 @@ def recover_unreadable_snapshot(cfg: RunConfig, hash_: str) -> str | None:
     checkpoint folder the run left is returned for the workers to resume from (``resume_checkpoint``, which
     verifies it and falls back to an earlier one). None when the snapshot reads, or there is none.
     """
-    from pipeline.training.checkpoint.choice import CHECKPOINT_PREFIX
-
     fs, run_dir = _run_dir(cfg, hash_)
     path = f"{run_dir}/{SNAPSHOT_FILE}"
     try:

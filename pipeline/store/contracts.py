@@ -16,6 +16,10 @@ from typing import Any
 
 from pipeline.store.artifacts import Artifact, write_json_atomic
 
+# Ray Train's checkpoint folders under a run: checkpoint_<date>_<time>, in time order (the train stage reads
+# them before its trainer starts, the workers when they choose where to resume).
+CHECKPOINT_PREFIX = "checkpoint_"
+
 # ---- shard: documents in parquet shards, per split --------------------------------------------------
 SPLITS = ("train", "validation", "test")  # test only when data.test_fraction > 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-CHECKPOINT_PREFIX = "checkpoint_"  # Ray Train's folder names: checkpoint_<date>_<time>, in time order
+from pipeline.store.contracts import CHECKPOINT_PREFIX  # Ray Train's folder names, in time order
 
 
 class NoUsableCheckpoint(RuntimeError):
