@@ -199,12 +199,13 @@ def test_mlflow_holds_parent_nested_runs_and_metrics(smoke):
     losses = c.get_metric_history(by_stage["train"].info.run_id, "loss")
     assert [m.step for m in losses] == list(range(cfg.train.log_every, cfg.train.steps + 1, cfg.train.log_every))
     assert "val_perplexity" in by_stage["evaluate"].data.metrics
-    # MLflow's system metrics of the training node, sampled every 2 s over the run, and the experiment
+    # MLflow's system metrics of the training node, sampled every second over the run, and the experiment
     # marked as a model-training one (MLflow 3's UI opens it with runs and charts, not as GenAI).
     cpu = c.get_metric_history(by_stage["train"].info.run_id, "system/cpu_utilization_percentage")
-    # (a curve: two samples at least, as many as the run lasted; on a fast machine the smoke training lasts ~5 s)
+    # (a curve: two samples at least, as many as the run lasted; on a fast machine the smoke steps take ~4 s, which
+    # at the 2 s the config once asked gave a single sample in one CI run)
     assert len(cpu) >= 2 and all(0 <= m.value <= 100 for m in cpu) and max(m.value for m in cpu) > 0, cpu
-    assert all(b.timestamp - a.timestamp >= 1500 for a, b in zip(cpu, cpu[1:])), cpu  # every 2 s, not faster
+    assert all(b.timestamp - a.timestamp >= 750 for a, b in zip(cpu, cpu[1:])), cpu  # every second, not faster
     assert c.get_run(by_stage["train"].info.run_id).data.metrics["system/system_memory_usage_megabytes"] > 0
     assert c.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     # The progress metrics the driver's status line reads: evaluate's sets, tokenize's documents.
