@@ -154,8 +154,10 @@ def build_model(
         raise ValueError(f"build_model expects a ModelConfig or preset name, got {type(cfg_or_preset_name).__name__}")
     if overrides:
         cfg = cfg.replace(**overrides)
+    from models.layers.base import SkipInitOnMeta
+
     device = torch.device("cpu" if device is None else device)
-    with torch.device("meta"):
+    with torch.device("meta"), SkipInitOnMeta():
         model = model_class(cfg)(cfg)
     if device.type == "meta":
         return model

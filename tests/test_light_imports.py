@@ -121,3 +121,48 @@ def test_the_lazy_names_of_models_resolve_to_the_modules_that_define_them():
     assert all(getattr(models, name) is not None for name in models.__all__)
     with pytest.raises(AttributeError, match="NotAName"):
         models.NotAName
+
+
+BUILD_WITHOUT_DYNAMO = """
+import hashlib, json, sys
+import torch
+import models.layers.base
+from models import PRESETS, build_model
+
+
+class RunInitialisers(torch.overrides.TorchFunctionMode):  # the constructors' initialisers run on meta
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+if sys.argv[1] == "run":
+    models.layers.base.SkipInitOnMeta = RunInitialisers
+# every family; the MoE preset last: its experts wrap their grouped matmul in torch.compiler.disable when
+# built (before any compile of the model), which imports dynamo
+debug = sorted((name for name in PRESETS if name.startswith("debug")), key=lambda name: name == "debug_moe")
+weights = {}
+for name in debug:
+    if name == "debug_moe":
+        dynamo = "torch._dynamo" in sys.modules
+    torch.manual_seed(0)
+    for key, value in build_model(name).state_dict().items():
+        weights[f"{name}.{key}"] = hashlib.sha256(value.detach().contiguous().view(-1).view(torch.uint8)
+                                                  .numpy().tobytes()).hexdigest()
+print(json.dumps({"families": len(debug), "dynamo_before_moe": dynamo, "weights": weights}))
+"""
+
+
+def test_a_model_is_built_without_importing_dynamo_and_to_the_same_weights():
+    """Building on the meta device skips the constructors' initialisers there (`SkipInitOnMeta`): on meta
+    tensors they would import torch._dynamo (about a CPU-second in each process that builds a model: an
+    evaluation, an export, a server; a training worker's torch optimizer imports it anyway). The weights,
+    all set by init_weights after to_empty, are bit for bit those of a build that runs them."""
+    results = {}
+    for mode in ("skip", "run"):
+        out = run_python("-c", BUILD_WITHOUT_DYNAMO, mode)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[mode] = json.loads(out.stdout.splitlines()[-1])
+    skip, run = results["skip"], results["run"]
+    assert skip["families"] == 6 and len(skip["weights"]) > 100
+    assert skip["weights"] == run["weights"]
+    assert (skip["dynamo_before_moe"], run["dynamo_before_moe"]) == (False, True)

@@ -1,5 +1,6 @@
 """What every family's model shares outside its layers: the output record of a forward
-(`ModelOutput`) and the first step of every ``init_weights`` (`init_base`).
+(`ModelOutput`), the first step of every ``init_weights`` (`init_base`) and the mode a model is built on
+the meta device in (`SkipInitOnMeta`).
 
 Shape legend: B batch, T time, S key time, V vocab, H heads.
 """
@@ -10,9 +11,39 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from models.layers.attention import KVCache
 from models.layers.norms import LayerNorm, RMSNorm
+
+
+# The initialisers that torch's modules call in their constructors (nn.Linear's kaiming_uniform_ and
+# uniform_, nn.Embedding's normal_, the norms' ones_ and zeros_), and the tensor methods under them.
+_INITIALISERS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+    "xavier_normal_", "orthogonal_", "constant_", "ones_", "zeros_", "zero_", "fill_",
+})
+
+
+class SkipInitOnMeta(TorchFunctionMode):
+    """Skip the initialisers that modules' constructors run, where they write to a meta tensor.
+
+    A model is built on the meta device and its weights are set once, by ``init_weights()`` after
+    ``to_empty`` (``models.presets.build_model``). The constructors' own initialisers have nothing to write
+    there, but on meta tensors they run torch's Python reference kernels, whose first call imports
+    ``torch._dynamo``: about a CPU-second in every process that builds a model, a training worker's
+    included, compiling or not. Only those calls on meta tensors are skipped (they return the tensor, as
+    the in-place call would); everything else, and every call on a real tensor, runs as usual.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INITIALISERS:
+            # nn.init's functions pass their tensor by keyword; a tensor method gets it first
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
 
 
 @dataclass
