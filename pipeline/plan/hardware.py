@@ -16,7 +16,6 @@ plan pays for torch and the matmul: a dry run answers in a fraction of a second 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.base import ConfigError
+from pipeline import machine_cache
 
 GiB = 2**30
 
@@ -94,30 +94,22 @@ def cpu_model() -> str:
 
 
 def cpu_flops_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "conduit" / CPU_FLOPS_FILE
+    return machine_cache.cache_dir() / CPU_FLOPS_FILE
 
 
 def kept_cpu_flops() -> float:
     """`measure_cpu_flops` of this machine, measured once and kept (module docstring); an unreadable file is
     measured again and rewritten."""
-    from pipeline.store.artifacts import write_json_atomic
-
     path, machine = cpu_flops_path(), cpu_model()
-    try:
-        kept = json.loads(path.read_text())
-        kept = kept if isinstance(kept, dict) else {}
-    except (OSError, ValueError):
-        kept = {}
-    value = kept.get(machine)
-    if isinstance(value, (int, float)) and value > 0:
+    value = machine_cache.read(path).get(machine)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
-    kept[machine] = measure_cpu_flops()
+    value = measure_cpu_flops()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, kept)
+        machine_cache.update(path, (machine,), value)
     except OSError:  # a read-only home: measured again next time
         pass
-    return kept[machine]
+    return value
 
 
 def cpu(flops: float | None = None) -> Accelerator:

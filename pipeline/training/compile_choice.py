@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline import machine_cache
 from pipeline.training import precision_choice as pc
 
 MAX_SAVED = 0.5  # the most of an eager CPU step compile is assumed able to save, for the bound
@@ -149,4 +150,5 @@ def _read(machine: str, key: str) -> tuple[float, float, float] | None:
 
 
 def _write(machine: str, key: str, eager_s: float, compiled_s: float, compile_s: float) -> None:
-    pc.update_cache(cache_path(), machine, key, {"eager_s": eager_s, "compiled_s": compiled_s, "compile_s": compile_s})
+    machine_cache.update(cache_path(), (machine, key), {"eager_s": eager_s, "compiled_s": compiled_s,
+                                                       "compile_s": compile_s})

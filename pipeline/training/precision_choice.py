@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline import machine_cache
+
 CANDIDATES = ("fp32", "amp_bf16")
 MARGIN = 0.95  # amp_bf16 only where its micro-step takes <= 95% of fp32's
 REPEATS = 5  # the fewest timed micro-steps of each precision, after one untimed of each
@@ -103,8 +105,7 @@ def shape_key(model: dict, micro_batch: int, seq_len: int, threads: int, local_w
 
 
 def cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "conduit" / CACHE_FILE
+    return machine_cache.cache_dir() / CACHE_FILE
 
 
 def read_cached(machine: str, key: str, path: Path | None = None) -> PrecisionChoice | None:
@@ -124,24 +125,9 @@ def read_cached(machine: str, key: str, path: Path | None = None) -> PrecisionCh
 
 
 def write_cached(choice: PrecisionChoice, key: str, path: Path | None = None) -> None:
-    """Adds the choice to the cache (atomically: a rename; a file another run wrote meanwhile is kept)."""
+    """Adds the choice to the cache (`machine_cache.update`: under the file's lock, written atomically)."""
     entry = {k: v for k, v in asdict(choice).items() if k not in ("source", "machine")}
-    update_cache(path or cache_path(), choice.machine, key, entry)
-
-
-def update_cache(path: Path, machine: str, key: str, entry: dict) -> None:
-    """Sets ``machine -> key -> entry`` in the JSON cache file at ``path``, keeping its other entries (an
-    unreadable file starts over), written atomically."""
-    from pipeline.store.artifacts import write_json_atomic
-
-    try:
-        data = json.loads(path.read_text())
-        data = data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        data = {}
-    data.setdefault(machine, {})[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data)
+    machine_cache.update(path or cache_path(), (choice.machine, key), entry)
 
 
 def time_micro_steps(step: Callable[[str], None], repeats: int = REPEATS,
