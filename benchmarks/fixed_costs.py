@@ -37,12 +37,12 @@ Checks: with ``--against REF`` (a git commit), each fixed cost / REF's, target <
 in this run and in turn: REF's code (a git worktree beside this checkout, sharing its ``.venv``) and this
 tree's, each a fresh process of this script (``--no-sweep --repeats 1``), ``--rounds`` times, then one sweep
 pair (``--no-train``); the medians of each side are compared. In turn, because this machine's speed drifts:
-two runs of the same code ten minutes apart differed by a third in the steps' own CPU-seconds. With
-``--baseline PATH`` (an earlier ``fixed_costs.json``) the ratios are against it; with neither, the fixed
-CPU-seconds are reported only.
+two runs of the same code ten minutes apart differed by a third in the steps' own CPU-seconds, so a ratio
+against an earlier run's figures would measure the machine. Without it, the fixed CPU-seconds are reported
+only.
 
     .venv/bin/python benchmarks/fixed_costs.py --against b391b4d [--rounds 3]   # the issue's before/after
-    .venv/bin/python benchmarks/fixed_costs.py [--repeats 3] [--baseline benchmarks/results/fixed_costs_before.json]
+    .venv/bin/python benchmarks/fixed_costs.py [--repeats 3]   # this tree's, reported only
     .venv/bin/python benchmarks/fixed_costs.py --quick   # 1 repeat, 1 worker, sweeps of 25 and 50 steps
 
 Prints tables and writes ``benchmarks/results/fixed_costs.json`` (``--name``).
@@ -346,19 +346,12 @@ def measured_fixed(train: list[dict], sweep: dict | None) -> dict[str, float]:
     return out
 
 
-def checks(fixed: dict[str, float], baseline: dict | None) -> list[dict]:
-    """Each fixed cost against the baseline's (<= 1/3), or reported only when there is none."""
+def checks(fixed: dict[str, float]) -> list[dict]:
+    """Each fixed cost, reported only (the ratios come from ``--against``)."""
     labels = {"sweep_trial": "a sweep trial's fixed CPU-s (smoke_lr, 8 trials)"}
-    out = []
-    for key, value in fixed.items():
-        label = labels[key] if key in labels else f"fixed CPU-s of a 30-step train stage, {key.split('_')[3]} worker(s)"
-        ref = (baseline or {}).get("fixed_cpu_s", {}).get(key)
-        if ref:
-            out.append({"name": f"{label} / baseline's ({ref:.1f} CPU-s, commit {baseline['machine'].get('git', '?')})",
-                        "measured": value / ref, "target": TARGET, "op": "<=", "format": "ratio"})
-        else:
-            out.append({"name": label, "measured": value, "target": None, "op": "<="})
-    return out
+    return [{"name": labels[key] if key in labels else
+             f"fixed CPU-s of a 30-step train stage, {key.split('_')[3]} worker(s)",
+             "measured": value, "target": None, "op": "<="} for key, value in fixed.items()]
 
 
 def print_tables(idle: dict, train: list[dict], sweep: dict | None) -> None:
@@ -465,7 +458,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="1 repeat, 1 worker, sweeps of 25 and 50 steps")
-    p.add_argument("--baseline", type=Path, help="an earlier fixed_costs.json: the checks' reference")
     p.add_argument("--no-sweep", action="store_true", help="the train stage only")
     p.add_argument("--no-train", action="store_true", help="the sweep only")
     p.add_argument("--against", help="a git commit: its fixed costs and this tree's, measured in turn")
@@ -478,7 +470,6 @@ def main() -> int:
     if args.against:
         return main_against(args)
     workers, (short, long) = ([1], (25, 50)) if args.quick else ([1, 2], (25, 75))
-    baseline = json.loads(args.baseline.read_text()) if args.baseline else None
     with tempfile.TemporaryDirectory(prefix="fixed_costs_") as tmp_name:
         tmp = Path(tmp_name)
         base, idle = prepare(tmp)
@@ -487,7 +478,7 @@ def main() -> int:
         ray.shutdown()
     print_tables(idle, train, sweep)
     fixed = measured_fixed(train, sweep)
-    result_checks = checks(fixed, baseline)
+    result_checks = checks(fixed)
     for c in result_checks:
         target = f"target {c['op']} {c['target']:.2f}" if c["target"] is not None else "reported only"
         print(f"check: {c['name']}: {c['measured']:.2f} ({target})")
@@ -497,7 +488,7 @@ def main() -> int:
                      "fixed_cpu_s": sweep["fixed_cpu_s_per_trial"], "cpu_s_per_step_60_minus_30": None,
                      "cpu_s_per_trial_step": sweep["cpu_s_per_trial_step"]})
     path = write_result(args.name, {
-        "config": {**vars(args), "baseline": str(args.baseline) if args.baseline else None, "workers": workers,
+        "config": {**vars(args), "workers": workers,
                    "sweep_steps": [short, long]},
         "rows": rows, "fixed_cpu_s": fixed, "ray_idle": idle, "train": train, "sweep": sweep,
         "checks": result_checks, "summary": summary_text(args, short, long)})
@@ -544,7 +535,7 @@ def main_against(args: argparse.Namespace) -> int:
         print(f"  {row['ref_fixed_cpu_s']:>7.2f} -> {row['here_fixed_cpu_s']:>6.2f}  {row['case']}")
     rows += process_rows(ab)
     path = write_result(args.name, {
-        "config": {**vars(args), "baseline": None}, "rows": rows, "ab": ab, "checks": result_checks,
+        "config": vars(args), "rows": rows, "ab": ab, "checks": result_checks,
         "summary": (f"Commit {args.against} and this tree measured in turn on one machine: {args.rounds} rounds of "
                     "the train stage (30 steps x 1 and 2 workers, and 60 steps for the per-step cross-check), then "
                     "one sweep pair (25 and 75 steps a trial), each side a fresh process of this script; medians of "
