@@ -58,20 +58,6 @@ KNOWN_CAUSES = {
         "faster on this CPU: `index_add_` of 4096 rows of 128 floats takes about as long as the `index_select` "
         "that would replace it; the time is memory traffic over the token rows, in any formulation."),
 }
-KNOWN_CAUSES["ASHA sweep wall / all 8 trials to completion"] = (
-    "ASHA saved the training it could: with reduction factor 4 (rungs 25 and 100) it stopped 6 of 8 trials "
-    "(five at step 25, one at 100) and trained 0.44 of the full grid's steps, and it picked the full grid's "
-    "best trial (gap 0%). The wall is set by what every trial pays whether stopped or not: its Tune process, "
-    "its train stage task, Ray Train's controller, synchronization, preemption-watcher and report-queue "
-    "actors, and a worker that imports torch and DeepSpeed; measured per process, about 29 CPU-seconds a "
-    "trial, against about 11 s for 150 steps of the smoke model once concurrent trials stopped "
-    "oversubscribing the cores (each worker had taken both cores; a thread each made the full grid 410 s -> "
-    "155 s and ASHA's 245 s -> 130 s). From the two walls: fixed cost about 28 s a trial at 2 trials at "
-    "once, 0.074 s a step. 0.5 needs the fixed cost under 19 steps' worth of training (wall = 8F + 525s "
-    "against 8F + 1200s): here, steps at least 20x the smoke model's, or a trial's fixed cost under 1.4 s, "
-    "which Tune plus Ray Train per trial cannot give on 2 cores (their own actors alone are about 9 "
-    "CPU-seconds). With trials of 900 steps (about 70 s of training each) the same sweep's ASHA run takes 0.40 "
-    "of the full grid's wall: the sweep_long section.")
 KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "The ceiling assumes the experts' matmuls run at the dense FFN's rate. On this CPU torch's `grouped_mm` is a "
     "loop of one `mm` per expert over about N·k/E rows and a narrow expert width (80 at cpu_small, 208 at "

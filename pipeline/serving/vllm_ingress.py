@@ -9,6 +9,12 @@
 - ``ConduitIngress``: Ray Serve LLM's OpenAI ingress, which also answers ``/healthz`` (the version, what
   it answered, its p50 latency, the most requests in flight at once: ``jobs.deploy``'s status line) and
   marks every response with the version that made it (``x-conduit-version``).
+- ``openai_error``: every error answer in OpenAI's shape, as Conduit's engine gives it
+  (``{"error": {"message", "type", "param", "code"}}``: ``param`` the request field at fault, ``type``
+  ``invalid_request_error`` or ``server_error``, ``code`` ``model_not_found`` or
+  ``context_length_exceeded`` where those apply). vLLM names the field only inside its message ("...
+  (parameter=max_tokens, value=-1)"), Ray Serve LLM's body validation puts the offending value where the
+  field belongs and its class name in ``type``, and an unknown model is FastAPI's ``{"detail": ...}``.
 
 (No ``from __future__ import annotations``: FastAPI must see the request bodies' classes, not strings,
 through Serve's ingress wrapper.)
@@ -17,19 +23,21 @@ through Serve's ingress wrapper.)
 import collections
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.responses import JSONResponse, Response
 
-from pipeline.serving.openai_api import VERSION_HEADER
+from pipeline.serving.openai_api import VERSION_HEADER, ApiError
 
 LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
 
@@ -201,12 +209,72 @@ class ConduitIngress(OpenAiIngress):
             "batches": {"largest": self._most_in_flight, "in_flight": self._in_flight}}))
 
 
+_VLLM_PARAMETER = re.compile(r"\(parameter=(\w+)")
+# The request fields an error message may name (OpenAI's completions and chat fields and vLLM's own
+# sampling fields): the first one named, as a word, is the error's param when vLLM does not say it.
+REQUEST_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "best_of",
+                  "stop", "seed", "logprobs", "top_logprobs", "echo", "stream", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logit_bias", "suffix", "messages", "prompt", "model")
+_NAMED_FIELD = re.compile(r"\b(" + "|".join(REQUEST_FIELDS) + r")\b")
+
+
+def openai_error(status: int, raw: object) -> dict:
+    """An error answer's body (``raw``: its JSON, or its text) in OpenAI's shape (the module docstring)."""
+    message, param, code = None, None, None
+    if isinstance(raw, dict) and isinstance(raw.get("error"), dict):
+        error = raw["error"]
+        message = error.get("message")
+        code = error.get("code") if isinstance(error.get("code"), str) else None
+    elif isinstance(raw, dict) and "detail" in raw:
+        message = raw["detail"]
+    message = message if isinstance(message, str) else json.dumps(raw) if not isinstance(raw, str) else raw
+    said = _VLLM_PARAMETER.search(message)
+    if status == 404 and "model" in message.lower():
+        param, code = "model", "model_not_found"
+    elif "maximum context length" in message:
+        param, code = "prompt", "context_length_exceeded"
+    elif said:
+        param = said.group(1)
+    elif status < 500 and (named := _NAMED_FIELD.search(message)):
+        param = named.group(1)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, param, code, kind).body()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that does not parse as the request's model: 400 naming the field (the first error's place)."""
+    errors = exc.errors() or [{"msg": "invalid request", "loc": ("body",)}]
+    where = [part for part in errors[0].get("loc", ()) if isinstance(part, str) and part != "body"]
+    param = where[0] if where else None
+    message = f"{param}: {errors[0].get('msg')}" if param else str(errors[0].get("msg"))
+    return JSONResponse(ApiError(400, message, param).body(), status_code=400)
+
+
+async def _openai_errors(request: Request, call_next) -> Response:
+    """Every error answer (4xx, 5xx) in OpenAI's shape; the rest as they are."""
+    response = await call_next(request)
+    if response.status_code < 400 or "json" not in response.headers.get("content-type", ""):
+        return response
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    try:
+        raw = json.loads(body)
+    except ValueError:
+        raw = body.decode("utf-8", errors="replace")
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(openai_error(response.status_code, raw), status_code=response.status_code, headers=headers)
+
+
 def ingress_class():
-    """``ConduitIngress`` as a FastAPI ingress: Ray Serve LLM's routes plus ``/healthz``."""
-    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+    """``ConduitIngress`` as a FastAPI ingress: Ray Serve LLM's routes plus ``/healthz``, its errors in OpenAI's
+    shape (``openai_error``)."""
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init
 
+    app = init()  # Ray Serve LLM's app, its middleware included
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.middleware("http")(_openai_errors)  # added last: the outermost, it sees every answer
     endpoints = {**DEFAULT_ENDPOINTS, "healthz": lambda app: app.get("/healthz")}
-    return make_fastapi_ingress(ConduitIngress, endpoint_map=endpoints)
+    return make_fastapi_ingress(ConduitIngress, endpoint_map=endpoints, app=app)
 
 
-__all__ = ["ConduitIngress", "ConduitLLMServer", "VersionFiles", "fetch_version_files", "ingress_class"]
+__all__ = ["ConduitIngress", "ConduitLLMServer", "VersionFiles", "fetch_version_files", "ingress_class",
+           "openai_error"]

@@ -201,7 +201,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
                         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
                         ({"prompt": "x", "temperature": float("inf")}, "temperature"),
                         ({"prompt": "x", "temperature": 1e-30}, "temperature"),
-                        ({"prompt": "x", "top_p": -0.5}, "top_p"), ({"prompt": "x", "top_k": -1}, "top_k"),
+                        ({"prompt": "x", "top_p": -0.5}, "top_p"), ({"prompt": "x", "top_p": 1.5}, "top_p"),
+                        ({"prompt": "x", "top_p": float("nan")}, "top_p"), ({"prompt": "x", "top_k": -1}, "top_k"),
+                        ({"prompt": "x", "seed": 2**62 + 1}, "seed"),
                         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
                         ({"prompt": ["x"] * 65}, "prompt"), ({"prompt": "x" * 200_000}, "prompt")]:
         r = requests.post(f"{served}/completions", data=json.dumps({"model": MODEL_NAME, **body}), timeout=60,

@@ -137,16 +137,38 @@ def test_stream_n_seed_and_stop_through_the_openai_client(served, reference):
     assert stopped.choices[0].text == want[:want.index(cut)] and stopped.choices[0].finish_reason == "stop"
 
 
-def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(served):
-    too_long = _complete(served, prompt=list(range(5, 200)), max_tokens=4)
-    assert too_long.status_code == 400 and "maximum context length" in too_long.text, too_long.text
-    assert _complete(served, prompt="x", max_tokens=-1).status_code == 400
-    assert "max_tokens" in _complete(served, prompt="x", max_tokens=-1).text
+def _error(response, status: int) -> dict:
+    """The answer's OpenAI error (status ``status``, every field of OpenAI's error object present)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, response.text
+    return error
+
+
+def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_keeps_serving(served):
+    """vLLM's and Ray Serve LLM's refusals reach the client in OpenAI's error shape, as Conduit's engine answers
+    them (pipeline.serving.vllm_ingress.openai_error): the field at fault in ``param``, the OpenAI ``code``
+    where there is one; the OpenAI client reads them."""
+    too_long = _error(_complete(served, prompt=list(range(5, 200)), max_tokens=4), 400)
+    assert "maximum context length" in too_long["message"]
+    assert (too_long["type"], too_long["param"], too_long["code"]) == (
+        "invalid_request_error", "prompt", "context_length_exceeded")
+    negative = _error(_complete(served, prompt="x", max_tokens=-1), 400)
+    assert (negative["type"], negative["param"]) == ("invalid_request_error", "max_tokens"), negative
     nan = requests.post(f"{served}/completions", data=json.dumps({"model": MODEL_NAME, "prompt": "x", "temperature": math.nan}),
                         headers={"content-type": "application/json"}, timeout=60)
-    assert 400 <= nan.status_code < 500 and "temperature" in nan.text
-    unknown = _complete(served, prompt="x", model="gpt-4")
-    assert unknown.status_code == 404 and "gpt-4" in unknown.text
+    assert _error(nan, 400)["param"] == "temperature", nan.text
+    wrong_type = _error(_complete(served, prompt="x", max_tokens="many"), 400)  # refused by the body's model
+    assert (wrong_type["type"], wrong_type["param"]) == ("invalid_request_error", "max_tokens"), wrong_type
+    unknown = _error(_complete(served, prompt="x", model="gpt-4"), 404)
+    assert "gpt-4" in unknown["message"] and (unknown["param"], unknown["code"]) == ("model", "model_not_found")
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=-1)
+    assert refused.value.param == "max_tokens" and refused.value.type == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.code == "model_not_found"
     assert _complete(served, prompt="KING:", max_tokens=2).status_code == 200
 
 
