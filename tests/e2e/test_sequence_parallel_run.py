@@ -72,6 +72,10 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_worker(tmp_path, ray
     out = mamba.stdout + mamba.stderr
     assert mamba.returncode == 1, out[-4000:]
     assert "sequence_parallel_size=2: the mamba2 family's layers read the whole sequence" in out
+    # the failed stage is one paragraph for the user, not a traceback (that is in the run's log)
+    assert "Traceback" not in mamba.stderr, mamba.stderr[-4000:]
+    errors = [line for line in mamba.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: stage train failed: ValueError("), mamba.stderr[-4000:]
     assert not list((tmp_path / "checkpoints").rglob("checkpoint_*"))  # no worker started, nothing checkpointed
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("conduit").experiment_id],
