@@ -216,6 +216,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     huge = requests.post(f"{served}/completions", data=b" " * (1 << 20) + b'{"prompt": "x"}', timeout=60,
                          headers={"Content-Type": "application/json"})
     assert huge.status_code == 413 and "exceeds 1048576 bytes" in huge.json()["error"]["message"], huge.text
+    # the same body sent in chunks, with no Content-Length: refused while it streams in
+    streamed = requests.post(f"{served}/completions", data=(b" " * 65536 for _ in range(17)), timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert "content-length" not in {k.lower() for k in streamed.request.headers}, streamed.request.headers
+    assert streamed.status_code == 413 and "exceeds 1048576 bytes" in streamed.json()["error"]["message"], streamed.text
     r = requests.post(f"{served}/completions", data="{not json", timeout=30,
                       headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
