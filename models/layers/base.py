@@ -31,9 +31,10 @@ class SkipInitOnMeta(TorchFunctionMode):
     A model is built on the meta device and its weights are set once, by ``init_weights()`` after
     ``to_empty`` (``models.presets.build_model``). The constructors' own initialisers have nothing to write
     there, but on meta tensors they run torch's Python reference kernels, whose first call imports
-    ``torch._dynamo``: about a CPU-second in every process that builds a model, a training worker's
-    included, compiling or not. Only those calls on meta tensors are skipped (they return the tensor, as
-    the in-place call would); everything else, and every call on a real tensor, runs as usual.
+    ``torch._dynamo``: about a CPU-second in a process that builds a model and would not otherwise import it
+    (an evaluation, an export, a server; a training worker's torch optimizer imports it anyway, and an MoE's
+    experts do, for ``torch.compiler.disable``). Only those calls on meta tensors are skipped (they return
+    the tensor, as the in-place call would); everything else, and every call on a real tensor, runs as usual.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
