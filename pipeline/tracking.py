@@ -257,6 +257,34 @@ class PatientClient:
                           lambda: self._inner.create_experiment(name, artifact_location, tags), False, made)
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (relative or absolute), else None."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+@contextmanager
+def _store_creation_lock(uri: str):
+    """Held while a client opens a sqlite store: MLflow creates a new store's tables and runs its schema
+    migrations when it first opens it, and two processes doing that at once fail (one of them: "duplicate
+    column name", a missing attribute of the migration). An exclusive ``flock`` on a file beside the
+    database serializes the openings (two runs of one fresh workdir, an MLflow UI opened as a run starts);
+    where that file cannot be made (a read-only folder), nothing is locked."""
+    path = _sqlite_file(uri)
+    lock_path = path.with_name(path.name + ".lock") if path is not None else None
+    try:
+        lock = open(lock_path, "a") if lock_path is not None and lock_path.parent.is_dir() else None
+    except OSError:
+        lock = None
+    if lock is None:
+        yield
+        return
+    import fcntl
+
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def client(uri: str, patient: bool = True) -> MlflowClient:
     """A client of ``uri`` (a ``PatientClient`` unless ``patient`` is False: a caller with retries of its
     own, the metrics outbox); every call to MLflow starts here or in ``_fluent_uri``.
@@ -268,7 +296,8 @@ def client(uri: str, patient: bool = True) -> MlflowClient:
     credentials.check_uri("the MLflow tracking URI", uri)
     credentials.apply_job_login()  # a job sent by jobs.submit with a login (credentials.job_login_package)
     _send_creates_once()
-    inner = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    with _store_creation_lock(uri):  # the client opens its tracking store here
+        inner = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return PatientClient(inner, uri) if patient else inner
 
 

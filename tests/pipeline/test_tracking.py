@@ -101,3 +101,37 @@ def test_an_unparsable_outage_setting_is_named_before_anything_runs(tmp_path, mo
     assert tracking.outage_s() == 30.0
     monkeypatch.delenv(tracking.OUTAGE_ENV)
     assert tracking.outage_s() == tracking.DEFAULT_OUTAGE_S
+
+
+OPEN_AT = """
+import sys, time
+from pipeline import tracking
+
+start = float(sys.argv[2])
+while time.time() < start:  # every process opens the store at the same moment
+    time.sleep(0.001)
+c = tracking.client(sys.argv[1])
+c.get_experiment_by_name("conduit")
+"""
+
+
+@pytest.mark.slow
+def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
+    """MLflow creates a new sqlite store's tables and migrates its schema when a client first opens it; three
+    processes doing that at the same moment failed ("duplicate column name", in 14 of 15 tries here) until
+    tracking.client took a lock beside the database while it opens the store."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for attempt in range(2):
+        uri = f"sqlite:///{tmp_path / f'fresh-{attempt}' / 'mlflow.db'}"
+        (tmp_path / f"fresh-{attempt}").mkdir()
+        start = time.time() + 4  # after every interpreter has imported MLflow
+        procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT, uri, str(start)], cwd=root,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-1500:] for o in outs)
+        assert tracking.client(uri).get_experiment_by_name("Default") is not None  # a whole, usable store
