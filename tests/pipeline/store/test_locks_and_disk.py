@@ -71,6 +71,7 @@ def test_a_second_driver_is_told_who_holds_the_stage(tmp_path, holder):
     msg = str(e.value)
     assert f"pid {proc.pid} on " in msg and "run-of-the-holder" in msg
     assert str(tmp_path / "train" / ".0123456789abcdef.lock") in msg and "run.lock_wait_s" in msg
+    assert main_exit_code(e.value) == 2  # jobs.run's exit status: something the user can fix (wait, or stop it)
 
 
 def test_a_lock_left_by_a_killed_driver_is_taken_over(tmp_path, holder):
