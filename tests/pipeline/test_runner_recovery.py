@@ -41,7 +41,11 @@ def test_an_unreachable_tracking_server_stops_the_run_before_any_compute(tmp_pat
 
 
 @pytest.mark.slow
-def test_sigterm_marks_the_runs_killed(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_marks_the_runs_killed(tmp_path, sig):
+    """``kill`` / ``ray job stop`` (SIGTERM) and Ctrl-C (SIGINT) while the train stage runs: exit 130, one line
+    naming the signal and no traceback after it, the stage's and the parent's MLflow runs KILLED, the finished
+    stages FINISHED."""
     work = tmp_path / "work"
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", "train.steps=100000",
            "train.progress_bar=false", "train.compile=false"]  # a run this long would compile first (compile auto)
@@ -51,11 +55,12 @@ def test_sigterm_marks_the_runs_killed(tmp_path):
         seen.append(line)
         if line.startswith("train: running"):
             time.sleep(5)  # inside the Ray task now
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out = "".join(seen) + proc.stdout.read()
     assert proc.wait(timeout=120) == 130, out[-3000:]
-    assert "interrupted (SIGTERM)" in out and "Traceback" not in out.split("interrupted (SIGTERM)")[-1]
+    said = f"interrupted ({sig.name})"
+    assert said in out and "Traceback" not in out.split(said)[-1], out[-3000:]
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])
     uri = cfg.tracking_uri()
     exp = tracking.ensure_experiment(uri, cfg.tracking.experiment)
