@@ -83,13 +83,19 @@ def never_run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
 
 
 def test_run_pipeline_refuses_before_the_first_stage(tmp_path, ray_cluster):
+    """On the session's real Ray (CPUs, no GPU): too many workers, cuda without GPUs and fp16 on the CPU are each
+    refused after connecting, before MLflow or any stage."""
     cpus = int(ray_cluster.cluster_resources()["CPU"])
-    cfg = load_config(None, [f"run.workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-                             f"parallel.num_workers={2 * cpus}", f"train.global_batch_size={8 * cpus}"])
     stages = in_order([Stage(name="train", version=1, inputs=(), hash_config=lambda c: {}, run=never_run)])
-    with pytest.raises(ConfigError, match=rf"need {2 * cpus} CPUs"):
-        run_pipeline(cfg, stages=stages, echo=lambda s: None)
-    assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
+    for overrides, pattern in (
+            ((f"parallel.num_workers={2 * cpus}", f"train.global_batch_size={8 * cpus}"), rf"need {2 * cpus} CPUs"),
+            (("parallel.device=cuda",), rf"parallel\.device=cuda but the Ray cluster has {cpus} CPUs and 0 GPUs"),
+            (("train.precision=fp16",), r"train\.precision=fp16 needs a GPU")):
+        cfg = load_config(None, [f"run.workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                                 *overrides])
+        with pytest.raises(ConfigError, match=pattern):
+            run_pipeline(cfg, stages=stages, echo=lambda s: None)
+        assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow or any stage
 
 
 def test_run_pipeline_refuses_stage_resources_the_cluster_lacks_before_the_first_stage(tmp_path, ray_cluster):
