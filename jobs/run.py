@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.errors import EXPECTED_ERRORS, main_exit_code
 
     signal.signal(signal.SIGTERM, _interrupt)  # `ray job stop`, `kill`: end as Ctrl-C does (runs KILLED)
+    # Ctrl-C, set here too: Python leaves SIGINT ignored when the process started with it ignored (anything
+    # started in the background by a non-interactive shell, `cmd &`), and the run would not stop on it
+    signal.signal(signal.SIGINT, _interrupt)
     quiet = not (args.verbose or args.dry_run)
     # Quiet, the workers' own progress bars would only fill the log file: the driver shows progress.
     overrides = ["train.progress_bar=false", *args.overrides] if quiet else args.overrides

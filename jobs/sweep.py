@@ -36,6 +36,7 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # also where it started ignored (as jobs.run does)
     quiet = not (args.verbose or args.dry_run)
     overrides = ["train.progress_bar=false", *args.overrides] if quiet else args.overrides
     try:

@@ -45,11 +45,13 @@ def test_an_unreachable_tracking_server_stops_the_run_before_any_compute(tmp_pat
 def test_sigterm_marks_the_runs_killed(tmp_path, sig):
     """``kill`` / ``ray job stop`` (SIGTERM) and Ctrl-C (SIGINT) while the train stage runs: exit 130, one line
     naming the signal and no traceback after it, the stage's and the parent's MLflow runs KILLED, the finished
-    stages FINISHED."""
+    stages FINISHED. jobs.run starts with SIGINT ignored here (as a command started with ``&`` by a script
+    does, which Python then leaves ignored): it must stop on it all the same."""
     work = tmp_path / "work"
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}", "train.steps=100000",
            "train.progress_bar=false", "train.compile=false"]  # a run this long would compile first (compile auto)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # inherited: ignored
     seen = []
     for line in proc.stdout:  # the stages print "<stage>: running (<hash>)" as they start
         seen.append(line)
@@ -57,8 +59,13 @@ def test_sigterm_marks_the_runs_killed(tmp_path, sig):
             time.sleep(5)  # inside the Ray task now
             proc.send_signal(sig)
             break
-    out = "".join(seen) + proc.stdout.read()
-    assert proc.wait(timeout=120) == 130, out[-3000:]
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{sig.name} did not end jobs.run within 120 s: {''.join(seen)[-3000:]}") from None
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]
     said = f"interrupted ({sig.name})"
     assert said in out and "Traceback" not in out.split(said)[-1], out[-3000:]
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={work}"])
