@@ -247,6 +247,11 @@ class ParallelSection:
     # consecutive ranks, each holding seq_len / sp positions of the same sequences; attention runs on all
     # positions for n_heads / sp heads. Data parallelism is over num_workers / sp groups.
     sequence_parallel_size: int = 1
+    # Where the workers train. ray_train: Ray Train's workers (a controller and a worker process each, with
+    # their process group). in_task: the train stage's own task trains, as its one worker (one worker only;
+    # pipeline.training.in_task: the same checkpoints, restarts and callbacks, without Ray Train's processes).
+    # auto: in_task for one worker on a CPU, else ray_train. The weights are the same either way.
+    launcher: Literal["auto", "ray_train", "in_task"] = _unhashed("auto")
 
 
 @dataclass
@@ -696,6 +701,9 @@ def validate(cfg: RunConfig, source: str = "<config>") -> None:
     # The layout limits, each written once in pipeline.config.limits (the training code relies on them);
     # checked in this order, so that each one may assume the ones before it.
     within(limits.layout_sizes(p.num_workers, p.ep_size, tr.micro_batch_size_per_rank))
+    need(p.launcher != "in_task" or p.num_workers == 1,
+         f"parallel.launcher=in_task trains in the train stage's task, as one worker: parallel.num_workers="
+         f"{p.num_workers} needs parallel.launcher=ray_train (or auto)")
     within(limits.sequence_parallel(p.sequence_parallel_size, p.num_workers, p.ep_size, cfg.tokenize.seq_len))
     within(limits.global_batch(tr.global_batch_size, p.num_workers, tr.micro_batch_size_per_rank,
                                p.sequence_parallel_size))

@@ -1,7 +1,10 @@
 """train: token blocks -> a trained model (``model.safetensors``), via Ray Train + DeepSpeed.
 
 Ray Train's ``TorchTrainer`` starts ``parallel.num_workers`` workers and their process group
-(gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``.
+(gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``. A run of one worker on a CPU
+(``parallel.launcher`` auto, or in_task) runs the same loop in this stage's own task instead
+(``pipeline.training.in_task``: the same checkpoints, restarts and callbacks, without Ray Train's
+controller and actors).
 
 Checkpoints live outside the artifact folder, in the Ray Train run ``train-<artifact hash>`` under
 ``checkpoint.storage`` (default ``<artifact_root>/checkpoints``). So:
@@ -27,6 +30,7 @@ from pipeline.store.contracts import CHECKPOINT_PREFIX, read_train_metrics, read
 from pipeline.stages.stage import Resources, Stage
 from pipeline.store.backends import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
+from pipeline.training.in_task import assigned_cpus, uses_in_task
 from pipeline.training.layout import check_split
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
@@ -212,29 +216,67 @@ def cpus_per_worker(cfg: RunConfig, device: str) -> int | None:
     """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the most the nodes'
     free CPUs place for every worker, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's default:
     a GPU each)."""
-    import ray
-
     if device == "cuda":
         return None
-    try:  # each node's free CPUs (Ray keeps no public call for it)
+    if cfg.parallel.threads_per_worker:
+        return cfg.parallel.threads_per_worker
+    return worker_cpus(None, cfg.parallel.num_workers, free_cpus_by_node(), cfg.parallel.placement_strategy)
+
+
+def free_cpus_by_node(settle_s: float = 0.5) -> list[float]:
+    """Each node's free CPUs. Ray's view of them trails the tasks that just ended (the stages before
+    this one, their leases handed back within about 0.1 s): while some node shows fewer free CPUs than it
+    has, it is read again every 20 ms for up to ``settle_s``, and each node's most is kept."""
+    import time
+
+    import ray
+
+    try:  # Ray keeps no public call for it
         from ray._private.state import available_resources_per_node
 
-        free = [r.get("CPU", 0.0) for r in available_resources_per_node().values()]
+        def read() -> dict[str, float]:
+            return {node: r.get("CPU", 0.0) for node, r in available_resources_per_node().items()}
     except (ImportError, AttributeError):  # a Ray without it: the cluster's free CPUs as if on one node
-        free = [ray.available_resources().get("CPU", 0.0)]
-    return worker_cpus(cfg.parallel.threads_per_worker, cfg.parallel.num_workers, free,
-                       cfg.parallel.placement_strategy)
+        def read() -> dict[str, float]:
+            return {"cluster": ray.available_resources().get("CPU", 0.0)}
+    total = ray.cluster_resources().get("CPU", 0.0)
+    free = read()
+    deadline = time.monotonic() + settle_s
+    while sum(free.values()) < total and time.monotonic() < deadline:
+        time.sleep(0.02)
+        free = {node: max(cpus, free.get(node, 0.0)) for node, cpus in read().items()}
+    return list(free.values())
+
+
+def _device(cfg: RunConfig) -> str:
+    import ray
+
+    # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
+    return resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+
+
+def in_task(cfg: RunConfig, device: str) -> bool:
+    """Whether this run trains in the stage's own task (``pipeline.training.in_task``), not Ray Train's workers."""
+    return uses_in_task(cfg.parallel.launcher, cfg.parallel.num_workers, device)
+
+
+def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
+    """Training in Ray Train's workers: nothing (they hold the CPUs and GPUs). Training in the task: what its
+    one worker would have held (``cpus_per_worker``, or a GPU)."""
+    device = _device(cfg)
+    if not in_task(cfg, device):
+        return Resources(cpus=0)
+    if device == "cuda":
+        return Resources(cpus=0, gpus=1)
+    return Resources(cpus=cpus_per_worker(cfg, device))
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig
 
-    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, train_worker, trainer_class
+    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, train_worker
 
-    # On a cluster the GPUs are on the workers' nodes, not necessarily on this task's node.
-    device = resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
+    device = _device(cfg)
     precision = resolve_precision(cfg.train.precision, device)
     if cfg.parallel.sequence_parallel_size > 1:  # before any worker starts: can a shard be computed alone?
         check_sequence_parallel(cfg)
@@ -259,12 +301,15 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         print(f"warning: Ray Train's record of this training's checkpoints was cut short (its controller died while "
               f"writing it); resuming from the newest checkpoint it left, {recovered}", flush=True)
         tracker.set_tags({"checkpoint.recovered": recovered})
-    cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
+    here = in_task(cfg, device)
+    if here:  # the task holds what its worker uses (task_resources, placed before it started)
+        cpus = assigned_cpus() if device == "cpu" else None
+    else:
+        cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
     if cpus:
-        tracker.set_tags({"cpus_per_worker": str(cpus)})
-    trainer = trainer_class()(
-        train_worker,
-        train_loop_config={
+        tracker.set_tags({"cpus_per_worker": str(int(cpus))})
+    tracker.set_tags({"conduit.launcher": "in_task" if here else "ray_train"})
+    loop_config = {
             "run_config": cfg.to_dict(),
             "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
             "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
@@ -277,23 +322,19 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
             "recovered_checkpoint": recovered,
             # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
             "report_validation": bool(getattr(tracker, "train_callbacks", ())),
-        },
-        torch_config=TorchConfig(backend=backend_for(device)),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
-                                               placement_strategy=cfg.parallel.placement_strategy,
-                                               resources_per_worker={"CPU": cpus} if cpus else None),
-        run_config=ray.train.RunConfig(
-            name=name,
-            storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[failure_callback(tracker, cfg.checkpoint.max_failures),
-                       *getattr(tracker, "train_callbacks", ())],
-        ),
-    )
-    tracker.set_tags({"conduit.phase": f"starting {cfg.parallel.num_workers} training worker"
-                                       f"{'s' if cfg.parallel.num_workers > 1 else ''}"})
-    result = trainer.fit()
+    }
+    callbacks = [failure_callback(tracker, cfg.checkpoint.max_failures), *getattr(tracker, "train_callbacks", ())]
+    tracker.set_tags({"conduit.phase": "training in the stage's task" if here else
+                      f"starting {cfg.parallel.num_workers} training worker"
+                      f"{'s' if cfg.parallel.num_workers > 1 else ''}"})
+    if here:
+        from pipeline.training import in_task as local
+
+        result = local.fit(train_worker, loop_config, storage=storage, name=name, keep=cfg.checkpoint.keep,
+                           max_failures=cfg.checkpoint.max_failures, callbacks=callbacks,
+                           backend=backend_for(device), recovered=recovered)
+    else:
+        result = _fit_with_ray_train(cfg, device, cpus, storage, name, loop_config, callbacks)
     if result.error:
         raise RuntimeError(f"training failed: {result.error}") from result.error
     history = read_train_metrics(out_dir)
@@ -316,8 +357,34 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     }
 
 
-# Holds no CPU itself: its Ray Train workers hold theirs (and the GPUs).
+def _fit_with_ray_train(cfg: RunConfig, device: str, cpus: int | None, storage: str, name: str, loop_config: dict,
+                        callbacks: list):
+    """``parallel.num_workers`` Ray Train workers run the loop; returns Ray Train's ``Result``."""
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    from pipeline.training.ray_train import train_worker, trainer_class
+
+    trainer = trainer_class()(
+        train_worker,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend=backend_for(device)),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
+                                               placement_strategy=cfg.parallel.placement_strategy,
+                                               resources_per_worker={"CPU": cpus} if cpus else None),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            callbacks=callbacks,
+        ),
+    )
+    return trainer.fit()
+
+
+# Holds no CPU itself when Ray Train's workers train (they hold theirs, and the GPUs); else its worker's (task_resources).
 STAGE = Stage(name="train", version=1, inputs=("tokenize",),
-              hash_config=hash_config, run=run, resources=Resources(cpus=0),
+              hash_config=hash_config, run=run, resources_for=task_resources,
               discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need,
               read_in_place=("tokenize",))

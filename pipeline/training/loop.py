@@ -12,7 +12,8 @@
     precision      "fp32" / "bf16" / "fp16" / "amp_bf16" (resolved), or "auto" on a CPU: the workers time
                    both and choose (``pipeline.training.precision_choice``)
     failpoints     tests only: {"pause_after_final_checkpoint_s": s} holds every rank still for s seconds
-                   right after the final checkpoint of a first start, for a test to SIGKILL one there
+                   right after the final checkpoint, for a test to SIGKILL one there;
+                   {"fail_once_after_step": {"step": n, "marker": path}} raises once after step n
 
 Checkpoints (every ``checkpoint.every`` steps, when ``checkpoint.every_s`` has passed at a
 log step, and at the end) are reported to Ray Train through ``pipeline.training.checkpoint``, so
@@ -59,6 +60,7 @@ from pipeline.training.checkpoint import CheckpointManager, precision_record, re
 from pipeline.training.engine import (
     build_engine, engine_zero_stage, full_state_dict, local_threads, loss_definition, train_step,
 )
+from pipeline.training.in_task import assigned_cpus
 from pipeline.training.layout import ParallelDims
 from pipeline.training.loader import BlockLoader
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib, score_bias_metrics
@@ -112,6 +114,20 @@ def main(config: dict) -> None:
     if config["device"] == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported: its accelerator is fixed then
     outbox = _rank0_outbox(config)
+    try:
+        _main(config, outbox)
+    except Exception:
+        # A restart in the same process (pipeline.training.in_task) opens a new outbox, which asks MLflow which
+        # steps the run holds: what this attempt logged must be there first, or it would be sent twice.
+        if outbox is not None:
+            outbox.close(timeout_s=FAILED_FLUSH_TIMEOUT_S)
+        raise
+
+
+FAILED_FLUSH_TIMEOUT_S = 30.0  # a failed attempt's wait for its queued metrics (MLflow may be the failure)
+
+
+def _main(config: dict, outbox: Outbox | None) -> None:
     phase = (lambda text: outbox.set_tags({PHASE_TAG: text})) if outbox is not None else (lambda text: None)
     cfg = config_from_dict(config["run_config"])
     phase("building the model and DeepSpeed's engine" + (" (DeepSpeed compiles its CPU Adam op on a node's "
@@ -184,7 +200,7 @@ def _setup(config: dict) -> _Rank:
     t = cfg.train
     ctx = ray.train.get_context()
     rank, world = dist.get_rank(), dist.get_world_size()
-    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU")  # the stage's worker_cpus
+    reserved = assigned_cpus()  # the stage's worker_cpus (None where the stage was called outside Ray: tests)
     torch.set_num_threads(local_threads(ctx.get_local_world_size(), cfg.parallel.threads_per_worker, reserved))
     device = torch.device("cuda", ctx.get_local_rank()) if config["device"] == "cuda" else torch.device("cpu")
     model_cfg = cfg.model_config()
@@ -272,8 +288,21 @@ def _train(run: _Rank) -> None:
             run.checkpoints.save(done, run.loader.state_dict(), run.history, run.starts)
             if done == t.steps:
                 time.sleep(run.config.get("failpoints", {}).get("pause_after_final_checkpoint_s", 0))
+        _fail_once(run.config.get("failpoints", {}).get("fail_once_after_step"), done)
         bar.update(1)
     bar.close()
+
+
+def _fail_once(failpoint: dict | None, done: int) -> None:
+    """Tests only: ``{"step": n, "marker": path}`` raises once, after step n (and its checkpoint, if one is
+    due), in the first process to get there (it creates ``marker``; the restarted attempt finds it)."""
+    if not failpoint or done != failpoint["step"]:
+        return
+    try:
+        Path(failpoint["marker"]).touch(exist_ok=False)
+    except FileExistsError:
+        return
+    raise RuntimeError(f"failpoint: fail_once_after_step {done}")
 
 
 def _validate(run: _Rank, done: int) -> float | None:

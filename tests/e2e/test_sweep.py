@@ -58,12 +58,14 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, ca
     assert result.best.values["optimizer.lr"] in (3e-3, 1e-2)
     assert result.best.metric == min(by_rate[3e-3].metric, by_rate[1e-2].metric)
     # Stopped while its training went on reporting validation losses to a queue that died with the trial: no
-    # controller or worker error, no traceback of theirs on the sweep's console (Ray forwards every worker's
-    # output to it, prefixed with the actor's class). The trial's own process may print Ray's SIGTERM handler
-    # exiting it (Tune stops a trial with SIGTERM): that is the stop itself.
+    # training error, no traceback of its on the sweep's console (Ray forwards every task's output to it,
+    # prefixed with the task's name: each trial's one worker trains in its train stage's task,
+    # pipeline.training.in_task). The trial's own process may print Ray's SIGTERM handler exiting it (Tune
+    # stops a trial with SIGTERM): that is the stop itself.
     console = "".join(capfd.readouterr())
-    training = [ln for ln in console.splitlines() if "(TrainController" in ln or "(RayTrainWorker" in ln]
-    assert any("Reporting training result" in ln for ln in training), console[-5000:]
+    training = [ln for ln in console.splitlines() if "(conduit.train" in ln]
+    assert sum("training in the train stage's task (one worker), from step 0" in ln for ln in training) == len(RATES), \
+        console[-5000:]
     assert not [ln for ln in training if "Traceback" in ln or "Error" in ln], training
     # The stopped trial's Train controller died with it, leaving its workers' placement group, which GCS keeps
     # while the job (this test's process) lives: the sweep removed it, and every CPU free before is free again.

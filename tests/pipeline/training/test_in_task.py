@@ -1,0 +1,214 @@
+"""One training worker in the train stage's own task (``pipeline.training.in_task``), against Ray Train's
+one worker on the same config: the same weights, history and checkpoint record; a failure restarts from
+the newest checkpoint in the same process; a record it wrote is resumed by Ray Train; and the stage's task
+SIGKILLed on the session's Ray is retried and resumes exactly.
+
+The direct calls (``train_once``, as the fault tests make them) train in this test's process, which is
+what the stage's task runs; the SIGKILL test goes through ``run_pipeline`` and Ray's task."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+
+from pipeline import tracking
+from pipeline.config import config_from_dict, load_config
+from pipeline.runner import run_pipeline
+from pipeline.store.contracts import read_train_starts
+from pipeline.training.in_task import CheckpointRecord, uses_in_task
+from tests.pipeline.training.test_fault_tolerance import (
+    ROOT,
+    artifact_run_dir,
+    assert_same_weights,
+    loss_history,
+    registered_steps,
+    train_once,
+)
+
+TIMINGS = {"tokens_per_s", "model_tflops_per_s", "mfu", "peak_memory_gib"}
+
+# 100 steps, a checkpoint every 20 (all kept until the stage seals), two threads wherever it trains (the
+# same reduction order in this process and in a Ray task holding two CPUs).
+ONE = ["parallel.num_workers=1", "parallel.threads_per_worker=2", "train.steps=100", "checkpoint.every=20",
+       "checkpoint.keep=5"]
+
+
+def fail_once(monkeypatch, tmp_path: Path, step: int) -> None:
+    monkeypatch.setenv("CONDUIT_FAILPOINTS", json.dumps(
+        {"fail_once_after_step": {"step": step, "marker": str(tmp_path / f"failed-after-{step}")}}))
+
+
+def tags_of(art) -> dict:
+    uri = config_from_dict(art.manifest["run_config"]).tracking_uri()
+    return tracking.client(uri).search_runs([tracking.ensure_experiment(uri, "fault")])[0].data.tags
+
+
+@pytest.fixture(scope="module")
+def in_task(tmp_path_factory, smoke_artifact_root):
+    """The uninterrupted in-task run (its checkpoints all kept)."""
+    return train_once(tmp_path_factory.mktemp("in_task"), "in_task", [*ONE, "parallel.launcher=in_task"], kill=False,
+                      data_root=smoke_artifact_root, prune=False)
+
+
+def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_train():
+    assert uses_in_task("auto", 1, "cpu") and uses_in_task("in_task", 1, "cpu")
+    assert not uses_in_task("auto", 2, "cpu") and not uses_in_task("auto", 1, "cuda")
+    assert not uses_in_task("ray_train", 1, "cpu")
+
+
+@pytest.mark.slow
+def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_path, in_task, smoke_artifact_root):
+    weights, history, _, art = in_task
+    rt_weights, rt_history, _, rt_art = train_once(tmp_path, "ray_train", [*ONE, "parallel.launcher=ray_train"],
+                                                   kill=False, data_root=smoke_artifact_root, prune=False)
+    assert art.hash == rt_art.hash  # the launcher changes no result, so it is not in the hash
+    assert_same_weights(weights, rt_weights)
+    untimed = [[{k: v for k, v in h.items() if k not in TIMINGS} for h in hs] for hs in (history, rt_history)]
+    assert untimed[0] == untimed[1] and len(untimed[0]) == 10  # every logged value but the timings, exactly
+    assert read_train_starts(art.path) == read_train_starts(rt_art.path) == [0]
+    assert tags_of(art)["conduit.launcher"] == "in_task" and tags_of(rt_art)["conduit.launcher"] == "ray_train"
+    # The record: Ray Train's own model reads both; the same checkpoints (every 20 steps, all 5 kept), the same
+    # report count, and each folder holds the same files.
+    records = []
+    for a in (art, rt_art):
+        run_dir = artifact_run_dir(a)
+        snapshot = _CheckpointManagerState.parse_raw((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        records.append(snapshot)
+        assert [r.metrics for r in snapshot.checkpoint_results] == [{"step": s} for s in (20, 40, 60, 80, 100)]
+        assert snapshot.latest_checkpoint_result == snapshot.checkpoint_results[-1]
+        assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == \
+            [r.checkpoint_dir_name for r in snapshot.checkpoint_results]
+    assert records[0].checkpoint_report_indices == records[1].checkpoint_report_indices
+    assert records[0].current_report_index == records[1].current_report_index
+    files = [sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+             for d in (artifact_run_dir(a) / s.checkpoint_results[-1].checkpoint_dir_name
+                       for a, s in zip((art, rt_art), records))]
+    assert files[0] == files[1] and "canonical.pt" in files[0]
+
+
+@pytest.mark.slow
+def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, in_task, smoke_artifact_root,
+                                                                      monkeypatch):
+    """Fails once after step 30: the restart, in the same process, starts at 20 (the newest checkpoint),
+    and ends with the uninterrupted run's weights and MLflow history (each step once)."""
+    weights, history, _, straight = in_task
+    fail_once(monkeypatch, tmp_path, 30)
+    resumed, resumed_history, _, art = train_once(tmp_path, "failed", [*ONE, "checkpoint.max_failures=1"],
+                                                  kill=False, data_root=smoke_artifact_root)
+    assert (tmp_path / "failed-after-30").exists()
+    assert read_train_starts(art.path) == [0, 20]
+    assert_same_weights(weights, resumed)
+    assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
+    assert loss_history(art) == loss_history(straight) != []
+    tags = tags_of(art)
+    assert tags["conduit.restarts"] == "1", tags
+    assert tags["conduit.last_failure"] == "rank 0: RuntimeError: failpoint: fail_once_after_step 30", tags
+    assert tags["conduit.launcher"] == "in_task"
+
+
+@pytest.mark.slow
+def test_ray_train_resumes_a_run_the_task_began(tmp_path, in_task, smoke_artifact_root, monkeypatch):
+    """The in-task run fails after step 30 with no restart allowed (the stage fails); the rerun, on Ray
+    Train's worker, restores the record the task wrote and continues from step 20 to the same weights."""
+    weights, _, _, _ = in_task
+    storage = tmp_path / "shared-storage"
+    fail_once(monkeypatch, tmp_path, 30)
+    common = [*ONE, f"checkpoint.storage={storage}", "checkpoint.max_failures=0"]
+    with pytest.raises(RuntimeError, match="training failed: failpoint: fail_once_after_step 30"):
+        train_once(tmp_path, "task", [*common, "parallel.launcher=in_task"], kill=False, data_root=smoke_artifact_root)
+    (run_dir,) = storage.iterdir()
+    assert registered_steps(run_dir) == [20]
+    monkeypatch.delenv("CONDUIT_FAILPOINTS")
+    resumed, _, _, art = train_once(tmp_path, "ray", [*common, "parallel.launcher=ray_train"], kill=False,
+                                    data_root=smoke_artifact_root)
+    assert read_train_starts(art.path) == [0, 20]
+    assert tags_of(art)["conduit.launcher"] == "ray_train"
+    assert_same_weights(weights, resumed)
+
+
+def _stage_task_pids(session_dir: str) -> list[int]:
+    """The train stage's task processes under this session's raylet."""
+    pids = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if not cmd.startswith("ray::conduit.train"):
+            continue
+        parent = proc.parent()
+        if parent is not None and session_dir in " ".join(parent.cmdline()):
+            pids.append(proc.info["pid"])
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, ray_cluster):
+    """The whole pipeline up to train on the session's Ray; once two checkpoints are recorded, the stage's
+    task is SIGKILLed. Ray retries the task, which resumes from the newest checkpoint: the same weights as
+    the uninterrupted run, and MLflow holds each logged step once."""
+    weights, history, _, straight = in_task
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [
+        f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}", "train.log_every=10",
+        "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE])
+    session = ray_cluster._private.worker._global_node.get_session_dir_path()
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_after_two_checkpoints() -> None:
+        while not done.is_set():
+            runs = list((tmp_path / "artifacts" / "checkpoints").glob("train-*"))
+            pids = _stage_task_pids(session)
+            if runs and len(registered_steps(runs[0])) >= 2 and pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_after_two_checkpoints)
+    killer.start()
+    try:
+        result = run_pipeline(cfg, until="train", echo=lambda line: None)
+    finally:
+        done.set()
+        killer.join()
+    assert killed, "the train stage finished before two checkpoints were recorded"
+    art = result.artifacts["train"]
+    assert art.hash == straight.hash
+    starts = read_train_starts(art.path)
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] in (40, 60, 80), starts
+    assert_same_weights(weights, load_file(art.path / "model.safetensors"))
+    c = tracking.client(result.tracking_uri)
+    (train_run,) = c.search_runs([c.get_run(result.run_id).info.experiment_id], "tags.`conduit.stage` = 'train'")
+    logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
+    assert logged == loss_history(straight)
+    assert [h["loss"] for h in history] == [v for _, v in logged]
+
+
+def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(tmp_path):
+    """``CheckpointRecord`` alone: ``keep`` 2 of four reports with a checkpoint (and one without), each
+    folder uploaded whole, the record readable by Ray Train's model and by a new ``CheckpointRecord``."""
+    record = CheckpointRecord(str(tmp_path), "train-x", keep=2)
+    assert record.latest() is None
+    for step in (10, 20, 30, 40):
+        src = tmp_path / f"local{step}"
+        (src / "sub").mkdir(parents=True)
+        (src / "sub" / "state.bin").write_bytes(bytes([step]) * 100)
+        record.add({"step": step}, str(src))
+        if step == 20:
+            assert record.add({"step": step, "val_loss": 1.0}, None) is None  # a report without a checkpoint
+    folders = sorted(p.name for p in (tmp_path / "train-x").glob("checkpoint_*") if p.is_dir())
+    snapshot = _CheckpointManagerState.parse_raw((tmp_path / "train-x" / "checkpoint_manager_snapshot.json").read_text())
+    assert [r.checkpoint_dir_name for r in snapshot.checkpoint_results] == folders and len(folders) == 2
+    assert [r.metrics["step"] for r in snapshot.checkpoint_results] == [30, 40]
+    assert snapshot.checkpoint_report_indices == [3, 4] and snapshot.current_report_index == 5
+    again = CheckpointRecord(str(tmp_path), "train-x", keep=2)
+    latest = again.latest()
+    assert latest.path.endswith(folders[-1])
+    assert (Path(latest.path) / "sub" / "state.bin").read_bytes() == bytes([40]) * 100
