@@ -21,7 +21,9 @@ by kind (``total``). The steps' CPU-seconds: the wall of the steps, from the loo
 ``train_metrics.json`` (each window of ``train.log_every`` steps holds ``tokens_per_s`` over its tokens,
 so its seconds are its tokens / tokens_per_s; the first window holds the first step's warm-up), times
 each worker's threads (the ``threads_per_worker`` tag of the stage's MLflow run) times the workers: the CPU
-the steps held, at full use of their threads. Fixed = total - steps. As a cross-check, one 60-step
+the steps held, at full use of their threads. Fixed = total - steps. (One worker on a CPU trains in the
+train stage's task, ``pipeline.training.in_task``: its steps are in that task's CPU-seconds, and subtracted
+the same way.) As a cross-check, one 60-step
 run per worker count: the stage's CPU a step is (T60 - T30) / 30, and fixed = T30 - 30 x that.
 
 (b) Sweep trial: ``configs/sweeps/smoke_lr.yaml`` (8 trials, 2 at a time, a worker each, validation every

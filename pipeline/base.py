@@ -9,6 +9,8 @@
 - ``redact``: every URI password and secret query value in a text replaced by ``***``; a
   ``ConfigError``'s message passes through it (``pipeline.credentials`` finds and refuses
   credentials, with the same patterns).
+- ``beside_lock``: an exclusive ``flock`` on ``<file>.lock`` beside a file that several processes update (the
+  machine caches, a new sqlite MLflow store).
 - ``STAGE_ORDER``: the six stages' names in the order the runner walks them, for the command lines'
   ``--only``/``--until``/``--force`` choices: ``jobs.submit`` and ``jobs.run --help`` offer them without
   importing the stages (Ray, MLflow, torch); `pipeline.stages` refuses a table that differs.
@@ -16,7 +18,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +34,30 @@ SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passw
                  "x-amz-security-token"}
 URI_PATTERN = re.compile(
     r"[A-Za-z][A-Za-z0-9+.-]*://(?P<authority>[^/?#\s]*)(?P<path>[^?#\s]*)(?:\?(?P<query>[^#\s]*))?")
+
+
+@contextlib.contextmanager
+def beside_lock(path: Path, make_folder: bool = True) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``<path>.lock`` (made if missing) while the block runs; yields whether
+    it is held. ``make_folder``: make ``path``'s folder first (an OSError if it cannot be); else, where the
+    folder is missing or the lock file cannot be made (a read-only folder), run the block unlocked."""
+    import fcntl
+
+    lock_path = path.with_name(path.name + ".lock")
+    if make_folder:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(lock_path, "a") if make_folder or lock_path.parent.is_dir() else None
+    except OSError:
+        if make_folder:
+            raise
+        lock = None
+    if lock is None:
+        yield False
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield True  # closing the file releases the lock
 
 
 def is_uri(location: str | Path) -> bool:

@@ -11,12 +11,12 @@ measured. No torch here: a dry run reads the CPU's speed without it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from pipeline.base import beside_lock
 
 
 def cache_dir() -> Path:
@@ -33,17 +33,6 @@ def read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def update(path: Path, keys: tuple[str, ...], value: Any) -> None:
     """Sets ``keys[0] -> keys[1] -> ... -> value`` in the JSON object in ``path``, keeping its other entries
     (an unreadable file starts over), under the file's lock, written atomically (a rename).
@@ -53,7 +42,7 @@ def update(path: Path, keys: tuple[str, ...], value: Any) -> None:
     """
     from pipeline.store.artifacts import write_json_atomic
 
-    with _locked(path):
+    with beside_lock(path):
         data = read(path)
         node = data
         for key in keys[:-1]:

@@ -30,7 +30,7 @@ from urllib3.util import parse_url
 from urllib3.util.retry import Retry
 
 from pipeline.base import TrackingUnavailable  # defined there: the command lines name it without mlflow
-from pipeline.base import ConfigError, is_uri
+from pipeline.base import ConfigError, beside_lock, is_uri
 from pipeline import credentials
 from pipeline.serving import pyfunc
 
@@ -270,18 +270,10 @@ def _store_creation_lock(uri: str):
     database serializes the openings (two runs of one fresh workdir, an MLflow UI opened as a run starts);
     where that file cannot be made (a read-only folder), nothing is locked."""
     path = _sqlite_file(uri)
-    lock_path = path.with_name(path.name + ".lock") if path is not None else None
-    try:
-        lock = open(lock_path, "a") if lock_path is not None and lock_path.parent.is_dir() else None
-    except OSError:
-        lock = None
-    if lock is None:
+    if path is None:
         yield
         return
-    import fcntl
-
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with beside_lock(path, make_folder=False):
         yield
 
 
@@ -482,7 +474,26 @@ def log_input(c: MlflowClient, run_id: str, name: str, source: str, digest: str,
     source_type = source.split("://", 1)[0] if is_uri(source) else "local"
     entity = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": source}),
                      profile=None if profile is None else json.dumps(profile, sort_keys=True))
-    c.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])])
+    for attempt in range(DATASET_RACE_TRIES):
+        try:
+            c.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])])
+            return
+        except MlflowException as e:
+            # MLflow's store looks the dataset up, then inserts it if missing: two runs logging one dataset
+            # (a sweep's trials, the same token blocks) at once both insert, and the second breaks the
+            # table's uniqueness. Once the first insert is in, the lookup finds it: try again.
+            if attempt == DATASET_RACE_TRIES - 1 or not _lost_an_insert_race(e):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
+DATASET_RACE_TRIES = 5
+_UNIQUE_VIOLATIONS = ("UNIQUE constraint failed", "Duplicate entry", "duplicate key value", "IntegrityError")
+
+
+def _lost_an_insert_race(e: Exception) -> bool:
+    """Whether an MLflow error is a uniqueness violation (sqlite's, MySQL's, PostgreSQL's words)."""
+    return any(words in str(e) for words in _UNIQUE_VIOLATIONS)
 
 
 def log_and_register_model(

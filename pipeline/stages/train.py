@@ -383,7 +383,8 @@ def _fit_with_ray_train(cfg: RunConfig, device: str, cpus: int | None, storage: 
     return trainer.fit()
 
 
-# Holds no CPU itself when Ray Train's workers train (they hold theirs, and the GPUs); else its worker's (task_resources).
+# Holds no CPU itself when Ray Train's workers train (they hold theirs, and the GPUs); else what its one
+# worker would (task_resources).
 STAGE = Stage(name="train", version=1, inputs=("tokenize",),
               hash_config=hash_config, run=run, resources_for=task_resources,
               discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need,

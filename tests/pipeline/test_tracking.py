@@ -135,3 +135,48 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-1500:] for o in outs)
         assert tracking.client(uri).get_experiment_by_name("Default") is not None  # a whole, usable store
+
+
+LOG_INPUT_AT = """
+import sys, time
+from pipeline import tracking
+
+uri, run_id, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+c = tracking.client(uri)
+c.get_run(run_id)  # the store opened and the run read before the moment
+while time.time() < start:
+    time.sleep(0.001)
+for digest in sys.argv[4:]:
+    tracking.log_input(c, run_id, "tokens", "/data/tokens/" + digest, digest, "training", {"tokens": 7})
+"""
+
+
+@pytest.mark.slow
+def test_runs_logging_one_dataset_at_once_all_record_it(tmp_path):
+    """A sweep's trials log the same token blocks as their train runs' input dataset, often at the same moment
+    (a benchmark's sweep lost a trial attempt to "UNIQUE constraint failed: datasets..."): MLflow looks a
+    dataset up and inserts it if missing, so two inserts race. Three processes, each with its run, log the same ten datasets at one
+    instant: every run holds all ten, and the store holds each dataset once."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = tracking.ensure_experiment(uri, "race")
+    runs = [tracking.start_run(uri, exp, f"trial_{i}") for i in range(3)]
+    digests = [f"d{i:02d}" for i in range(10)]
+    start = time.time() + 6  # after every interpreter has imported MLflow and opened the store
+    procs = [subprocess.Popen([sys.executable, "-c", LOG_INPUT_AT, uri, run, str(start), *digests], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for run in runs]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-1500:] for o in outs)
+    c = tracking.client(uri)
+    for run in runs:
+        assert sorted(d.dataset.digest for d in c.get_run(run).inputs.dataset_inputs) == digests
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(str(tmp_path / "mlflow.db"))) as db:
+        assert db.execute("SELECT COUNT(*), COUNT(DISTINCT digest) FROM datasets").fetchone() == (10, 10)

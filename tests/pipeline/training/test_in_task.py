@@ -204,7 +204,8 @@ def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(t
         if step == 20:
             assert record.add({"step": step, "val_loss": 1.0}, None) is None  # a report without a checkpoint
     folders = sorted(p.name for p in (tmp_path / "train-x").glob("checkpoint_*") if p.is_dir())
-    snapshot = _CheckpointManagerState.parse_raw((tmp_path / "train-x" / "checkpoint_manager_snapshot.json").read_text())
+    snapshot = _CheckpointManagerState.parse_raw(
+        (tmp_path / "train-x" / "checkpoint_manager_snapshot.json").read_text())
     assert [r.checkpoint_dir_name for r in snapshot.checkpoint_results] == folders and len(folders) == 2
     assert [r.metrics["step"] for r in snapshot.checkpoint_results] == [30, 40]
     assert snapshot.checkpoint_report_indices == [3, 4] and snapshot.current_report_index == 5
