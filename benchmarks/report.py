@@ -66,23 +66,6 @@ KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "the MoE about 0.93 of its ceiling; routing is the rest (the next check). Storing the experts stacked (issue "
     "34) removed the per-step copy of every expert's weights into one tensor and its backward split: MoE "
     "tokens/s now / before 1.02 at both widths (the `before` checks), about two points of the ceiling.")
-_FIXED_COSTS_CAUSE = (
-    "What was cut: Ray Train's preemption watcher (an actor a run, 1.5-2.4 CPU-s; it only logs node drains) is "
-    "off, the controller no longer imports MLflow with the run's StageTracker (pipeline/stage_tracker.py), and a "
-    "stage task imports only its own stage's libraries (the train stage's task neither torch nor the loop). What "
-    "remains is one process a role, each paying its start and its imports: a Ray Train worker (torch, DeepSpeed, "
-    "its train context: about 11 CPU-s), the controller (about 4), the synchronization actor (about 2) and, in a "
-    "sweep, the Tune trial actor (about 6), the evaluate task (about 3) and Tune's report queue (about 1.5). A "
-    "third of the baseline is below what the worker alone costs, so it needs fewer processes, not lighter ones: "
-    "a one-worker run training in its stage task without Ray Train (Ray Train's local mode runs the function "
-    "in-process but keeps no checkpoint, restart or callback; Conduit would have to persist its checkpoints "
-    "and forward validation to Tune itself), or one long-lived worker group that takes a sweep's trials in "
-    "turn. Neither is built yet. The machine's speed drifted by a third between runs this session, so the two "
-    "sides were measured in turn and their medians compared.")
-for _name in ("a sweep trial's fixed CPU-s (smoke_lr, 8 trials) / commit b391b4d's, measured in turn",
-              "fixed CPU-s of a 30-step train stage, 1 worker / commit b391b4d's, measured in turn",
-              "fixed CPU-s of a 30-step train stage, 2 workers / commit b391b4d's, measured in turn"):
-    KNOWN_CAUSES[_name] = _FIXED_COSTS_CAUSE
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
                                                  "<": operator.lt}
 

@@ -212,15 +212,16 @@ def check_sequence_parallel(cfg: RunConfig) -> None:
     check_shardable(model_cfg, model, cfg.parallel.sequence_parallel_size)
 
 
-def cpus_per_worker(cfg: RunConfig, device: str) -> int | None:
+def cpus_per_worker(cfg: RunConfig, device: str, free_by_node=None) -> int | None:
     """What each worker on a CPU reserves, and so its threads (``device.worker_cpus``): the most the nodes'
-    free CPUs place for every worker, or ``parallel.threads_per_worker``. None on GPUs (Ray Train's default:
-    a GPU each)."""
+    free CPUs (``free_by_node()``, by default ``free_cpus_by_node``) place for every worker, or
+    ``parallel.threads_per_worker``. None on GPUs (Ray Train's default: a GPU each)."""
     if device == "cuda":
         return None
     if cfg.parallel.threads_per_worker:
         return cfg.parallel.threads_per_worker
-    return worker_cpus(None, cfg.parallel.num_workers, free_cpus_by_node(), cfg.parallel.placement_strategy)
+    return worker_cpus(None, cfg.parallel.num_workers, (free_by_node or free_cpus_by_node)(),
+                       cfg.parallel.placement_strategy)
 
 
 def free_cpus_by_node(settle_s: float = 0.5) -> list[float]:
@@ -261,14 +262,19 @@ def in_task(cfg: RunConfig, device: str) -> bool:
 
 
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
+    """What the stage's task holds on the running cluster (``resources_on``)."""
+    return resources_on(cfg, _device(cfg))
+
+
+def resources_on(cfg: RunConfig, device: str, free_by_node=None) -> Resources:
     """Training in Ray Train's workers: nothing (they hold the CPUs and GPUs). Training in the task: what its
-    one worker would have held (``cpus_per_worker``, or a GPU)."""
-    device = _device(cfg)
+    one worker would have held (a GPU; on a CPU ``cpus_per_worker``, from ``free_by_node()``, each node's
+    free CPUs, by default the running cluster's)."""
     if not in_task(cfg, device):
         return Resources(cpus=0)
     if device == "cuda":
         return Resources(cpus=0, gpus=1)
-    return Resources(cpus=cpus_per_worker(cfg, device))
+    return Resources(cpus=cpus_per_worker(cfg, device, free_by_node))
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.store.artifacts import is_complete, verify
 from pipeline.config import load_config
-from pipeline.stages import evaluate, in_order, ORDER, Resources, Stage, STAGES
+from pipeline.stages import evaluate, in_order, ORDER, Resources, Stage, STAGES, train
 
 
 def body(cfg, inputs, out_dir, tracker):
@@ -21,12 +21,25 @@ def test_the_pipeline_table_and_its_task_resources():
     assert ORDER == ["shard", "tokenizer", "tokenize", "train", "evaluate", "register"]
     assert all(name == s.name for name, s in STAGES.items())
     cfg = load_config(None)
-    # tokenize's and evaluate's depend on the running cluster (evaluate.resources_on: without GPUs, 1 CPU).
-    fixed = {name: s.task_resources(cfg, {}) for name, s in STAGES.items() if name not in ("tokenize", "evaluate")}
+    # tokenize's, train's and evaluate's depend on the running cluster (evaluate.resources_on: without GPUs, 1 CPU).
+    fixed = {name: s.task_resources(cfg, {}) for name, s in STAGES.items()
+             if name not in ("tokenize", "train", "evaluate")}
     # Stages that fan out (Ray tasks, Ray Train workers) or only do I/O hold no CPU themselves.
-    assert fixed == {"shard": Resources(cpus=0), "tokenizer": Resources(cpus=1), "train": Resources(cpus=0),
-                     "register": Resources(cpus=0)}
+    assert fixed == {"shard": Resources(cpus=0), "tokenizer": Resources(cpus=1), "register": Resources(cpus=0)}
     assert evaluate.resources_on(cfg, gpus_in_cluster=0) == Resources(cpus=1)
+    # train: nothing while Ray Train's workers train (two workers, or ray_train); one worker in the task holds
+    # what that worker would: the most CPUs a node has free (or threads_per_worker), or a GPU.
+    free = lambda: [3.0, 1.0]  # noqa: E731 - two nodes' free CPUs
+    assert train.resources_on(cfg, "cpu", free) == Resources(cpus=0)  # the default two workers
+    one = load_config(None, ["parallel.num_workers=1"])
+    assert train.resources_on(one, "cpu", free) == Resources(cpus=3)
+    assert train.resources_on(load_config(None, ["parallel.num_workers=1", "parallel.threads_per_worker=1"]),
+                              "cpu", free) == Resources(cpus=1)
+    assert train.resources_on(one, "cuda", free) == Resources(cpus=0)  # auto on a GPU: Ray Train's worker
+    assert train.resources_on(load_config(None, ["parallel.num_workers=1", "parallel.launcher=in_task"]),
+                              "cuda", free) == Resources(cpus=0, gpus=1)
+    assert train.resources_on(load_config(None, ["parallel.num_workers=1", "parallel.launcher=ray_train"]),
+                              "cpu", free) == Resources(cpus=0)
     assert STAGES["tokenize"].resources_for is not None  # in-process encoding or Ray tasks
 
 
