@@ -316,18 +316,18 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         tracker.set_tags({"cpus_per_worker": str(int(cpus))})
     tracker.set_tags({"conduit.launcher": "in_task" if here else "ray_train"})
     loop_config = {
-            "run_config": cfg.to_dict(),
-            "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
-            "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
-            "tracker": tracker,
-            "device": device,
-            "precision": precision,
-            # Fault tests widen a moment to SIGKILL a worker in.
-            "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
-            "init_state": init_state,
-            "recovered_checkpoint": recovered,
-            # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
-            "report_validation": bool(getattr(tracker, "train_callbacks", ())),
+        "run_config": cfg.to_dict(),
+        "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
+        "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
+        "tracker": tracker,
+        "device": device,
+        "precision": precision,
+        # Fault tests widen a moment to SIGKILL a worker in.
+        "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
+        "init_state": init_state,
+        "recovered_checkpoint": recovered,
+        # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
+        "report_validation": bool(getattr(tracker, "train_callbacks", ())),
     }
     callbacks = [failure_callback(tracker, cfg.checkpoint.max_failures), *getattr(tracker, "train_callbacks", ())]
     tracker.set_tags({"conduit.phase": "training in the stage's task" if here else
