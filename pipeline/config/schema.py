@@ -250,7 +250,8 @@ class ParallelSection:
     # Where the workers train. ray_train: Ray Train's workers (a controller and a worker process each, with
     # their process group). in_task: the train stage's own task trains, as its one worker (one worker only;
     # pipeline.training.in_task: the same checkpoints, restarts and callbacks, without Ray Train's processes).
-    # auto: in_task for one worker on a CPU, else ray_train. The weights are the same either way.
+    # auto: in_task for one worker on a CPU (unless cluster.stage_resources keeps stage tasks on some nodes),
+    # else ray_train. The weights are the same either way.
     launcher: Literal["auto", "ray_train", "in_task"] = _unhashed("auto")
 
 

@@ -258,7 +258,7 @@ def _device(cfg: RunConfig) -> str:
 
 def in_task(cfg: RunConfig, device: str) -> bool:
     """Whether this run trains in the stage's own task (``pipeline.training.in_task``), not Ray Train's workers."""
-    return uses_in_task(cfg.parallel.launcher, cfg.parallel.num_workers, device)
+    return uses_in_task(cfg.parallel.launcher, cfg.parallel.num_workers, device, bool(cfg.cluster.stage_resources))
 
 
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:

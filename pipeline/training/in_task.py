@@ -45,12 +45,14 @@ from pipeline.store.contracts import CHECKPOINT_PREFIX
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it kept
 
 
-def uses_in_task(launcher: str, num_workers: int, device: str) -> bool:
+def uses_in_task(launcher: str, num_workers: int, device: str, stages_confined: bool = False) -> bool:
     """Whether the train stage trains in its own task: ``parallel.launcher`` in_task, or auto with one
-    worker on a CPU (on a GPU, auto keeps Ray Train: its worker gets the GPU Ray assigns it)."""
+    worker on a CPU. Auto keeps Ray Train on a GPU (its worker gets the GPU Ray assigns it) and where
+    ``cluster.stage_resources`` confines the stage tasks to some nodes (``stages_confined``): training
+    workers are placed by ``parallel.placement_strategy``, not there."""
     if launcher == "in_task":
         return True
-    return launcher == "auto" and num_workers == 1 and device == "cpu"
+    return launcher == "auto" and num_workers == 1 and device == "cpu" and not stages_confined
 
 
 def assigned_cpus() -> float | None:

@@ -40,6 +40,8 @@ def test_the_pipeline_table_and_its_task_resources():
                               "cuda", free) == Resources(cpus=0, gpus=1)
     assert train.resources_on(load_config(None, ["parallel.num_workers=1", "parallel.launcher=ray_train"]),
                               "cpu", free) == Resources(cpus=0)
+    assert train.resources_on(load_config(None, ["parallel.num_workers=1", "cluster.stage_resources=[pool]"]),
+                              "cpu", free) == Resources(cpus=0)  # stage tasks confined: Ray Train places the worker
     assert STAGES["tokenize"].resources_for is not None  # in-process encoding or Ray tasks
 
 

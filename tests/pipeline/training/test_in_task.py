@@ -63,6 +63,9 @@ def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_tra
     assert uses_in_task("auto", 1, "cpu") and uses_in_task("in_task", 1, "cpu")
     assert not uses_in_task("auto", 2, "cpu") and not uses_in_task("auto", 1, "cuda")
     assert not uses_in_task("ray_train", 1, "cpu")
+    # stage tasks kept on some nodes (cluster.stage_resources): a worker goes where the placement strategy puts it
+    assert not uses_in_task("auto", 1, "cpu", stages_confined=True)
+    assert uses_in_task("in_task", 1, "cpu", stages_confined=True)  # asked for: trains on the stage nodes
 
 
 @pytest.mark.slow
