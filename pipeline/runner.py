@@ -330,6 +330,9 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
     store.clear(item.stage, item.hash)  # forced, damaged, or left unsealed by an earlier attempt
     if item.forced and stage.discard_state is not None:
         stage.discard_state(cfg, item.hash)  # an unforced rerun resumes from it instead
+    if _CANCELLING.is_set():  # this process's pipeline is being stopped (cancel_stage_tasks): start nothing more
+        tracking.end_run(uri, child, "KILLED")
+        raise ray.exceptions.TaskCancelledError()
     echo(f"{item.stage}: running ({item.hash})")
     res = stage.task_resources(cfg, inputs)
     ref = ray.remote(_stage_task).options(
@@ -338,15 +341,23 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
         scheduling_strategy="DEFAULT",
         resources={r: STAGE_RESOURCE_SHARE for r in cfg.cluster.stage_resources},
     ).remote(stage, cfg.to_dict(), item.hash, inputs, tracker)
+    _IN_FLIGHT[ref.hex()] = ref
+    if _CANCELLING.is_set():  # cancel_stage_tasks came between the check above and the submit
+        ray.cancel(ref, force=False)
     try:
         transfer = ray.get(ref)
+    except ray.exceptions.TaskCancelledError:  # cancel_stage_tasks (Ray raises it as the task's error too)
+        tracking.end_run(uri, child, "KILLED")
+        raise
     except ray.exceptions.RayTaskError as e:
         record_failure(tracker, e.cause, str(e))
         tracking.end_run(uri, child, "FAILED")
         raise StageFailed(f"stage {item.stage} failed: {e.cause!r}") from e.cause
-    except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), or the driver's own error
+    except BaseException as e:  # Ctrl-C / SIGTERM (KeyboardInterrupt), a cancel, or the driver's own error
         tracking.end_run(uri, child, end_status(e))
         raise
+    finally:
+        _IN_FLIGHT.pop(ref.hex(), None)
     art = store.load(item.stage, item.hash)
     result.artifacts[item.stage] = art
     result.transfers[item.stage] = transfer
@@ -357,6 +368,37 @@ def _run_one(cfg: RunConfig, store, item: PlanItem, stage: Stage, result: Pipeli
         moved = (f"; fetched {transfer.fetched_bytes / 1e6:.1f} MB in {transfer.fetch_seconds:.1f}s, "
                  f"uploaded {transfer.uploaded_bytes / 1e6:.1f} MB in {transfer.upload_seconds:.1f}s")
     echo(f"{item.stage}: done in {art.manifest['seconds']:.1f}s ({item.hash}{moved})")
+
+
+_IN_FLIGHT: dict = {}  # this process's stage tasks being waited for, by object id (cancel_stage_tasks)
+_CANCELLING = threading.Event()  # set by cancel_stage_tasks until allow_stage_tasks
+
+
+def cancel_stage_tasks(wait_s: float) -> int:
+    """End this process's running stage tasks as Ctrl-C would (a KeyboardInterrupt in each task, Ray's
+    non-force cancel) and wait up to ``wait_s`` for them to end; a pipeline of this process between two
+    stages starts no more, until ``allow_stage_tasks``. The tasks' Ray worker processes live on, with what
+    they imported, for the next task, where killing the caller's process would take them along (Ray ends
+    the tasks a dead process owned with their workers). Each stage's MLflow run ends KILLED; the caller's
+    ``run_pipeline`` raises ``ray.exceptions.TaskCancelledError``.
+
+    Returns:
+        How many tasks were cancelled.
+    """
+    import ray
+
+    _CANCELLING.set()
+    refs = list(_IN_FLIGHT.values())
+    for ref in refs:
+        ray.cancel(ref, force=False)
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    return len(refs)
+
+
+def allow_stage_tasks() -> None:
+    """Let this process's pipelines start stage tasks again after ``cancel_stage_tasks``."""
+    _CANCELLING.clear()
 
 
 DRIVER_TAG = "conduit.driver"  # JSON: host, pid and process start time of the driver that owns the run
@@ -400,8 +442,11 @@ def fail_runs_of_dead_drivers(uri: str, exp_id: str, cfg: RunConfig) -> list[str
 
 
 def end_status(exc: BaseException) -> str:
-    """MLflow's end state for a run that ``exc`` ended: KILLED for Ctrl-C / SIGTERM, else FAILED."""
-    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+    """MLflow's end state for a run that ``exc`` ended: KILLED for Ctrl-C / SIGTERM or a cancelled stage
+    task (``cancel_stage_tasks``), else FAILED."""
+    from ray.exceptions import TaskCancelledError
+
+    return "KILLED" if isinstance(exc, (KeyboardInterrupt, TaskCancelledError)) else "FAILED"
 
 
 def record_failure(tracker: StageTracker, cause: BaseException, remote_traceback: str) -> None:

@@ -7,9 +7,11 @@ Order of work:
 2. Ray Tune runs the trials, ``max_concurrent`` at a time (and as many as the cluster's CPUs allow:
    a trial holds none itself, its train stage's Ray Train workers hold theirs). Each trial is the
    pipeline up to evaluate for its config, in an MLflow run nested under the sweep's (its stage runs
-   under it). Inside, Ray Train runs the training as in any pipeline; with ``val_loss`` as the metric,
-   each validation loss goes from the train workers to Tune (``ValidationToTune``, Ray's documented
-   route for Train inside Tune), where ASHA may stop the trial.
+   under it). Inside, the training runs as in any pipeline (one worker in its train stage's task, more on
+   Ray Train); with ``val_loss`` as the metric, each validation loss goes from the training to Tune
+   (``ValidationToTune``, Ray's documented route for Train inside Tune), where ASHA may stop the trial.
+   Tune runs the next trial in the process a trial leaves (``reuse_actors``); a stopped trial's running
+   stage task is cancelled first (``EndStagesOnStop``), so the processes its stages ran in stay warm.
 3. A stopped trial ends as "stopped at step N" with its last validation loss, on its MLflow run (KILLED)
    and in the summary; its train artifact is never sealed (training did not finish), and a rerun
    of the sweep does not run it again. A failed trial is retried ``checkpoint.max_failures`` times
@@ -84,10 +86,10 @@ def validation_to_tune_class() -> type:
     """The Ray Train callback (made inside a Tune trial) that hands Tune the reports that carry a
     validation loss, and no other (checkpoint reports carry only a step).
 
-    When Tune stops the trial, its process goes, and with it the queue the reports travel on; a report
-    in flight then finds the queue gone. That is the trial ending, not the training failing: the report
-    is dropped (the Train run ends with the trial's process, whose stage task owns it), rather than
-    raised as a controller error with a traceback on the sweep's console for every stopped trial.
+    When Tune stops the trial and ends its process, the queue the reports travel on goes with it; a
+    report in flight then finds the queue gone. That is the trial ending, not the training failing: the
+    report is dropped (the training is being cancelled: ``EndStagesOnStop``), rather than raised as a
+    controller error with a traceback on the sweep's console for every stopped trial.
     """
     from ray.exceptions import RayActorError
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -102,6 +104,33 @@ def validation_to_tune_class() -> type:
                     pass  # the trial was stopped (its process and its queue are gone)
 
     return ValidationToTune
+
+
+STOP_WAIT_S = 60.0  # a stopped trial's wait for its stage task to end (its metrics flushed, 30 s at most)
+
+
+class EndStagesOnStop:
+    """Mixed into each trial's Tune trainable: when Tune stops the trial (ASHA, or the sweep interrupted),
+    its running stage task is cancelled as Ctrl-C would end it, and waited for, before the trial's
+    process goes or takes the next trial (Tune reuses it: ``reuse_actors``). Else Ray would end the task
+    with that process, and with the task its worker process, whose imports (torch, DeepSpeed, the stages)
+    the next trial's stage would find warm there (``pipeline.training.in_task``): a cold start for each
+    stopped trial, which the full grid never pays. The stage's MLflow run ends KILLED (``_mark_stopped``
+    then says why)."""
+
+    def cleanup(self):
+        from pipeline.runner import cancel_stage_tasks
+
+        cancel_stage_tasks(STOP_WAIT_S)
+        super().cleanup()
+
+    def reset_config(self, new_config):
+        from pipeline.runner import allow_stage_tasks, cancel_stage_tasks
+
+        cancel_stage_tasks(STOP_WAIT_S)  # a stopped trial's thread ends with its stage; a finished one's has
+        reset = super().reset_config(new_config)
+        allow_stage_tasks()
+        return reset
 
 
 def _validation_to_tune():
@@ -231,10 +260,11 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
         trials = [{"name": t.name, "values": t.values, "cfg": trial_threads(resolve(t.cfg), spec.max_concurrent,
                                                                              cpus).to_dict()} for t in spec.trials]
-        trainable = tune.with_resources(
-            tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
-                                 metric=spec.metric, sweep_name=spec.name),
-            {"cpu": 0, "memory": 2**20})  # no CPU: its train stage's workers hold those (Tune needs a non-empty bundle)
+        trial_fn = tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
+                                        metric=spec.metric, sweep_name=spec.name)
+        trial_fn.__mixins__ = (EndStagesOnStop,)  # Tune's hook for a function trainable's base classes
+        trainable = tune.with_resources(trial_fn, {"cpu": 0, "memory": 2**20})
+        # (no CPU: its train stage's workers hold those; Tune needs a non-empty bundle)
         # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial that trains to
         # the end must go on to evaluate and report that it finished.
         scheduler = (RecordingASHA(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
@@ -252,7 +282,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
                 param_space={"trial": tune.grid_search(spec.start_order)},
                 tune_config=tune.TuneConfig(metric="val_loss" if spec.metric == "val_loss" else spec.metric,
                                             mode=spec.mode, scheduler=scheduler,
-                                            max_concurrent_trials=spec.max_concurrent, reuse_actors=False),
+                                            max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
                 run_config=tune.RunConfig(name=spec.name, storage_path=storage, verbose=0,
                                           failure_config=tune.FailureConfig(max_failures=base.checkpoint.max_failures),
                                           callbacks=[_outcomes_class()(uri, exp_id, sweep_run, echo)]),
@@ -336,8 +366,11 @@ def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last:
         StageTracker(uri, run_id).set_tags({
             "conduit.sweep_status": STOPPED, "conduit.sweep_stopped_at_step": last.get("step"),
             "conduit.sweep_last_val_loss": last.get("val_loss"), "mlflow.note.content": f"{name}: {status} by ASHA"})
-        for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
-                                                                 f"tags.`mlflow.parentRunId` = '{run_id}'"):
+        # RUNNING, or KILLED by the trial's own stop (EndStagesOnStop), which may come first
+        for child, tags in tracking.search_runs(uri, experiment_id, f"attributes.status != 'FINISHED' and "
+                                                                    f"tags.`mlflow.parentRunId` = '{run_id}'"):
+            if "conduit.error" in tags:
+                continue  # failed earlier, for its own reason
             StageTracker(uri, child).set_tags({"conduit.error": f"the sweep's scheduler {status}"})
             tracking.end_run(uri, child, "KILLED")
         tracking.end_run(uri, run_id, "KILLED")

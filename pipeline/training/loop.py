@@ -116,9 +116,10 @@ def main(config: dict) -> None:
     outbox = _rank0_outbox(config)
     try:
         _main(config, outbox)
-    except Exception:
+    except BaseException:
         # A restart in the same process (pipeline.training.in_task) opens a new outbox, which asks MLflow which
-        # steps the run holds: what this attempt logged must be there first, or it would be sent twice.
+        # steps the run holds: what this attempt logged must be there first, or it would be sent twice. A
+        # cancelled task's process (KeyboardInterrupt) runs other tasks after: its sender thread ends here.
         if outbox is not None:
             outbox.close(timeout_s=FAILED_FLUSH_TIMEOUT_S)
         raise

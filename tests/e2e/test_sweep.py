@@ -101,6 +101,8 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, ca
             assert run.info.status == "KILLED" and run.data.tags["conduit.sweep_status"] == STOPPED
             assert int(run.data.tags["conduit.sweep_stopped_at_step"]) == o.step
             assert stages["train"].info.status == "KILLED" and "evaluate" not in stages
+            # ended by the trial's stop (its task cancelled, its process kept: EndStagesOnStop), then tagged why
+            assert stages["train"].data.tags["conduit.error"] == f"the sweep's scheduler stopped at step {o.step}"
             cfg = resolve(spec.trials[o.index].cfg)
             train_hash = next(p.hash for p in make_plan(cfg) if p.stage == "train")
             assert not store_for(cfg.artifact_root()).is_complete("train", train_hash)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ from pipeline.runner import run_pipeline
 from pipeline.store.contracts import read_train_starts
 from pipeline.training.in_task import CheckpointRecord, uses_in_task
 from tests.pipeline.training.test_fault_tolerance import (
+    DATA_STAGES,
     ROOT,
     artifact_run_dir,
     assert_same_weights,
@@ -53,10 +55,29 @@ def tags_of(art) -> dict:
 
 
 @pytest.fixture(scope="module")
-def in_task(tmp_path_factory, smoke_artifact_root):
+def data_stages(tmp_path_factory, ray_cluster) -> str:
+    """An artifact root holding the smoke config's data stages, sealed. This module's own, not the session's
+    smoke run's: so it is not tied to the xdist worker that runs that (tests/xdist_plan.py)."""
+    tmp = tmp_path_factory.mktemp("in_task_data")
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [f"run.workdir={tmp / 'work'}",
+                                                       f"run.artifact_root={tmp / 'artifacts'}"])
+    run_pipeline(cfg, until="tokenize", echo=lambda line: None)
+    return str(tmp / "artifacts")
+
+
+def seeded(tmp_path: Path, data_stages: str) -> Path:
+    """A fresh artifact root with a copy of the sealed data stages (a pipeline run there trains from scratch)."""
+    root = tmp_path / "artifacts"
+    for stage in DATA_STAGES:
+        shutil.copytree(Path(data_stages) / stage, root / stage)
+    return root
+
+
+@pytest.fixture(scope="module")
+def in_task(tmp_path_factory, data_stages):
     """The uninterrupted in-task run (its checkpoints all kept)."""
     return train_once(tmp_path_factory.mktemp("in_task"), "in_task", [*ONE, "parallel.launcher=in_task"], kill=False,
-                      data_root=smoke_artifact_root, prune=False)
+                      data_root=data_stages, prune=False)
 
 
 def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_train():
@@ -69,10 +90,10 @@ def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_tra
 
 
 @pytest.mark.slow
-def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_path, in_task, smoke_artifact_root):
+def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_path, in_task, data_stages):
     weights, history, _, art = in_task
     rt_weights, rt_history, _, rt_art = train_once(tmp_path, "ray_train", [*ONE, "parallel.launcher=ray_train"],
-                                                   kill=False, data_root=smoke_artifact_root, prune=False)
+                                                   kill=False, data_root=data_stages, prune=False)
     assert art.hash == rt_art.hash  # the launcher changes no result, so it is not in the hash
     assert_same_weights(weights, rt_weights)
     untimed = [[{k: v for k, v in h.items() if k not in TIMINGS} for h in hs] for hs in (history, rt_history)]
@@ -99,14 +120,14 @@ def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_p
 
 
 @pytest.mark.slow
-def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, in_task, smoke_artifact_root,
+def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, in_task, data_stages,
                                                                       monkeypatch):
     """Fails once after step 30: the restart, in the same process, starts at 20 (the newest checkpoint),
     and ends with the uninterrupted run's weights and MLflow history (each step once)."""
     weights, history, _, straight = in_task
     fail_once(monkeypatch, tmp_path, 30)
     resumed, resumed_history, _, art = train_once(tmp_path, "failed", [*ONE, "checkpoint.max_failures=1"],
-                                                  kill=False, data_root=smoke_artifact_root)
+                                                  kill=False, data_root=data_stages)
     assert (tmp_path / "failed-after-30").exists()
     assert read_train_starts(art.path) == [0, 20]
     assert_same_weights(weights, resumed)
@@ -119,7 +140,7 @@ def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, 
 
 
 @pytest.mark.slow
-def test_ray_train_resumes_a_run_the_task_began(tmp_path, in_task, smoke_artifact_root, monkeypatch):
+def test_ray_train_resumes_a_run_the_task_began(tmp_path, in_task, data_stages, monkeypatch):
     """The in-task run fails after step 30 with no restart allowed (the stage fails); the rerun, on Ray
     Train's worker, restores the record the task wrote and continues from step 20 to the same weights."""
     weights, _, _, _ = in_task
@@ -127,15 +148,24 @@ def test_ray_train_resumes_a_run_the_task_began(tmp_path, in_task, smoke_artifac
     fail_once(monkeypatch, tmp_path, 30)
     common = [*ONE, f"checkpoint.storage={storage}", "checkpoint.max_failures=0"]
     with pytest.raises(RuntimeError, match="training failed: failpoint: fail_once_after_step 30"):
-        train_once(tmp_path, "task", [*common, "parallel.launcher=in_task"], kill=False, data_root=smoke_artifact_root)
+        train_once(tmp_path, "task", [*common, "parallel.launcher=in_task"], kill=False, data_root=data_stages)
     (run_dir,) = storage.iterdir()
     assert registered_steps(run_dir) == [20]
     monkeypatch.delenv("CONDUIT_FAILPOINTS")
     resumed, _, _, art = train_once(tmp_path, "ray", [*common, "parallel.launcher=ray_train"], kill=False,
-                                    data_root=smoke_artifact_root)
+                                    data_root=data_stages)
     assert read_train_starts(art.path) == [0, 20]
     assert tags_of(art)["conduit.launcher"] == "ray_train"
     assert_same_weights(weights, resumed)
+
+
+def whole_pipeline(tmp_path: Path, data_stages: str, ray_cluster):
+    """The in-task run's config for ``run_pipeline`` (its data stages cached, a train stage of its own), and the
+    session's Ray folder (whose raylet starts the stage tasks)."""
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", [
+        f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={seeded(tmp_path, data_stages)}", "train.log_every=10",
+        "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE])
+    return cfg, ray_cluster._private.worker._global_node.get_session_dir_path()
 
 
 def _stage_task_pids(session_dir: str) -> list[int]:
@@ -152,15 +182,12 @@ def _stage_task_pids(session_dir: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, ray_cluster):
+def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, data_stages, ray_cluster):
     """The whole pipeline up to train on the session's Ray; once two checkpoints are recorded, the stage's
     task is SIGKILLed. Ray retries the task, which resumes from the newest checkpoint: the same weights as
     the uninterrupted run, and MLflow holds each logged step once."""
     weights, history, _, straight = in_task
-    cfg = load_config(ROOT / "configs" / "smoke.yaml", [
-        f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}", "train.log_every=10",
-        "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE])
-    session = ray_cluster._private.worker._global_node.get_session_dir_path()
+    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster)
     killed: list[int] = []
     done = threading.Event()
 
@@ -192,6 +219,53 @@ def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, r
     logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
     assert logged == loss_history(straight)
     assert [h["loss"] for h in history] == [v for _, v in logged]
+
+
+@pytest.mark.slow
+def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, in_task, data_stages, ray_cluster):
+    """``runner.cancel_stage_tasks``, as a stopped sweep trial calls it (``sweep.run.EndStagesOnStop``): once
+    training has a checkpoint, the train stage's task is cancelled as Ctrl-C would end it. The pipeline
+    raises Ray's TaskCancelledError, the stage's and the pipeline's MLflow runs end KILLED with the steps
+    logged so far (a prefix of the uninterrupted run's), and the task's process, torch and DeepSpeed
+    imported, is still there for the next task (a forced cancel, or its owner's death, ends it)."""
+    from ray.exceptions import TaskCancelledError
+
+    from pipeline.runner import cancel_stage_tasks
+
+    _, _, _, straight = in_task
+    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster)
+    ended: list[BaseException] = []
+
+    def pipeline() -> None:
+        try:
+            run_pipeline(cfg, until="train", echo=lambda line: None)
+        except BaseException as e:  # noqa: BLE001 - what the test checks
+            ended.append(e)
+
+    thread = threading.Thread(target=pipeline)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while True:
+        runs = list((tmp_path / "artifacts" / "checkpoints").glob("train-*"))
+        pids = _stage_task_pids(session)
+        if runs and registered_steps(runs[0]) and pids:
+            break
+        assert thread.is_alive() and time.monotonic() < deadline, ended
+        time.sleep(0.01)
+    assert cancel_stage_tasks(wait_s=60) == 1
+    thread.join(60)
+    assert not thread.is_alive() and len(ended) == 1 and isinstance(ended[0], TaskCancelledError), ended
+    proc = psutil.Process(pids[0])
+    assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    assert cancel_stage_tasks(wait_s=1) == 0  # nothing in flight now
+
+    c = tracking.client(cfg.tracking_uri())
+    exp = c.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    (train_run,) = c.search_runs([exp], "tags.`conduit.stage` = 'train'")
+    assert train_run.info.status == "KILLED"
+    assert c.get_run(train_run.data.tags["mlflow.parentRunId"]).info.status == "KILLED"
+    logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
+    assert logged and logged == loss_history(straight)[:len(logged)]
 
 
 def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(tmp_path):
