@@ -46,8 +46,9 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
         ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
             cluster without GPUs; ``train.precision=fp16`` where training runs on CPU; more CPUs or
             GPUs for ``parallel.num_workers`` workers than the cluster has; on GPUs of a known type, a
-            planned peak per GPU above its memory (``pipeline.plan.fit``). Each message names the
-            fields, what they ask for and what is there.
+            planned peak per GPU above its memory (``pipeline.plan.fit``); ``parallel.sequence_parallel_size``
+            on a model whose sequence cannot be split (``sequence_parallel.check_shardable``). Each message
+            names the fields, what they ask for and what is there.
     """
     missing = [r for r in cfg.cluster.stage_resources if resources.get(r, 0.0) <= 0]
     if missing and (stages_to_run is None or stages_to_run):
@@ -58,6 +59,13 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
         )
     if stages_to_run is not None and TRAIN_STAGE not in stages_to_run:
         return
+    if cfg.parallel.sequence_parallel_size > 1:  # before any stage: else the train stage refuses it after them
+        from pipeline.stages.train import check_sequence_parallel  # the model on the meta device: imports torch
+
+        try:
+            check_sequence_parallel(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     p = cfg.parallel
     have = {"CPU": float(resources.get("CPU", 0.0)), "GPU": float(resources.get("GPU", 0.0))}
     available = f"the Ray cluster has {have['CPU']:g} CPUs and {have['GPU']:g} GPUs"

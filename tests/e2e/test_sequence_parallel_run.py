@@ -52,10 +52,10 @@ def test_two_workers_splitting_each_sequence_train_the_smoke_runs_weights(tmp_pa
     assert all(abs(ours[s] - theirs[s]) < 1e-5 for s in ours), (ours, theirs)
 
 
-def test_what_cannot_be_split_is_refused_by_name_before_any_worker(tmp_path, ray_cluster, smoke_artifact_root):
+def test_what_cannot_be_split_is_refused_by_name_before_any_stage(tmp_path, ray_cluster, smoke_artifact_root):
     """As a user types it: sp that does not divide the workers stops at load (exit 2, before Ray); a model whose
-    layers read the whole sequence (Mamba-2) fails the train stage before any worker or checkpoint exists,
-    naming the field, its stage run FAILED with the reason."""
+    layers read the whole sequence (Mamba-2) is refused by the run's preflight (exit 2, naming the field),
+    before any stage: no stage run, no worker, no checkpoint."""
     from mlflow.tracking import MlflowClient
 
     base = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={tmp_path}",
@@ -70,15 +70,27 @@ def test_what_cannot_be_split_is_refused_by_name_before_any_worker(tmp_path, ray
     mamba = subprocess.run([*base, "model.preset=debug_mamba2", "parallel.sequence_parallel_size=2"], cwd=ROOT,
                            capture_output=True, text=True, timeout=900, env=env)
     out = mamba.stdout + mamba.stderr
-    assert mamba.returncode == 1, out[-4000:]
-    assert "sequence_parallel_size=2: the mamba2 family's layers read the whole sequence" in out
-    # the failed stage is one paragraph for the user, not a traceback (that is in the run's log)
+    assert mamba.returncode == 2, out[-4000:]
+    # one paragraph for the user, not a traceback
     assert "Traceback" not in mamba.stderr, mamba.stderr[-4000:]
     errors = [line for line in mamba.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: stage train failed: ValueError("), mamba.stderr[-4000:]
+    assert errors == ["error: parallel.sequence_parallel_size=2: the mamba2 family's layers read the whole sequence "
+                      "in order (a scan, or an encoder), so a shard cannot be computed on its own; use 1"], errors
     assert not list((tmp_path / "checkpoints").rglob("checkpoint_*"))  # no worker started, nothing checkpointed
+    if (tmp_path / "mlflow.db").exists():
+        client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("conduit")
+        assert experiment is None or not client.search_runs([experiment.experiment_id])  # no run, no stage run
+
+    # What only the stage finds out (a parent model that does not exist) fails the stage: one paragraph naming
+    # the stage and the reason (the traceback is in the run's log and on the stage run), its run FAILED.
+    missing = subprocess.run([*base, "train.init_from=train:00000000deadbeef"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=900, env=env)
+    assert missing.returncode == 1, (missing.stdout + missing.stderr)[-4000:]
+    assert "Traceback" not in missing.stderr, missing.stderr[-4000:]
+    errors = [line for line in missing.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: stage train failed: LookupError("), missing.stderr[-4000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("conduit").experiment_id],
                                 "tags.`conduit.stage` = 'train'")
-    assert run.info.status == "FAILED" and "the mamba2 family's layers read the whole sequence" in run.data.tags["conduit.error"]
-    assert "checkpoints" not in run.data.tags and "cpus_per_worker" not in run.data.tags  # set just before workers
+    assert run.info.status == "FAILED" and "no finished train artifact 00000000deadbeef" in run.data.tags["conduit.error"]

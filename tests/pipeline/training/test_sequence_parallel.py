@@ -4,6 +4,7 @@ process on the whole of it, and models whose shards cannot be computed alone are
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import torch
 from models import build_model, get_preset
 from pipeline.training.sequence_parallel import check_shardable, shard
 from tests.distributed import run_world
+
+ROOT = Path(__file__).resolve().parents[3]
 
 TOLERANCE = 1e-5  # float32
 
@@ -52,6 +55,20 @@ def test_a_shard_is_consecutive_positions_and_its_offset():
 def test_what_cannot_be_split_along_the_sequence_is_refused_by_name(cfg, pattern):
     with pytest.raises(ValueError, match=pattern):
         check_shardable(cfg, build_model(cfg), 4 if "heads" in pattern else 2)
+
+
+def test_the_refusal_comes_before_any_stage_as_a_config_error():
+    """``run_pipeline``'s preflight (``check_cluster_resources``) refuses it, naming the field, before any
+    stage runs (the train stage would refuse it only after the data stages); a run without the train
+    stage (``--only shard``) is not judged by it."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.preflight import check_cluster_resources
+
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", ["model.preset=debug_mamba2", "parallel.num_workers=2",
+                                                      "parallel.sequence_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel_size=2: the mamba2 family's layers"):
+        check_cluster_resources(cfg, {"CPU": 4.0}, ["shard", "tokenizer", "tokenize", "train"])
+    check_cluster_resources(cfg, {"CPU": 4.0}, ["shard"])
 
 
 def test_an_installed_core_refuses_a_cache_or_a_mask_and_offsets_shift_positions():
