@@ -193,15 +193,32 @@ class InTaskResult:
     failures: int
 
 
+RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # what DeepSpeed reads
+
+
 def _process_group(backend: str) -> None:
     """torch's process group of this one rank, made once a process (DeepSpeed finds it and makes none)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(var, value)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _set_rank_env() -> dict:
+    """This one rank's variables, for the run only (the task's process, which Ray reuses, may run other
+    tasks after); returns what they were, for ``_restore_env``."""
+    saved = {var: os.environ.get(var) for var in RANK_ENV}
+    os.environ.update({var: value for var, value in RANK_ENV.items() if var not in os.environ})
+    return saved
+
+
+def _restore_env(saved: dict) -> None:
+    for var, value in saved.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
 
 
 def fit(train_fn: Callable[[dict], None], config: dict, *, storage: str, name: str, keep: int,
@@ -224,6 +241,7 @@ def fit(train_fn: Callable[[dict], None], config: dict, *, storage: str, name: s
     import torch
     from ray.train.v2._internal.execution.train_fn_utils import set_train_fn_utils
 
+    saved_env = _set_rank_env()
     _process_group(backend)
     record = CheckpointRecord(storage, name, keep)
     utils_class = _utils_class()
@@ -250,3 +268,4 @@ def fit(train_fn: Callable[[dict], None], config: dict, *, storage: str, name: s
     finally:
         set_train_fn_utils(None)
         torch.set_num_threads(threads)
+        _restore_env(saved_env)

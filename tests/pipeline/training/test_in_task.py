@@ -25,7 +25,7 @@ from pipeline import tracking
 from pipeline.config import config_from_dict, load_config
 from pipeline.runner import run_pipeline
 from pipeline.store.contracts import read_train_starts
-from pipeline.training.in_task import CheckpointRecord, uses_in_task
+from pipeline.training.in_task import RANK_ENV, CheckpointRecord, fit, uses_in_task
 from tests.pipeline.training.test_fault_tolerance import (
     DATA_STAGES,
     ROOT,
@@ -266,6 +266,20 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, i
     assert c.get_run(train_run.data.tags["mlflow.parentRunId"]).info.status == "KILLED"
     logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
     assert logged and logged == loss_history(straight)[:len(logged)]
+
+
+def test_the_rank_variables_are_set_for_the_run_only(tmp_path, monkeypatch):
+    """RANK, WORLD_SIZE and the others are this one rank's while its training runs, and gone again after:
+    the task's process, which Ray reuses, may run other tasks (whether or not it made its process group)."""
+    for var in RANK_ENV:
+        monkeypatch.delenv(var, raising=False)
+    seen: dict = {}
+    for _ in range(2):  # the second in a process whose process group exists
+        seen.clear()
+        result = fit(lambda config: seen.update({v: os.environ.get(v) for v in RANK_ENV}), {}, storage=str(tmp_path),
+                     name="train-x", keep=1, max_failures=0, callbacks=[])
+        assert result.error is None and seen == RANK_ENV
+        assert not set(RANK_ENV) & set(os.environ)
 
 
 def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(tmp_path):
