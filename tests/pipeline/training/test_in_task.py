@@ -159,12 +159,12 @@ def test_ray_train_resumes_a_run_the_task_began(tmp_path, in_task, data_stages, 
     assert_same_weights(weights, resumed)
 
 
-def whole_pipeline(tmp_path: Path, data_stages: str, ray_cluster):
+def whole_pipeline(tmp_path: Path, data_stages: str, ray_cluster, *overrides: str):
     """The in-task run's config for ``run_pipeline`` (its data stages cached, a train stage of its own), and the
     session's Ray folder (whose raylet starts the stage tasks)."""
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [
         f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={seeded(tmp_path, data_stages)}", "train.log_every=10",
-        "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE])
+        "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE, *overrides])
     return cfg, ray_cluster._private.worker._global_node.get_session_dir_path()
 
 
@@ -222,18 +222,19 @@ def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, d
 
 
 @pytest.mark.slow
-def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, in_task, data_stages, ray_cluster):
+def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, data_stages, ray_cluster):
     """``runner.cancel_stage_tasks``, as a stopped sweep trial calls it (``sweep.run.EndStagesOnStop``): once
     training has a checkpoint, the train stage's task is cancelled as Ctrl-C would end it. The pipeline
     raises Ray's TaskCancelledError, the stage's and the pipeline's MLflow runs end KILLED with the steps
-    logged so far (a prefix of the uninterrupted run's), and the task's process, torch and DeepSpeed
-    imported, is still there for the next task (a forced cancel, or its owner's death, ends it)."""
+    logged so far (each once, none missing), and the task's process, torch and DeepSpeed imported, is still
+    there for the next task (a forced cancel, or its owner's death, ends it). 5000 steps: the cancel comes
+    long before the end however slowly this test's watcher sees the first checkpoint."""
     from ray.exceptions import TaskCancelledError
 
     from pipeline.runner import cancel_stage_tasks
 
-    _, _, _, straight = in_task
-    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster)
+    steps = 5000
+    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster, f"train.steps={steps}")
     ended: list[BaseException] = []
 
     def pipeline() -> None:
@@ -264,8 +265,8 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, i
     (train_run,) = c.search_runs([exp], "tags.`conduit.stage` = 'train'")
     assert train_run.info.status == "KILLED"
     assert c.get_run(train_run.data.tags["mlflow.parentRunId"]).info.status == "KILLED"
-    logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
-    assert logged and logged == loss_history(straight)[:len(logged)]
+    logged = sorted(m.step for m in c.get_metric_history(train_run.info.run_id, "loss"))
+    assert logged and logged == list(range(10, logged[-1] + 1, 10)) and logged[-1] < steps, logged
 
 
 def test_the_rank_variables_are_set_for_the_run_only(tmp_path, monkeypatch):
