@@ -167,9 +167,19 @@ def ray_job_submission_id() -> str | None:
 STAGE_RESOURCE_SHARE = 0.001  # of each cluster.stage_resources name, per stage task: a label, not a limit
 
 
+def interruptible() -> None:
+    """Let Ray's non-force cancel reach this process's main thread (``cancel_stage_tasks``). Ray interrupts it as
+    SIGINT would (``_thread.interrupt_main``), which does nothing where SIGINT is ignored: in every process of
+    a Ray started in the background (a shell's ``&`` starts its command with SIGINT ignored, and Python keeps
+    that). There it gets Python's own handler back, as in a Ray started in the foreground."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:
     """A stage's Ray task: its inputs on this node, its body into a node-local folder, sealed and
     published to the artifact store (``pipeline.store.backends``; in place for a local root)."""
+    interruptible()
     cfg = config_from_dict(cfg_dict, source="<resolved>")
     store = store_for(cfg.artifact_root())
     try:

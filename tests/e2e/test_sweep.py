@@ -197,7 +197,7 @@ def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"sweep": {
         "name": "killed", "base": str(ROOT / "configs" / "smoke.yaml"),
-        "overrides": [f"run.workdir={work}", f"run.artifact_root={tmp_path / 'artifacts'}", "train.steps=40",
+        "overrides": [f"run.workdir={work}", f"run.artifact_root={tmp_path / 'artifacts'}", "train.steps=160",
                       "train.log_every=5", "validation.every=20", "validation.batches=1", "checkpoint.every=10",
                       "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4",
                       "eval.context_lengths=[]", "eval.max_text_tokens=512", "eval.lambada_max_examples=16"],

@@ -269,6 +269,27 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
     assert logged and logged == list(range(10, logged[-1] + 1, 10)) and logged[-1] < steps, logged
 
 
+def test_a_stage_task_started_with_sigint_ignored_can_be_cancelled():
+    """Ray cancels a running task by interrupting its main thread as SIGINT would, which does nothing where
+    SIGINT is ignored (every process of a Ray started in the background: CI's): a stage task gives it
+    Python's handler back first (``runner.interruptible``), and leaves a handled SIGINT as it is."""
+    import signal as sig
+
+    from pipeline.runner import interruptible
+
+    before = sig.getsignal(sig.SIGINT)
+    try:
+        sig.signal(sig.SIGINT, sig.SIG_IGN)
+        interruptible()
+        assert sig.getsignal(sig.SIGINT) is sig.default_int_handler
+        mine = lambda signum, frame: None  # noqa: E731
+        sig.signal(sig.SIGINT, mine)
+        interruptible()
+        assert sig.getsignal(sig.SIGINT) is mine
+    finally:
+        sig.signal(sig.SIGINT, before)
+
+
 def test_the_rank_variables_are_set_for_the_run_only(tmp_path, monkeypatch):
     """RANK, WORLD_SIZE and the others are this one rank's while its training runs, and gone again after:
     the task's process, which Ray reuses, may run other tasks (whether or not it made its process group)."""
