@@ -328,6 +328,10 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "recovered_checkpoint": recovered,
         # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
         "report_validation": bool(getattr(tracker, "train_callbacks", ())),
+        # Steps that always get a checkpoint, saved before that step's validation report: a synchronous
+        # sweep's rungs, where the trial is paused and later resumed (``pipeline.sweep.run``).
+        "checkpoint_steps": sorted({s for cb in getattr(tracker, "train_callbacks", ())
+                                    for s in getattr(cb, "checkpoint_steps", ())}),
     }
     callbacks = [failure_callback(tracker, cfg.checkpoint.max_failures), *getattr(tracker, "train_callbacks", ())]
     tracker.set_tags({"conduit.phase": "training in the stage's task" if here else

@@ -42,6 +42,7 @@ from pipeline.training.device import worker_cpus
 from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+PAUSED = "paused"  # sha: ended at a rung, to be resumed in the next one or stopped there (a run's sweep_status)
 INCOMPLETE = "incomplete"  # ended without finishing, not stopped by ASHA and without an error (interrupted)
 
 
@@ -84,7 +85,8 @@ class SweepResult:
 
 def validation_to_tune_class() -> type:
     """The Ray Train callback (made inside a Tune trial) that hands Tune the reports that carry a
-    validation loss, and no other (checkpoint reports carry only a step).
+    validation loss, and no other (checkpoint reports carry only a step). Its ``checkpoint_steps`` (a
+    synchronous sweep's rungs) are steps the training always checkpoints at, before it reports.
 
     When Tune stops the trial and ends its process, the queue the reports travel on goes with it; a
     report in flight then finds the queue gone. That is the trial ending, not the training failing: the
@@ -95,6 +97,8 @@ def validation_to_tune_class() -> type:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class ValidationToTune(TuneReportCallback):
+        checkpoint_steps: tuple = ()
+
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and "val_loss" in metrics[0]:
                 try:
@@ -133,19 +137,22 @@ class EndStagesOnStop:
         return reset
 
 
-def _validation_to_tune():
-    return validation_to_tune_class()()
+def _validation_to_tune(checkpoint_steps: tuple = ()):
+    callback = validation_to_tune_class()()
+    callback.checkpoint_steps = tuple(checkpoint_steps)
+    return callback
 
 
 def _trial(config: dict, *, trials: list[dict], sweep_run_id: str, uri: str, experiment_id: str, metric: str,
-           sweep_name: str) -> None:
-    """One trial, in a Tune trial's process: its pipeline up to evaluate, in its own MLflow run."""
+           sweep_name: str, checkpoint_steps: tuple = ()) -> None:
+    """One trial, in a Tune trial's process: its pipeline up to evaluate, in its own MLflow run (or, in
+    a later rung of ``sha``, the rest of it: the train stage resumes from the rung's checkpoint)."""
     from ray import tune
 
     t = trials[config["trial"]]
     cfg = config_from_dict(t["cfg"], source=f"<sweep {sweep_name} {t['name']}>")
     run_id = _trial_run(uri, experiment_id, sweep_run_id, t["name"])
-    callbacks = (_validation_to_tune(),) if metric == "val_loss" else ()
+    callbacks = (_validation_to_tune(checkpoint_steps),) if metric == "val_loss" else ()
     nest = Nesting(run_id=run_id, params={f"sweep.{k}": v for k, v in t["values"].items()}, train_callbacks=callbacks)
     result = run_pipeline(cfg, until="evaluate", echo=lambda line: print(f"{t['name']}: {line}", flush=True),
                           nest=nest)
@@ -181,17 +188,22 @@ def trial_threads(cfg: RunConfig, max_concurrent: int, node_cpus: list[float]) -
 def _trial_run(uri: str, experiment_id: str, sweep_run_id: str, name: str) -> str:
     """The trial's MLflow run: the one an earlier attempt left (a killed sweep driver took the trial's
     process along, or Tune restarts the trial after a failure, or Tune's saved state predates the
-    trial's end), RUNNING again under this process with the stage runs it left RUNNING marked FAILED;
-    else a new one. So a trial has one run, however often it starts."""
+    trial's end, or ``sha`` resumes a trial it paused at a rung), RUNNING again under this process with the
+    stage runs it left RUNNING marked FAILED; else a new one. So a trial has one run, however often it starts.
+    A resumed pause is not counted as an attempt (``conduit.sweep_attempts``)."""
     from pipeline.runner import DRIVER_TAG, driver_identity
 
     for run_id, tags in _trial_runs(uri, experiment_id, sweep_run_id, name, running=False):
         tracker = StageTracker(uri, run_id)
+        paused = tags.get("conduit.sweep_status") == PAUSED
+        attempts = int(tags.get("conduit.sweep_attempts", "1")) + (0 if paused else 1)
         tracker.set_tags({DRIVER_TAG: json.dumps(driver_identity()), "conduit.sweep_status": "running",
-                          "conduit.sweep_attempts": int(tags.get("conduit.sweep_attempts", "1")) + 1})
+                          "conduit.sweep_attempts": attempts})
+        why = ("the trial was paused at a rung of the sweep and this stage's task had not ended when it resumed"
+               if paused else "the trial's process died during this stage")
         for child, _ in tracking.search_runs(uri, experiment_id, f"attributes.status = 'RUNNING' and "
                                                                  f"tags.`mlflow.parentRunId` = '{run_id}'"):
-            StageTracker(uri, child).set_tags({"conduit.error": "the trial's process died during this stage"})
+            StageTracker(uri, child).set_tags({"conduit.error": why})
             tracking.end_run(uri, child, "FAILED")
         tracking.client(uri).update_run(run_id, status="RUNNING")
         return run_id
@@ -261,35 +273,26 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         trials = [{"name": t.name, "values": t.values, "cfg": trial_threads(resolve(t.cfg), spec.max_concurrent,
                                                                              cpus).to_dict()} for t in spec.trials]
         trial_fn = tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
-                                        metric=spec.metric, sweep_name=spec.name)
+                                        metric=spec.metric, sweep_name=spec.name,
+                                        checkpoint_steps=tuple(spec.rungs) if spec.scheduler == "sha" else ())
         trial_fn.__mixins__ = (EndStagesOnStop,)  # Tune's hook for a function trainable's base classes
         trainable = tune.with_resources(trial_fn, {"cpu": 0, "memory": 2**20})
         # (no CPU: its train stage's workers hold those; Tune needs a non-empty bundle)
-        # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial that trains to
-        # the end must go on to evaluate and report that it finished.
-        scheduler = (RecordingASHA(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
-                                   reduction_factor=spec.reduction_factor)
-                     if spec.scheduler == "asha" else FIFOScheduler())
         storage = str(base.workdir() / "sweeps")
-        path = f"{storage}/{spec.name}"
-        if tune.Tuner.can_restore(path):
-            echo(f"sweep {spec.name}: resuming the trials of {path}")
-            tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=False,
-                                       restart_errored=False)
+        outcomes = _outcomes_class()(uri, exp_id, sweep_run, echo)
+        if spec.scheduler == "sha":
+            ended = _fit_rungs(spec, base, trainable, storage, outcomes, uri, exp_id, sweep_run, echo)
         else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space={"trial": tune.grid_search(spec.start_order)},
-                tune_config=tune.TuneConfig(metric="val_loss" if spec.metric == "val_loss" else spec.metric,
-                                            mode=spec.mode, scheduler=scheduler,
-                                            max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
-                run_config=tune.RunConfig(name=spec.name, storage_path=storage, verbose=0,
-                                          failure_config=tune.FailureConfig(max_failures=base.checkpoint.max_failures),
-                                          callbacks=[_outcomes_class()(uri, exp_id, sweep_run, echo)]),
-            )
-        grid = tuner.fit()
+            # max_t one past the last step: ASHA stops a trial that reaches max_t, and a trial that trains to
+            # the end must go on to evaluate and report that it finished.
+            scheduler = (RecordingASHA(time_attr="step", max_t=base.train.steps + 1, grace_period=spec.grace_steps,
+                                       reduction_factor=spec.reduction_factor)
+                         if spec.scheduler == "asha" else FIFOScheduler())
+            grid = _tuner(spec, base, trainable, storage, spec.name, spec.start_order, scheduler, outcomes,
+                          echo).fit()
+            ended = list(zip(grid, grid._experiment_analysis.trials))
         reap_orphaned_placement_groups()  # the last stopped trials' (the reaper runs between Tune's steps)
-        result = _summarise(spec, grid, uri, exp_id, sweep_run, echo)
+        result = _summarise(spec, ended, uri, exp_id, sweep_run, echo)
         if spec.register == "best" and result.best is not None:
             result.registered = _register_best(spec, result, uri, sweep_run, echo)
         tracking.end_run(uri, sweep_run)
@@ -297,6 +300,80 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _tuner(spec: SweepSpec, base: RunConfig, trainable, storage: str, name: str, order: list[int], scheduler,
+           outcomes, echo: Callable[[str], None]):
+    """Tune's run ``<storage>/<name>`` of the trials ``order`` (their indices, in the order they start):
+    restored where an earlier attempt of the sweep left it (finished and stopped trials stay as they
+    ended, unfinished ones run again), else new."""
+    from ray import tune
+
+    path = f"{storage}/{name}"
+    if tune.Tuner.can_restore(path):
+        echo(f"sweep {spec.name}: resuming the trials of {path}")
+        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=False,
+                                  restart_errored=False)
+    return tune.Tuner(
+        trainable,
+        param_space={"trial": tune.grid_search(order)},
+        tune_config=tune.TuneConfig(metric="val_loss" if spec.metric == "val_loss" else spec.metric,
+                                    mode=spec.mode, scheduler=scheduler,
+                                    max_concurrent_trials=spec.max_concurrent, reuse_actors=True),
+        run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0,
+                                  failure_config=tune.FailureConfig(max_failures=base.checkpoint.max_failures),
+                                  callbacks=[outcomes]),
+    )
+
+
+def _fit_rungs(spec: SweepSpec, base: RunConfig, trainable, storage: str, outcomes, uri: str, experiment_id: str,
+               sweep_run: str, echo: Callable[[str], None]) -> list:
+    """``sha``, synchronous successive halving: one Tune run per rung (``spec.rungs``, then the end). Every
+    trial of a rung trains to the rung's step, where ``RungEnd`` pauses it (the training checkpoints at
+    that step before it reports the validation loss the trial is ranked on). When all have, the best
+    ``1/reduction_factor`` of them (at least one) go on to the next rung, resuming from that checkpoint,
+    and the rest are stopped there. The last rung's trials train to the end and evaluate. A rung that
+    does not end (a trial of it neither paused, finished nor failed: the sweep interrupted) ends the
+    halving there. Each rung's Tune run is ``<storage>/<name>.sha/rung_<k>``: a rerun restores them in
+    turn, and the same ranking picks the same trials again.
+
+    Returns:
+        ``(Tune's Result, Tune's Trial)`` of each trial, from the last rung it ran in.
+    """
+    from pipeline.sweep.scheduler import RungEnd
+
+    alive, ended, sign = list(spec.start_order), {}, 1 if spec.mode == "min" else -1
+    rungs = [*spec.rungs, None]
+    for k, step in enumerate(rungs):
+        goal = f"to step {step}" if step is not None else "to the end"
+        echo(f"sweep {spec.name}: rung {k + 1} of {len(rungs)}: {len(alive)} trial(s) {goal}")
+        grid = _tuner(spec, base, trainable, f"{storage}/{spec.name}.sha", f"rung_{k}", alive, RungEnd(step),
+                      outcomes, echo).fit()
+        ranked, open_ = [], []
+        for res, trial in zip(grid, grid._experiment_analysis.trials):
+            index, last = (res.config or trial.config)["trial"], res.metrics or {}
+            ended[index] = (res, trial)
+            if res.error is not None or last.get("finished"):
+                continue
+            if step is not None and (last.get("step") or 0) >= step and last.get("val_loss") is not None:
+                ranked.append((sign * last["val_loss"], index, last))
+            else:
+                open_.append(index)
+        if step is None or not ranked:
+            break
+        if open_:
+            echo(f"sweep {spec.name}: rung {k + 1} did not end (trials {open_} neither reached step {step}, "
+                 f"finished nor failed): no later rung runs")
+            break
+        ranked.sort(key=lambda r: (r[0], r[1]))
+        keep = max(1, len(ranked) // spec.reduction_factor)
+        for _, index, last in ranked[keep:]:
+            echo(f"trial_{index:03d}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')}): not "
+                 f"among the best {keep} of the {len(ranked)} at rung {k + 1}")
+            _mark_stopped(uri, experiment_id, sweep_run, f"trial_{index:03d}", last)
+        promoted = {index for _, index, _ in ranked[:keep]}
+        alive = [i for i in alive if i in promoted]
+    return [ended[i] for i in sorted(ended)]
 
 
 REAP_EVERY_S = 5.0
@@ -329,8 +406,13 @@ def _outcomes_class():
             if last.get("finished"):
                 self.echo(f"{_name(trial)}: finished at step {last.get('step')}, val_loss {last.get('val_loss')}")
                 return
-            from pipeline.sweep.scheduler import stopped_at
+            from pipeline.sweep.scheduler import paused_at, stopped_at
 
+            if paused_at(trial) is not None:
+                self.echo(f"{_name(trial)}: paused at step {last.get('step')} (val_loss {last.get('val_loss')}) "
+                          f"until the rung's other trials reach it")
+                _mark_paused(self.uri, self.experiment_id, self.sweep_run, _name(trial), last)
+                return
             if stopped_at(trial) is None:
                 self.echo(f"{_name(trial)}: ended at step {last.get('step')} without finishing, not stopped by "
                           f"the scheduler (Tune: {trial.status})")
@@ -376,6 +458,23 @@ def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last:
         tracking.end_run(uri, run_id, "KILLED")
 
 
+def _mark_paused(uri: str, experiment_id: str, sweep_run: str, name: str, last: dict) -> None:
+    """A trial ``sha`` paused at a rung: its run tagged with the step and the validation loss, its stage
+    runs not yet finished with why (its train stage's run ends KILLED as its task is cancelled). The next
+    rung resumes it (``_trial_run``), or the sweep stops it (``_mark_stopped``)."""
+    status = f"paused at step {last.get('step')}"
+    for run_id, _ in _trial_runs(uri, experiment_id, sweep_run, name, running=False):
+        StageTracker(uri, run_id).set_tags({
+            "conduit.sweep_status": PAUSED, "conduit.sweep_paused_at_step": last.get("step"),
+            "conduit.sweep_last_val_loss": last.get("val_loss"),
+            "mlflow.note.content": f"{name}: {status} at a rung of the sweep's successive halving"})
+        for child, tags in tracking.search_runs(uri, experiment_id, f"attributes.status != 'FINISHED' and "
+                                                                    f"tags.`mlflow.parentRunId` = '{run_id}'"):
+            if "conduit.error" not in tags:
+                StageTracker(uri, child).set_tags({"conduit.error": f"the sweep's scheduler {status} (a rung); "
+                                                                    f"a later rung resumes from that step"})
+
+
 def trial_status(error: BaseException | None, last: dict, run_tags: dict) -> str:
     """How a trial ended, from Tune's result (its error and last reported metrics) and its MLflow run's
     tags: failed, finished, stopped (only where the sweep's callback tagged the run as ASHA stopping it:
@@ -389,14 +488,13 @@ def trial_status(error: BaseException | None, last: dict, run_tags: dict) -> str
     return INCOMPLETE
 
 
-def _summarise(spec: SweepSpec, grid, uri: str, experiment_id: str, sweep_run: str,
+def _summarise(spec: SweepSpec, ended: list, uri: str, experiment_id: str, sweep_run: str,
                echo: Callable[[str], None]) -> SweepResult:
-    """Each trial's outcome, the best finished one, the table and the pictures on the sweep's run."""
+    """Each trial's outcome (``ended``: Tune's Result and Trial of each), the best finished one, the
+    table and the pictures on the sweep's run."""
     outcomes = {t.index: TrialOutcome(t.index, t.values) for t in spec.trials}
-    # A trial that failed before it reported has no config in its result; Tune's own trial has it (the
-    # grid's results are its trials', in order).
-    tune_trials = grid._experiment_analysis.trials
-    for r, tune_trial in zip(grid, tune_trials):
+    # A trial that failed before it reported has no config in its result; Tune's own trial has it.
+    for r, tune_trial in ended:
         o = outcomes[(r.config or tune_trial.config)["trial"]]
         last = r.metrics or {}
         o.step, o.val_loss, o.tune_status = last.get("step"), last.get("val_loss"), tune_trial.status

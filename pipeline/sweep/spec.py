@@ -11,8 +11,8 @@
       seed: 0                            # the draws' seed
       metric: val_loss                   # what train's validation reports (validation.every); or an
       mode: min                          #   evaluate metric (e.g. val_bits_per_byte), read at the end
-      scheduler: asha                    # asha (on the validation loss) or none
-      grace_steps: 50                    # asha: steps a trial always gets (default validation.every); reduction_factor: 2
+      scheduler: asha                    # asha or sha (both on the validation loss), or none
+      grace_steps: 50                    # steps a trial always gets (default validation.every); reduction_factor: 2
       max_concurrent: 2                  # trials at once (the cluster's resources bound it too)
       order: shuffled                    # the trials start in a seeded random order (or as_written)
       register: best                     # best (the best trial's model) or none
@@ -44,7 +44,7 @@ import yaml
 from pipeline.config import ConfigError, RunConfig, load_config
 
 KINDS = ("grid", "choice", "uniform", "loguniform")
-SCHEDULERS = ("asha", "none")
+SCHEDULERS = ("asha", "sha", "none")  # sha: synchronous successive halving
 KEYS = ("name", "base", "overrides", "space", "samples", "seed", "metric", "mode", "scheduler", "grace_steps",
         "reduction_factor", "max_concurrent", "register", "skip_invalid", "order")
 
@@ -104,11 +104,13 @@ class SweepSpec:
 
     @property
     def fingerprint(self) -> str:
-        """What identifies this sweep across reruns: its name and its trials' configs."""
+        """What identifies this sweep across reruns: its name, its trials' configs and, for ``sha``, its rungs
+        (a rerun continues the trials where the rungs left them)."""
         import hashlib
         import json
 
-        text = json.dumps([self.name, [t.cfg.to_dict() for t in self.trials]], sort_keys=True, default=str)
+        rungs = ["sha", self.rungs] if self.scheduler == "sha" else []
+        text = json.dumps([self.name, [t.cfg.to_dict() for t in self.trials], *rungs], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
@@ -118,6 +120,22 @@ class SweepSpec:
         if self.order == "shuffled":
             random.Random(f"{self.seed}:order").shuffle(indices)
         return indices
+
+    @property
+    def rungs(self) -> list[int]:
+        """``sha``'s rungs: the steps where its trials are compared, ``grace_steps`` times each power of
+        ``reduction_factor``, each at the first validation at or past it, before the last step (whose
+        trials, the best of the last rung, train to the end)."""
+        cfg = self.trials[0].cfg
+        every, steps, out, r = cfg.validation.every, cfg.train.steps, [], self.grace_steps
+        while every:
+            at = -(-r // every) * every
+            if at >= steps:
+                break
+            if not out or at > out[-1]:
+                out.append(at)
+            r *= self.reduction_factor
+        return out
 
     @property
     def validation_metric(self) -> bool:
@@ -231,13 +249,17 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
     base_cfg = load_config(base, overrides)  # the base itself must be valid (names the file and field)
     for d in dims:
         _check_field(where, base_cfg, d.path)
-    if spec.scheduler == "asha" and not spec.validation_metric:
-        raise ConfigError(f"{where}: sweep.scheduler asha prunes on the validation loss training reports "
+    if spec.scheduler in ("asha", "sha") and not spec.validation_metric:
+        raise ConfigError(f"{where}: sweep.scheduler {spec.scheduler} prunes on the validation loss training reports "
                           f"(metric val_loss); metric {spec.metric!r} is only known at the end: use scheduler none")
-    if spec.scheduler == "asha" and spec.grace_steps > base_cfg.train.steps + 1:
+    if spec.scheduler in ("asha", "sha") and spec.grace_steps > base_cfg.train.steps + 1:
         raise ConfigError(f"{where}: sweep.grace_steps={spec.grace_steps} must be at most train.steps + 1 = "
-                          f"{base_cfg.train.steps + 1} (ASHA's grace period cannot pass the last step; "
+                          f"{base_cfg.train.steps + 1} (the grace period cannot pass the last step; "
                           f"train.steps + 1 lets every trial finish)")
+    fixed = [d.path for d in dims if d.path in ("train.steps", "validation.every")]
+    if spec.scheduler == "sha" and fixed:
+        raise ConfigError(f"{where}: sweep.scheduler sha compares every trial at the same steps, so it cannot "
+                          f"sweep {fixed[0]}: use scheduler asha, or fix {fixed[0]} in sweep.overrides")
     if spec.validation_metric and not base_cfg.validation.every:
         raise ConfigError(f"{where}: metric val_loss needs validation during training: set validation.every in "
                           f"{base.name} or in sweep.overrides (e.g. validation.every=50)")

@@ -241,13 +241,13 @@ def fit(train_fn: Callable[[dict], None], config: dict, *, storage: str, name: s
     import torch
     from ray.train.v2._internal.execution.train_fn_utils import set_train_fn_utils
 
-    saved_env = _set_rank_env()
-    _process_group(backend)
-    record = CheckpointRecord(storage, name, keep)
-    utils_class = _utils_class()
     threads = torch.get_num_threads()  # the loop sets its own; this process may run other tasks after
+    saved_env = _set_rank_env()
     failures = 0
     try:
+        _process_group(backend)
+        record = CheckpointRecord(storage, name, keep)
+        utils_class = _utils_class()
         while True:
             restored = record.latest()
             if restored is None and recovered:

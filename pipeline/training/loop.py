@@ -284,11 +284,18 @@ def _train(run: _Rank) -> None:
             print(f"early stop at step {done}: no better validation loss in the last "
                   f"{run.cfg.validation.early_stop_patience} "
                   f"validations (best {min(run.val_losses):.4f})", flush=True)
-        if done == t.steps or run.stopped or due_by_time or (every and done % every == 0):
+        if done == t.steps or run.stopped or due_by_time or (every and done % every == 0) \
+                or done in run.config.get("checkpoint_steps", ()):
             run.last_checkpoint = time.monotonic()
             run.checkpoints.save(done, run.loader.state_dict(), run.history, run.starts)
             if done == t.steps:
                 time.sleep(run.config.get("failpoints", {}).get("pause_after_final_checkpoint_s", 0))
+        if val_loss is not None and run.config.get("report_validation"):
+            # after the step's checkpoint: a sweep's scheduler may end the trial on this report and
+            # resume it later from that checkpoint. Every rank, at the same step (the report is collective).
+            import ray.train
+
+            ray.train.report({"step": done, "val_loss": val_loss})
         _fail_once(run.config.get("failpoints", {}).get("fail_once_after_step"), done)
         bar.update(1)
     bar.close()
@@ -316,10 +323,6 @@ def _validate(run: _Rank, done: int) -> float | None:
                                dist.all_reduce, run.corruption, run.cfg.train.loss_chunk_tokens)
     run.val_losses.append(val_loss)
     run.stopped = stop_early(run.val_losses, va.early_stop_patience)
-    if run.config.get("report_validation"):  # every rank, at the same step (Ray Train's report is collective)
-        import ray.train
-
-        ray.train.report({"step": done, "val_loss": val_loss})
     return val_loss
 
 

@@ -29,16 +29,20 @@ STEPS = 30
 RATES = [3e-3, 1e-6, 1e-2]
 
 
+def short_trials(tmp_path: Path) -> list[str]:
+    """The trials' overrides: STEPS steps on one worker, a validation every 10, a few batches of evaluation."""
+    return [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}", f"train.steps={STEPS}",
+            "train.log_every=5", "validation.every=10", "validation.batches=1", "parallel.num_workers=1",
+            "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]", "eval.max_text_tokens=512",
+            "eval.lambada_max_examples=16", "train.progress_bar=false"]
+
+
 def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, capfd):
     """On the session's Ray (a sweep joins a running Ray as a pipeline does, and leaves it running)."""
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"sweep": {
         "name": "e2e_lr", "base": str(ROOT / "configs" / "smoke.yaml"),
-        "overrides": [f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={tmp_path / 'artifacts'}",
-                      f"train.steps={STEPS}", "train.log_every=5", "validation.every=10", "validation.batches=1",
-                      "parallel.num_workers=1", "eval.max_batches=2", "eval.max_new_tokens=4", "eval.context_lengths=[]",
-                      "eval.max_text_tokens=512", "eval.lambada_max_examples=16", "train.progress_bar=false",
-                      "register.model_name=conduit-sweep-e2e"],
+        "overrides": [*short_trials(tmp_path), "register.model_name=conduit-sweep-e2e"],
         "space": {"optimizer.lr": {"grid": RATES}},
         "scheduler": "asha", "grace_steps": 10, "reduction_factor": 2, "max_concurrent": 1, "register": "best",
         "order": "as_written",
@@ -175,6 +179,68 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, ca
     again = run_sweep(load_sweep(failing), echo=fail_lines.append)
     assert [o.status for o in again.trials] == [FAILED, FAILED]
     assert [c.get_run(o.run_id).data.tags["conduit.sweep_attempts"] for o in failed.trials] == ["2", "2"]
+
+
+def test_synchronous_halving_ranks_each_rung_and_resumes_the_best_from_it(tmp_path, ray_cluster):
+    """``scheduler: sha`` on the session's Ray, two trials at a time: four rates, 30 steps, rungs at 10 and
+    20 (grace 10, reduction factor 2). Every trial trains to step 10 and pauses there; the best two resume
+    from their step-10 checkpoints to 20, the best of those to the end. Each trial stopped at a rung trails
+    every trial that went on from it; the winner trained from 0, 10 and 20, its last train run holds its
+    whole validation curve, each step once; a pause is not an attempt, and a rerun runs nothing again."""
+    from pipeline.store.contracts import read_train_starts
+
+    rates = [1e-6, 3e-3, 1e-2, 3e-4]
+    path = tmp_path / "sha.yaml"
+    path.write_text(yaml.safe_dump({"sweep": {
+        "name": "e2e_sha", "base": str(ROOT / "configs" / "smoke.yaml"),
+        "overrides": short_trials(tmp_path),
+        "space": {"optimizer.lr": {"grid": rates}},
+        "scheduler": "sha", "grace_steps": 10, "reduction_factor": 2, "max_concurrent": 2, "register": "none",
+    }}))
+    spec = load_sweep(path)
+    assert spec.rungs == [10, 20]
+    lines: list[str] = []
+    result = run_sweep(spec, echo=lines.append)
+    assert sorted((o.status, o.step) for o in result.trials) == \
+        sorted([(FINISHED, STEPS), (STOPPED, 20), (STOPPED, 10), (STOPPED, 10)]), lines
+    assert sum("paused at step 10 " in ln for ln in lines) == 4 and sum("paused at step 20 " in ln for ln in lines) == 2
+
+    c = tracking.client(result.tracking_uri)
+    exp = c.get_run(result.run_id).info.experiment_id
+    curves, train_runs = {}, {}
+    for o in result.trials:
+        run = c.get_run(o.run_id)
+        assert run.data.tags["conduit.sweep_attempts"] == "1", o  # a pause and its resume are one attempt
+        trains = c.search_runs([exp], f"tags.`mlflow.parentRunId` = '{o.run_id}' and tags.`conduit.stage` = 'train'")
+        train_runs[o.index] = sorted(trains, key=lambda r: r.info.start_time)
+        # the last rung's train run holds the whole curve (a resumed run logs the steps before its checkpoint)
+        curves[o.index] = sorted((m.step, m.value) for m in c.get_metric_history(train_runs[o.index][-1].info.run_id,
+                                                                                  "val_loss"))
+        assert [s for s, _ in curves[o.index]] == list(range(10, o.step + 1, 10)), (o, curves[o.index])
+        if o.status == STOPPED:
+            assert run.info.status == "KILLED" and run.data.tags["conduit.sweep_status"] == STOPPED
+            assert int(run.data.tags["conduit.sweep_stopped_at_step"]) == o.step
+    at = {i: dict(curve) for i, curve in curves.items()}  # each trial's validation loss by step
+    best = result.best.index
+    for rung in (10, 20):  # each trial stopped at a rung trails every trial that went on from it
+        went_on = [o.index for o in result.trials if o.step > rung]
+        for o in result.trials:
+            if o.status == STOPPED and o.step == rung:
+                assert all(at[o.index][rung] > at[i][rung] for i in went_on), (o, at)
+    # The winner: paused at 10 and 20 (its train runs KILLED, saying so), resumed from those very steps.
+    assert [r.info.status for r in train_runs[best]] == ["KILLED", "KILLED", "FINISHED"]
+    assert [r.data.tags["conduit.error"] for r in train_runs[best][:2]] == [
+        f"the sweep's scheduler paused at step {s} (a rung); a later rung resumes from that step" for s in (10, 20)]
+    cfg = resolve(spec.trials[best].cfg)
+    train_hash = next(p.hash for p in make_plan(cfg) if p.stage == "train")
+    assert read_train_starts(Path(cfg.artifact_root()) / "train" / train_hash) == [0, 10, 20]
+    assert c.get_run(result.run_id).data.tags["conduit.sweep_best_trial"] == f"trial_{best:03d}"
+
+    # Run again: every rung restored, nothing trains again.
+    before = len(c.search_runs([exp], "tags.`conduit.stage` = 'train'", max_results=500))
+    again = run_sweep(load_sweep(path), echo=lines.append)
+    assert [(o.status, o.step) for o in again.trials] == [(o.status, o.step) for o in result.trials]
+    assert len(c.search_runs([exp], "tags.`conduit.stage` = 'train'", max_results=500)) == before
 
 
 def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path):

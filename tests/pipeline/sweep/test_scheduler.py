@@ -50,3 +50,23 @@ def test_an_unfinished_trial_is_stopped_only_when_its_run_says_asha_stopped_it()
     assert TrialOutcome(1, {}, status=INCOMPLETE, tune_status=Trial.PENDING).label == \
         "incomplete before its first step (Tune: PENDING)"
     assert TrialOutcome(2, {}, status=STOPPED, step=10).label == "stopped at step 10"
+
+
+def test_a_rung_ends_each_trial_at_its_first_report_at_or_past_the_rung_and_marks_it_paused():
+    """``RungEnd`` (``scheduler: sha``, one Tune run per rung): a trial goes on below the rung's step and is
+    stopped, marked paused at the step it reported, at or past it; the last rung (no step) stops nothing."""
+    from pipeline.sweep.scheduler import RungEnd, paused_at
+
+    rung = RungEnd(20)
+    trials = [Trial("trainable", config={"trial": i}, stub=True) for i in range(3)]
+    assert rung.on_trial_result(None, trials[0], {"step": 10, "val_loss": 2.0}) == TrialScheduler.CONTINUE
+    assert paused_at(trials[0]) is None
+    assert rung.on_trial_result(None, trials[0], {"step": 20, "val_loss": 1.5}) == TrialScheduler.STOP
+    assert rung.on_trial_result(None, trials[1], {"step": 25, "val_loss": 1.7}) == TrialScheduler.STOP  # past it
+    assert [paused_at(t) for t in trials] == [20, 25, None]
+    assert stopped_at(trials[0]) is None  # paused, not stopped: the sweep decides after the rung
+    last = RungEnd(None)
+    for step in (10, 20, 30):
+        assert last.on_trial_result(None, trials[2], {"step": step, "val_loss": 1.0}) == TrialScheduler.CONTINUE
+    assert last.on_trial_result(None, trials[2], {"step": 30, "finished": True}) == TrialScheduler.CONTINUE
+    assert paused_at(trials[2]) is None

@@ -90,7 +90,10 @@ def test_a_sample_that_makes_an_invalid_config_is_refused_before_any_trial(tmp_p
 @pytest.mark.parametrize("sweep, message", [
     (dict(metric="val_bits_per_byte"), r"asha prunes on the validation loss"),
     (dict(overrides=["validation.every=0"]), r"metric val_loss needs validation during training: set validation.every"),
-    (dict(scheduler="hyperband"), r"sweep.scheduler must be one of \['asha', 'none'\], got 'hyperband'"),
+    (dict(scheduler="hyperband"), r"sweep.scheduler must be one of \['asha', 'sha', 'none'\], got 'hyperband'"),
+    (dict(scheduler="sha", metric="val_bits_per_byte"), r"sha prunes on the validation loss"),
+    (dict(scheduler="sha", space={"train.steps": {"grid": [100, 200]}}),
+     r"sha compares every trial at the same steps, so it cannot sweep train.steps"),
     (dict(max_concurrent=0), r"sweep.max_concurrent must be an int >= 1, got 0"),
     (dict(order="random"), r"sweep.order must be one of \['shuffled', 'as_written'\], got 'random'"),
     (dict(trails=4), r"unknown sweep key\(s\) \['trails'\]"),
@@ -101,6 +104,33 @@ def test_a_sample_that_makes_an_invalid_config_is_refused_before_any_trial(tmp_p
 def test_bad_sweep_settings_are_named(tmp_path, sweep, message):
     with pytest.raises(ConfigError, match=message):
         load_sweep(write(tmp_path, **{"space": {"optimizer.lr": {"grid": [1e-3]}}, **sweep}))
+
+
+@pytest.mark.parametrize("overrides, grace, factor, rungs", [
+    (["validation.every=25", "train.steps=150"], 25, 4, [25, 100]),  # the shipped sweep's
+    (["validation.every=25", "train.steps=150"], 25, 2, [25, 50, 100]),
+    (["validation.every=20", "train.steps=150"], 25, 2, [40, 60, 100]),  # each at the first validation past it
+    (["validation.every=10", "train.steps=30"], 10, 2, [10, 20]),
+    (["validation.every=10", "train.steps=30"], 5, 2, [10, 20]),  # 5 and 10 meet at the first validation
+    (["validation.every=50", "train.steps=50"], 50, 2, []),  # the first rung is the last step: no pause
+])
+def test_synchronous_halving_rungs_are_validation_steps_before_the_last(tmp_path, overrides, grace, factor, rungs):
+    spec = load_sweep(write(tmp_path, space={"optimizer.lr": {"grid": [1e-3, 2e-3]}}, scheduler="sha",
+                            grace_steps=grace, reduction_factor=factor, overrides=overrides))
+    assert spec.rungs == rungs
+
+
+def test_the_scheduler_of_a_synchronous_sweep_is_part_of_its_identity(tmp_path):
+    """A rerun continues a sweep of the same fingerprint; an ``sha`` sweep's rungs are where its trials
+    stand, so changing them (or the scheduler) makes another sweep. ASHA's and no scheduler's are the same
+    as ever (only the trials), so a rerun after an upgrade continues them."""
+    space = {"optimizer.lr": {"grid": [1e-3, 2e-3]}}
+    asha = load_sweep(write(tmp_path, space=space, scheduler="asha")).fingerprint
+    assert load_sweep(write(tmp_path, space=space, scheduler="none")).fingerprint == asha
+    sha = load_sweep(write(tmp_path, space=space, scheduler="sha", grace_steps=50)).fingerprint
+    assert sha != asha
+    assert load_sweep(write(tmp_path, space=space, scheduler="sha", grace_steps=50)).fingerprint == sha
+    assert load_sweep(write(tmp_path, space=space, scheduler="sha", grace_steps=100)).fingerprint != sha  # rungs
 
 
 def test_an_end_metric_without_pruning_is_accepted(tmp_path):

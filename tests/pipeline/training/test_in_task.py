@@ -269,6 +269,35 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
     assert logged and logged == list(range(10, logged[-1] + 1, 10)) and logged[-1] < steps, logged
 
 
+class _Reports:
+    """A sweep trial's Ray Train callback, as the train stage sees it (``sweep.run.validation_to_tune_class``):
+    its ``checkpoint_steps`` (a synchronous sweep's rungs) and each report it is handed, in order."""
+
+    checkpoint_steps = (10,)
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        self.seen.append((metrics[0]["step"], "val_loss" if "val_loss" in metrics[0] else
+                          "checkpoint" if checkpoint is not None else "other"))
+
+
+@pytest.mark.slow
+def test_a_rung_step_is_checkpointed_before_its_validation_is_reported(tmp_path, data_stages, monkeypatch):
+    """A callback's ``checkpoint_steps`` get a checkpoint (here step 10, where ``checkpoint.every=0`` saves
+    none), and at every step with both, the checkpoint is reported before the validation loss: a sweep that
+    pauses a trial on that report resumes it from that very step."""
+    from tests.pipeline.training import test_fault_tolerance as ft
+
+    reports, tracker = _Reports(), ft.StageTracker
+    monkeypatch.setattr(ft, "StageTracker", lambda uri, run_id: tracker(uri, run_id, (reports,)))
+    train_once(tmp_path, "rung", [*ONE, "parallel.launcher=in_task", "train.steps=30", "checkpoint.every=0",
+                                  "validation.every=10", "validation.batches=1"], kill=False, data_root=data_stages)
+    assert reports.seen == [(10, "checkpoint"), (10, "val_loss"), (20, "val_loss"), (30, "checkpoint"),
+                            (30, "val_loss")]
+
+
 def test_a_stage_task_started_with_sigint_ignored_can_be_cancelled():
     """Ray cancels a running task by interrupting its main thread as SIGINT would, which does nothing where
     SIGINT is ignored (every process of a Ray started in the background: CI's): a stage task gives it
@@ -302,6 +331,20 @@ def test_the_rank_variables_are_set_for_the_run_only(tmp_path, monkeypatch):
                      name="train-x", keep=1, max_failures=0, callbacks=[])
         assert result.error is None and seen == RANK_ENV
         assert not set(RANK_ENV) & set(os.environ)
+
+
+def test_a_process_group_that_fails_leaves_no_rank_variables(tmp_path, monkeypatch):
+    from pipeline.training import in_task as module
+
+    def fails(backend: str) -> None:
+        raise RuntimeError("no process group here")
+
+    for var in RANK_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(module, "_process_group", fails)
+    with pytest.raises(RuntimeError, match="no process group here"):
+        fit(lambda config: None, {}, storage=str(tmp_path), name="train-x", keep=1, max_failures=0, callbacks=[])
+    assert not set(RANK_ENV) & set(os.environ)
 
 
 def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(tmp_path):
