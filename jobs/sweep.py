@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return main_exit_code(e)
     if args.dry_run:
         print(f"sweep {spec.name}: {len(spec.trials)} trials of {spec.base}, metric {spec.metric} ({spec.mode}), "
-              f"scheduler {spec.scheduler}, {spec.max_concurrent} at a time")
+              f"scheduler {spec.scheduler}"
+              + (f" (trials compared at steps {', '.join(map(str, spec.rungs))})" if spec.scheduler == "sha" else "")
+              + f", {spec.max_concurrent} at a time")
         for t in spec.trials:
             print(f"  {t.name}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in t.values.items()))

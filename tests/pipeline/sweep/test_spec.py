@@ -175,3 +175,12 @@ def test_trials_that_train_side_by_side_split_the_cpus_and_keep_their_hashes():
     # A speed setting: the trial's train artifact is the same one either way (cached on any cluster).
     train = STAGES["train"]
     assert train.hash_config(trial_threads(cfg, 2, [2.0])) == train.hash_config(cfg)
+
+
+def test_a_dry_run_of_a_synchronous_sweep_names_the_steps_its_trials_are_compared_at(tmp_path, capsys):
+    from jobs.sweep import main
+
+    path = write(tmp_path, space={"optimizer.lr": {"grid": [1e-3, 2e-3]}}, scheduler="sha", grace_steps=25,
+                 reduction_factor=2, overrides=["validation.every=25", "train.steps=150"])
+    assert main([str(path), "--dry-run"]) == 0
+    assert "scheduler sha (trials compared at steps 25, 50, 100), 1 at a time" in capsys.readouterr().out
