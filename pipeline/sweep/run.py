@@ -10,6 +10,8 @@ Order of work:
    under it). Inside, the training runs as in any pipeline (one worker in its train stage's task, more on
    Ray Train); with ``val_loss`` as the metric, each validation loss goes from the training to Tune
    (``ValidationToTune``, Ray's documented route for Train inside Tune), where ASHA may stop the trial.
+   With ``sha`` (synchronous successive halving) each rung is a Tune run of its own (``_fit_rungs``):
+   every trial pauses at the rung's step, and the best resume from it in the next rung.
    Tune runs the next trial in the process a trial leaves (``reuse_actors``); a stopped trial's running
    stage task is cancelled first (``EndStagesOnStop``), so the processes its stages ran in stay warm.
 3. A stopped trial ends as "stopped at step N" with its last validation loss, on its MLflow run (KILLED)
