@@ -11,6 +11,7 @@
   credentials, with the same patterns).
 - ``beside_lock``: an exclusive ``flock`` on ``<file>.lock`` beside a file that several processes update (the
   machine caches, a new sqlite MLflow store).
+- ``interruptible``: Ray's non-force cancel made to reach a task's process that SIGINT was ignored in.
 - ``STAGE_ORDER``: the six stages' names in the order the runner walks them, for the command lines'
   ``--only``/``--until``/``--force`` choices: ``jobs.submit`` and ``jobs.run --help`` offer them without
   importing the stages (Ray, MLflow, torch); `pipeline.stages` refuses a table that differs.
@@ -27,6 +28,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 
 STAGE_ORDER = ("shard", "tokenizer", "tokenize", "train", "evaluate", "register")
+
+
+def interruptible() -> None:
+    """Let Ray's non-force cancel reach this process's main thread (``runner.cancel_stage_tasks``, a rank's
+    cancel). Ray interrupts it as SIGINT would (``_thread.interrupt_main``), which does nothing where SIGINT is
+    ignored: in every process of a Ray started in the background (a shell's ``&`` starts its command with
+    SIGINT ignored, and Python keeps that). There it gets Python's own handler back, as in a Ray started in
+    the foreground."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # Query parameters that carry a secret: pyarrow's S3 options, signed URLs, generic names.
 SECRET_PARAMS = {"access_key", "secret_key", "session_token", "password", "passwd", "secret", "token",

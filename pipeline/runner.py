@@ -25,7 +25,7 @@ from pipeline.store.artifacts import Artifact
 from pipeline.config import ConfigError, RunConfig, config_from_dict, flatten
 from pipeline.serving.listen import warn_if_exposed
 from pipeline.preflight import DiskError, check_cluster_resources, check_disk, unwritable
-from pipeline.base import StageFailed  # noqa: F401 - offered here too
+from pipeline.base import StageFailed, interruptible  # noqa: F401 - offered here too
 from pipeline.errors import EXPECTED_ERRORS, main_exit_code  # noqa: F401 - offered here too
 from pipeline.stage_plan import PlanItem, downstream, format_plan, make_plan, resolve  # noqa: F401 - offered here too
 from pipeline.stages import ORDER, STAGES, Stage  # ORDER offered here too (the sweep reads it; jobs read STAGE_ORDER)
@@ -165,15 +165,6 @@ def ray_job_submission_id() -> str | None:
 
 
 STAGE_RESOURCE_SHARE = 0.001  # of each cluster.stage_resources name, per stage task: a label, not a limit
-
-
-def interruptible() -> None:
-    """Let Ray's non-force cancel reach this process's main thread (``cancel_stage_tasks``). Ray interrupts it as
-    SIGINT would (``_thread.interrupt_main``), which does nothing where SIGINT is ignored: in every process of
-    a Ray started in the background (a shell's ``&`` starts its command with SIGINT ignored, and Python keeps
-    that). There it gets Python's own handler back, as in a Ray started in the foreground."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _stage_task(stage: Stage, cfg_dict: dict, hash_: str, inputs: dict[str, Artifact], tracker) -> Transfer:

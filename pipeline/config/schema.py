@@ -250,9 +250,11 @@ class ParallelSection:
     # Where the workers train. ray_train: Ray Train's workers (a controller and a worker process each, with
     # their process group). in_task: the train stage's own task trains, as its one worker (one worker only;
     # pipeline.training.in_task: the same checkpoints, restarts and callbacks, without Ray Train's processes).
+    # ray_tasks: each rank a Ray task in a placement group, in Ray's pooled worker processes (CPUs only;
+    # pipeline.training.rank_tasks: the same, without Ray Train's controller and fresh worker processes).
     # auto: in_task for one worker on a CPU (unless cluster.stage_resources keeps stage tasks on some nodes),
-    # else ray_train. The weights are the same either way.
-    launcher: Literal["auto", "ray_train", "in_task"] = _unhashed("auto")
+    # ray_tasks for several on CPUs, else ray_train. The weights are the same either way.
+    launcher: Literal["auto", "ray_train", "in_task", "ray_tasks"] = _unhashed("auto")
 
 
 @dataclass

@@ -4,7 +4,8 @@ Ray Train's ``TorchTrainer`` starts ``parallel.num_workers`` workers and their p
 (gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``. A run of one worker on a CPU
 (``parallel.launcher`` auto, or in_task) runs the same loop in this stage's own task instead
 (``pipeline.training.in_task``: the same checkpoints, restarts and callbacks, without Ray Train's
-controller and actors).
+controller and actors); several workers on CPUs (auto, or ray_tasks) run it as Ray tasks in a placement
+group, with this task in the controller's place (``pipeline.training.rank_tasks``).
 
 Checkpoints live outside the artifact folder, in the Ray Train run ``train-<artifact hash>`` under
 ``checkpoint.storage`` (default ``<artifact_root>/checkpoints``). So:
@@ -32,6 +33,7 @@ from pipeline.store.backends import NodeFolder, join
 from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
 from pipeline.training.in_task import assigned_cpus, uses_in_task
 from pipeline.training.layout import check_split
+from pipeline.training.rank_tasks import uses_rank_tasks
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
 # the training loop gets as its ``failpoints`` (see pipeline.training.loop).
@@ -261,6 +263,21 @@ def in_task(cfg: RunConfig, device: str) -> bool:
     return uses_in_task(cfg.parallel.launcher, cfg.parallel.num_workers, device, bool(cfg.cluster.stage_resources))
 
 
+def launcher(cfg: RunConfig, device: str) -> str:
+    """Who runs the training loop: ``in_task`` (this stage's task), ``ray_tasks`` (Ray tasks, one a rank) or
+    ``ray_train`` (Ray Train's workers), from ``parallel.launcher`` and the run's workers and device."""
+    if in_task(cfg, device):
+        return "in_task"
+    if uses_rank_tasks(cfg.parallel.launcher, cfg.parallel.num_workers, device):
+        if device != "cpu":
+            from pipeline.base import ConfigError
+
+            raise ConfigError(f"parallel.launcher=ray_tasks trains on CPUs, and this run's device is {device}: "
+                              f"use parallel.launcher=ray_train (or auto) there")
+        return "ray_tasks"
+    return "ray_train"
+
+
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
     """What the stage's task holds on the running cluster (``resources_on``)."""
     return resources_on(cfg, _device(cfg))
@@ -307,14 +324,15 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         print(f"warning: Ray Train's record of this training's checkpoints was cut short (its controller died while "
               f"writing it); resuming from the newest checkpoint it left, {recovered}", flush=True)
         tracker.set_tags({"checkpoint.recovered": recovered})
-    here = in_task(cfg, device)
+    who = launcher(cfg, device)
+    here = who == "in_task"
     if here:  # the task holds what its worker uses (task_resources, placed before it started)
         cpus = assigned_cpus() if device == "cpu" else None
     else:
         cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
     if cpus:
         tracker.set_tags({"cpus_per_worker": str(int(cpus))})
-    tracker.set_tags({"conduit.launcher": "in_task" if here else "ray_train"})
+    tracker.set_tags({"conduit.launcher": who})
     loop_config = {
         "run_config": cfg.to_dict(),
         "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
@@ -343,6 +361,15 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         result = local.fit(train_worker, loop_config, storage=storage, name=name, keep=cfg.checkpoint.keep,
                            max_failures=cfg.checkpoint.max_failures, callbacks=callbacks,
                            backend=backend_for(device), recovered=recovered)
+    elif who == "ray_tasks":
+        from pipeline.training import rank_tasks
+
+        result = rank_tasks.fit(
+            train_worker, loop_config, num_workers=cfg.parallel.num_workers, cpus=cpus,
+            strategy=cfg.parallel.placement_strategy, storage=storage, name=name, keep=cfg.checkpoint.keep,
+            max_failures=cfg.checkpoint.max_failures, callbacks=callbacks, backend=backend_for(device),
+            recovered=recovered,
+            on_placed=lambda: tracker.set_tags({"conduit.phase": f"starting {cfg.parallel.num_workers} ranks"}))
     else:
         result = _fit_with_ray_train(cfg, device, cpus, storage, name, loop_config, callbacks)
     if result.error:

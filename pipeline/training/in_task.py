@@ -108,18 +108,34 @@ class CheckpointRecord:
         """One report: with ``local_dir``, that folder uploaded as a new checkpoint (then the record, then
         the checkpoints beyond ``keep`` deleted, in Ray Train's order: a crash between leaves an extra
         folder, never a record naming a missing one). Returns the new ``ray.train.Checkpoint`` or None."""
+        if local_dir is None:
+            self.reports += 1
+            return None
+        name = self.new_name()
+        self.upload(local_dir, name)
+        return self.register(metrics, name)
+
+    def new_name(self) -> str:
+        """The folder name of the next checkpoint (Ray Train's: ``checkpoint_<time>``), after every kept one."""
+        name = f"{CHECKPOINT_PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+        if self.results and name <= self.results[-1]["checkpoint_dir_name"]:  # a clock stepped back: keep the order
+            name = self.results[-1]["checkpoint_dir_name"] + "0"
+        return name
+
+    def upload(self, local_dir: str, name: str) -> None:
+        """A rank's part of checkpoint ``name``: its files, copied into the folder (several ranks' parts merge
+        there, as Ray Train merges its workers')."""
+        self.fs.create_dir(f"{self.dir}/{name}", recursive=True)
+        pafs.copy_files(local_dir, f"{self.dir}/{name}", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=self.fs)
+
+    def register(self, metrics: dict, name: str):
+        """Checkpoint ``name``, whole in storage, recorded as this report's; the ones beyond ``keep`` deleted
+        after the record is written. Returns it as a ``ray.train.Checkpoint``."""
         import ray.train
 
         index = self.reports  # Ray Train's index of this report: 0 for a run's first
         self.reports += 1
-        if local_dir is None:
-            return None
-        name = f"{CHECKPOINT_PREFIX}{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
-        if self.results and name <= self.results[-1]["checkpoint_dir_name"]:  # a clock stepped back: keep the order
-            name = self.results[-1]["checkpoint_dir_name"] + "0"
-        self.fs.create_dir(self.dir, recursive=True)
-        pafs.copy_files(local_dir, f"{self.dir}/{name}", source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=self.fs)
         self.results.append({"checkpoint_dir_name": name, "metrics": dict(metrics)})
         self.indices.append(index)
         dropped = self.results[:-self.keep] if self.keep else []
@@ -201,8 +217,33 @@ def _process_group(backend: str) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return
+        if dist.get_world_size() == 1:
+            return
+        end_process_group()  # left by ranks of several (``pipeline.training.rank_tasks``): not expected, but not ours
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def end_process_group() -> None:
+    """torch's default process group and the groups made from it destroyed, and those DeepSpeed cached
+    forgotten (its module keeps them, e.g. the expert-parallel groups, and would hand a later run's engine
+    groups that are gone)."""
+    import gc
+    import sys
+
+    import torch.distributed as dist
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for attr, value in vars(groups).items():
+            if attr.startswith("_") and attr.isupper() and ("GROUP" in attr or "PARALLEL" in attr):
+                if isinstance(value, dict):
+                    value.clear()
+                elif not isinstance(value, str):
+                    setattr(groups, attr, None)
+        groups.mesh_device = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()  # what is left of the groups in cycles
 
 
 def _set_rank_env() -> dict:

@@ -4,7 +4,7 @@ and MLflow server on 127.0.0.1.
 infra/local/up (with an empty HOME, as on a new machine) starts a head and a second node (its own CPUs
 and a custom resource) plus an MLflow server; the first service test checks what up wrote and that the
 jobs CLIs find the cluster through it; the smoke pipeline is submitted once with STRICT_SPREAD, so it
-also proves that training workers on two nodes train correctly; the last test brings everything down
+also proves that training ranks on two nodes train correctly; the last test brings everything down
 with infra/local/down and checks that exactly up's processes stopped. MLflow is checked through its
 REST API, Ray through the CLIs. Everything runs as subprocesses; the fixture's down stops what is left
 when a test fails.
@@ -90,11 +90,13 @@ class Services:
             follow.kill()
             follow.wait()
 
-    def train_workers(self) -> list[dict]:
-        out = run([RAY, "list", "actors", "--address", self.address, "--filter", "class_name=RayTrainWorker",
-                   "--format", "json", "--limit", "1000"], timeout=120, **self.auth)
+    def train_ranks(self) -> list[dict]:
+        """The cluster's training ranks (``pipeline.training.rank_tasks``: a Ray task each, by its name),
+        the latest attempt of each task."""
+        out = run([RAY, "list", "tasks", "--address", self.address, "--format", "json", "--limit", "10000"],
+                  timeout=120, **self.auth)
         assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
+        return [t for t in json.loads(out.stdout) if t["name"].startswith("conduit.train.rank")]
 
 
 @pytest.fixture(scope="module")
@@ -377,10 +379,11 @@ def test_the_login_is_in_no_runtime_env_listing_or_log_and_a_missing_one_sends_n
 
 
 @pytest.mark.slow
-def test_training_workers_ran_on_both_nodes(services, smoke_job):
-    workers = services.train_workers()
-    assert len(workers) == 2, workers
-    assert len({w["node_id"] for w in workers}) == 2, f"both workers on one node: {workers}"
+def test_training_ranks_ran_on_both_nodes(services, smoke_job):
+    ranks = services.train_ranks()
+    assert sorted(r["name"] for r in ranks) == ["conduit.train.rank0", "conduit.train.rank1"], ranks
+    assert all(r["state"] == "FINISHED" for r in ranks), ranks
+    assert len({r["node_id"] for r in ranks}) == 2, f"both ranks on one node: {ranks}"
 
 
 @pytest.mark.slow
@@ -414,8 +417,8 @@ def test_stop_ends_a_long_job_and_frees_its_workers(services, smoke_job):
     stopped = services.cli("stop", job_id, "--wait", "120", timeout=180)
     assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stdout + stopped.stderr
     assert services.status(job_id) == "STOPPED"
-    wait_for(lambda: not [w for w in services.train_workers() if w["state"] == "ALIVE"], 120,
-             "the stopped job's training workers to exit")
+    wait_for(lambda: not [r for r in services.train_ranks() if r["state"] == "RUNNING"], 120,
+             "the stopped job's training ranks to end")
 
 
 @pytest.mark.slow

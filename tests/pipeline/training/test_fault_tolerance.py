@@ -38,7 +38,8 @@ pytestmark = pytest.mark.slow
 
 
 def train_worker_pids() -> list[int]:
-    """Pids of this session's Ray Train workers: children of our own raylet, whatever other Ray
+    """Pids of this session's training ranks (Ray Train's workers, or Ray tasks running a rank: the
+    ``ray_tasks`` launcher, two workers' default on CPUs): children of our own raylet, whatever other Ray
     clusters share the machine (the state API needs a dashboard, which the test cluster lacks)."""
     import psutil
     import ray
@@ -47,7 +48,7 @@ def train_worker_pids() -> list[int]:
     pids = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "RayTrainWorker" not in cmd:
+        if "RayTrainWorker" not in cmd and not cmd.startswith("ray::conduit.train.rank"):
             continue
         parent = proc.parent()
         if parent is not None and session in " ".join(parent.cmdline()):

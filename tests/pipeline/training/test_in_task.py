@@ -173,7 +173,7 @@ def _stage_task_pids(session_dir: str) -> list[int]:
     pids = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if not cmd.startswith("ray::conduit.train"):
+        if cmd.strip() != "ray::conduit.train":  # not a rank's process (ray::conduit.train.rank0)
             continue
         parent = proc.parent()
         if parent is not None and session_dir in " ".join(parent.cmdline()):
@@ -231,7 +231,7 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
     long before the end however slowly this test's watcher sees the first checkpoint."""
     from ray.exceptions import TaskCancelledError
 
-    from pipeline.runner import cancel_stage_tasks
+    from pipeline.runner import allow_stage_tasks, cancel_stage_tasks
 
     steps = 5000
     cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster, f"train.steps={steps}")
@@ -253,12 +253,18 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
             break
         assert thread.is_alive() and time.monotonic() < deadline, ended
         time.sleep(0.01)
-    assert cancel_stage_tasks(wait_s=60) == 1
-    thread.join(60)
+    try:
+        assert cancel_stage_tasks(wait_s=60) == 1
+        thread.join(60)
+    finally:
+        allow_stage_tasks()  # this process's later pipelines (other tests) start stage tasks again
     assert not thread.is_alive() and len(ended) == 1 and isinstance(ended[0], TaskCancelledError), ended
     proc = psutil.Process(pids[0])
     assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    assert cancel_stage_tasks(wait_s=1) == 0  # nothing in flight now
+    try:
+        assert cancel_stage_tasks(wait_s=1) == 0  # nothing in flight now
+    finally:
+        allow_stage_tasks()
 
     c = tracking.client(cfg.tracking_uri())
     exp = c.get_experiment_by_name(cfg.tracking.experiment).experiment_id
