@@ -37,8 +37,11 @@ included). By process: the short sweep's CPU-seconds by kind / 8.
 
 Checks: with ``--against REF`` (a git commit), each fixed cost / REF's, target <= 1/3 (issue 53), both measured
 in this run and in turn: REF's code (a git worktree beside this checkout, sharing its ``.venv``) and this
-tree's, each a fresh process of this script (``--no-sweep --repeats 1``), ``--rounds`` times, then one sweep
-pair (``--no-train``); the medians of each side are compared. In turn, because this machine's speed drifts:
+tree's, each a fresh process of this script (``--no-sweep --repeats 2``), ``--rounds`` times, then one sweep
+pair (``--no-train``); the medians of each side are compared. Each train case twice: its first run on the
+fresh Ray (the processes that train in it start and import torch and DeepSpeed for it, unless a data stage's
+process did) and the run after it on that Ray (Ray's pooled processes warm where a launcher reuses them: a
+long-lived job's later trainings, a sweep's trials). In turn, because this machine's speed drifts:
 two runs of the same code ten minutes apart differed by a third in the steps' own CPU-seconds, so a ratio
 against an earlier run's figures would measure the machine. Without it, the fixed CPU-seconds are reported
 only.
@@ -343,6 +346,11 @@ def sweep_part(tmp: Path, short: int, long: int) -> dict:
 def measured_fixed(train: list[dict], sweep: dict | None) -> dict[str, float]:
     """The fixed CPU-seconds the checks compare (train: the median over repeats)."""
     out = {f"train_30_steps_{r['workers']}_workers": r["fixed_cpu_s"]["median"] for r in train}
+    for r in train:  # with repeats: the first run (its processes started for it) and the later ones apart
+        repeats = r["runs"][:-1]  # the last is the 60-step run
+        if len(repeats) >= 2:
+            out[f"train_30_steps_{r['workers']}_workers_first"] = repeats[0]["fixed_cpu_s"]
+            out[f"train_30_steps_{r['workers']}_workers_again"] = statistics.median(x["fixed_cpu_s"] for x in repeats[1:])
     if sweep:
         out["sweep_trial"] = sweep["fixed_cpu_s_per_trial"]
     return out
@@ -351,7 +359,7 @@ def measured_fixed(train: list[dict], sweep: dict | None) -> dict[str, float]:
 def checks(fixed: dict[str, float]) -> list[dict]:
     """Each fixed cost, reported only (the ratios come from ``--against``)."""
     labels = {"sweep_trial": "a sweep trial's fixed CPU-s (smoke_lr, 8 trials)"}
-    return [{"name": labels[key] if key in labels else
+    return [{"name": labels.get(key) or LABELS.get(key) or
              f"fixed CPU-s of a 30-step train stage, {key.split('_')[3]} worker(s)",
              "measured": value, "target": None, "op": "<="} for key, value in fixed.items()]
 
@@ -440,7 +448,7 @@ def against(ref: str, rounds: int, sweep: bool) -> dict:
                 for pkg in ("pipeline", "models", "jobs"):
                     compileall.compile_dir(t / pkg, quiet=1)
             runs: dict[str, list[dict]] = {"ref": [], "here": []}
-            plan = [["--no-sweep", "--repeats", "1"]] * rounds + ([["--no-train"]] if sweep else [])
+            plan = [["--no-sweep", "--repeats", "2"]] * rounds + ([["--no-train"]] if sweep else [])
             for i, flags in enumerate(plan):
                 for side, where in (("ref", tree), ("here", ROOT)):
                     runs[side].append(one_side(where, f"_ab_{side}_{i}", flags, tmp))
@@ -500,7 +508,10 @@ def main() -> int:
 
 LABELS = {"sweep_trial": "a sweep trial's fixed CPU-s (smoke_lr, 8 trials)",
           "train_30_steps_1_workers": "fixed CPU-s of a 30-step train stage, 1 worker",
-          "train_30_steps_2_workers": "fixed CPU-s of a 30-step train stage, 2 workers"}
+          "train_30_steps_2_workers": "fixed CPU-s of a 30-step train stage, 2 workers",
+          **{f"train_30_steps_{w}_workers_{when}": f"fixed CPU-s of a 30-step train stage, {w} worker{'s' * (w > 1)}, "
+             + ("the first on a fresh Ray" if when == "first" else "run again on that Ray")
+             for w in (1, 2) for when in ("first", "again")}}
 
 
 def process_rows(ab: dict, least: float = 0.5) -> list[dict]:
@@ -525,7 +536,7 @@ def main_against(args: argparse.Namespace) -> int:
     ref, here = ab["ref"], ab["here"]
     rows, result_checks = [], []
     print(f"\n{'case':<52} {args.against:>9} {'here':>9} {'ratio':>7}")
-    for key in sorted(here["fixed"]):
+    for key in sorted(k for k in here["fixed"] if not k.endswith("_workers")):  # first and again, not their median
         ratio = here["fixed"][key] / ref["fixed"][key]
         rows.append({"case": LABELS.get(key, key), "ref_fixed_cpu_s": round(ref["fixed"][key], 2),
                      "here_fixed_cpu_s": round(here["fixed"][key], 2), "ratio": round(ratio, 3)})
@@ -539,7 +550,8 @@ def main_against(args: argparse.Namespace) -> int:
     path = write_result(args.name, {
         "config": vars(args), "rows": rows, "ab": ab, "checks": result_checks,
         "summary": (f"Commit {args.against} and this tree measured in turn on one machine: {args.rounds} rounds of "
-                    "the train stage (30 steps x 1 and 2 workers, and 60 steps for the per-step cross-check), then "
+                    "the train stage (30 steps x 1 and 2 workers, each twice on the round's fresh Ray: first and "
+                    "again, and 60 steps for the per-step cross-check), then "
                     "one sweep pair (25 and 75 steps a trial), each side a fresh process of this script; medians of "
                     "each side. " + summary_text(args, 25, 75))})
     print(f"wrote {path}")
