@@ -350,7 +350,8 @@ def measured_fixed(train: list[dict], sweep: dict | None) -> dict[str, float]:
         repeats = r["runs"][:-1]  # the last is the 60-step run
         if len(repeats) >= 2:
             out[f"train_30_steps_{r['workers']}_workers_first"] = repeats[0]["fixed_cpu_s"]
-            out[f"train_30_steps_{r['workers']}_workers_again"] = statistics.median(x["fixed_cpu_s"] for x in repeats[1:])
+            again = statistics.median(x["fixed_cpu_s"] for x in repeats[1:])
+            out[f"train_30_steps_{r['workers']}_workers_again"] = again
     if sweep:
         out["sweep_trial"] = sweep["fixed_cpu_s_per_trial"]
     return out

@@ -21,9 +21,12 @@ What Ray Train did for such a run, this module does:
   Tune after the checkpoint they follow is recorded). So a rerun, ``checkpoint.resume_from``, Ray Train, or
   the one-worker launcher all find the checkpoints as before;
 - a rank that fails (raises, or its process dies) fails the attempt: the others are cancelled (as Ctrl-C
-  would, then killed if they do not end in ``CANCEL_GRACE_S``), the failure reaches the failure callback
+  would, then killed if they have not ended ``STUCK_S`` later: a rank waiting in a collective for the failed
+  one cannot take the interrupt), the failure reaches the failure callback
   (the run's tags), and all ranks start again from the newest checkpoint, at most ``checkpoint.max_failures``
   times (Ray Train's ``FailureConfig``);
+- the stage cancelled (Ctrl-C, a sweep's stop) cancels its ranks the same way and removes their placement
+  group; a retry of a stage whose task was killed removes the group the killed attempt left;
 - each rank destroys its process group at the end (its process takes other tasks after), and forgets the
   groups DeepSpeed cached from it.
 
@@ -94,6 +97,7 @@ def _utils_class():
             self._rank, self._world, self._store = rank, world, store
             self._record, self._callbacks, self._restored = record, callbacks, restored
             self._reports = 0  # this rank's reports so far: the same count on every rank (reports are collective)
+            self._syncs = 0  # barriers and broadcasts so far (collective too)
 
         def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **_ignored) -> None:
             index = self._reports
@@ -117,12 +121,13 @@ def _utils_class():
             return True
 
         def barrier(self) -> None:
-            index = self._reports
-            self._store.set(f"barrier/{index}/{self._rank}", "1")
-            self._store.wait([f"barrier/{index}/{r}" for r in range(self._world)])
+            self._syncs += 1
+            self._store.set(f"barrier/{self._syncs}/{self._rank}", "1")
+            self._store.wait([f"barrier/{self._syncs}/{r}" for r in range(self._world)])
 
         def broadcast_from_rank_zero(self, data: Any) -> Any:
-            key = f"broadcast/{self._reports}"
+            self._syncs += 1
+            key = f"broadcast/{self._syncs}"
             if self._rank == 0:
                 self._store.set(key, pickle.dumps(data))
                 return data

@@ -89,6 +89,27 @@ def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_tra
     assert uses_in_task("in_task", 1, "cpu", stages_confined=True)  # asked for: trains on the stage nodes
 
 
+def assert_same_records(art, rt_art, steps: tuple) -> list[str]:
+    """Both runs' checkpoint records, read with Ray Train's own model: a checkpoint at each of ``steps``, all
+    kept, the same report indices and count, and the same files in the newest folder (returned)."""
+    records = []
+    for a in (art, rt_art):
+        run_dir = artifact_run_dir(a)
+        snapshot = _CheckpointManagerState.parse_raw((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        records.append(snapshot)
+        assert [r.metrics for r in snapshot.checkpoint_results] == [{"step": s} for s in steps]
+        assert snapshot.latest_checkpoint_result == snapshot.checkpoint_results[-1]
+        assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == \
+            [r.checkpoint_dir_name for r in snapshot.checkpoint_results]
+    assert records[0].checkpoint_report_indices == records[1].checkpoint_report_indices
+    assert records[0].current_report_index == records[1].current_report_index
+    files = [sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+             for d in (artifact_run_dir(a) / s.checkpoint_results[-1].checkpoint_dir_name
+                       for a, s in zip((art, rt_art), records))]
+    assert files[0] == files[1] and "canonical.pt" in files[0]
+    return files[0]
+
+
 @pytest.mark.slow
 def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_path, in_task, data_stages):
     weights, history, _, art = in_task
@@ -102,31 +123,16 @@ def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_p
     assert tags_of(art)["conduit.launcher"] == "in_task" and tags_of(rt_art)["conduit.launcher"] == "ray_train"
     # The record: Ray Train's own model reads both; the same checkpoints (every 20 steps, all 5 kept), the same
     # report count, and each folder holds the same files.
-    records = []
-    for a in (art, rt_art):
-        run_dir = artifact_run_dir(a)
-        snapshot = _CheckpointManagerState.parse_raw((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        records.append(snapshot)
-        assert [r.metrics for r in snapshot.checkpoint_results] == [{"step": s} for s in (20, 40, 60, 80, 100)]
-        assert snapshot.latest_checkpoint_result == snapshot.checkpoint_results[-1]
-        assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == \
-            [r.checkpoint_dir_name for r in snapshot.checkpoint_results]
-    assert records[0].checkpoint_report_indices == records[1].checkpoint_report_indices
-    assert records[0].current_report_index == records[1].current_report_index
-    files = [sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
-             for d in (artifact_run_dir(a) / s.checkpoint_results[-1].checkpoint_dir_name
-                       for a, s in zip((art, rt_art), records))]
-    assert files[0] == files[1] and "canonical.pt" in files[0]
+    assert_same_records(art, rt_art, (20, 40, 60, 80, 100))
 
 
-@pytest.mark.slow
-def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, in_task, data_stages,
-                                                                      monkeypatch):
-    """Fails once after step 30: the restart, in the same process, starts at 20 (the newest checkpoint),
-    and ends with the uninterrupted run's weights and MLflow history (each step once)."""
-    weights, history, _, straight = in_task
+def failed_once_after_30(tmp_path: Path, uninterrupted, overrides: list[str], data_stages: str, monkeypatch) -> dict:
+    """The uninterrupted run's config (``overrides``) trained again, failing once after step 30 with one restart
+    allowed: it restarts from step 20 and ends with ``uninterrupted``'s weights and MLflow history (each step
+    once). Returns the train run's tags."""
+    weights, history, _, straight = uninterrupted
     fail_once(monkeypatch, tmp_path, 30)
-    resumed, resumed_history, _, art = train_once(tmp_path, "failed", [*ONE, "checkpoint.max_failures=1"],
+    resumed, resumed_history, _, art = train_once(tmp_path, "failed", [*overrides, "checkpoint.max_failures=1"],
                                                   kill=False, data_root=data_stages)
     assert (tmp_path / "failed-after-30").exists()
     assert read_train_starts(art.path) == [0, 20]
@@ -135,6 +141,15 @@ def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, 
     assert loss_history(art) == loss_history(straight) != []
     tags = tags_of(art)
     assert tags["conduit.restarts"] == "1", tags
+    return tags
+
+
+@pytest.mark.slow
+def test_a_failure_in_the_task_restarts_it_from_the_newest_checkpoint(tmp_path, in_task, data_stages,
+                                                                      monkeypatch):
+    """Fails once after step 30: the restart, in the same process, starts at 20 (the newest checkpoint),
+    and ends with the uninterrupted run's weights and MLflow history (each step once)."""
+    tags = failed_once_after_30(tmp_path, in_task, ONE, data_stages, monkeypatch)
     assert tags["conduit.last_failure"] == "rank 0: RuntimeError: failpoint: fail_once_after_step 30", tags
     assert tags["conduit.launcher"] == "in_task"
 
@@ -168,36 +183,45 @@ def whole_pipeline(tmp_path: Path, data_stages: str, ray_cluster, *overrides: st
     return cfg, ray_cluster._private.worker._global_node.get_session_dir_path()
 
 
-def _stage_task_pids(session_dir: str) -> list[int]:
-    """The train stage's task processes under this session's raylet."""
+def session_processes(session_dir: str, title) -> list[int]:
+    """Pids of this session's processes (children of its raylet) whose title ``title(cmdline)`` accepts."""
     pids = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if cmd.strip() != "ray::conduit.train":  # not a rank's process (ray::conduit.train.rank0)
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if title(" ".join(proc.info["cmdline"] or []).strip()) and session_dir in " ".join(proc.parent().cmdline()):
+                pids.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):  # gone meanwhile, or no parent
             continue
-        parent = proc.parent()
-        if parent is not None and session_dir in " ".join(parent.cmdline()):
-            pids.append(proc.info["pid"])
     return pids
 
 
-@pytest.mark.slow
-def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, data_stages, ray_cluster):
-    """The whole pipeline up to train on the session's Ray; once two checkpoints are recorded, the stage's
-    task is SIGKILLed. Ray retries the task, which resumes from the newest checkpoint: the same weights as
-    the uninterrupted run, and MLflow holds each logged step once."""
-    weights, history, _, straight = in_task
-    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster)
-    killed: list[int] = []
+def _stage_task_pids(session_dir: str) -> list[int]:
+    """The train stage's task processes under this session's raylet (not a rank's: ray::conduit.train.rank0)."""
+    return session_processes(session_dir, lambda cmd: cmd == "ray::conduit.train")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_once_checkpointed_twice(tmp_path: Path, cfg, victim):
+    """``run_pipeline(cfg, until="train")`` while a watcher SIGKILLs a process once training has recorded two
+    checkpoints: ``victim()``'s first item (a pid; it returns None while there is none to kill yet). Returns
+    the pipeline's result and what ``victim`` returned for the kill."""
+    killed: list[tuple] = []
     done = threading.Event()
 
     def kill_after_two_checkpoints() -> None:
         while not done.is_set():
             runs = list((tmp_path / "artifacts" / "checkpoints").glob("train-*"))
-            pids = _stage_task_pids(session)
-            if runs and len(registered_steps(runs[0])) >= 2 and pids:
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
+            found = victim() if runs and len(registered_steps(runs[0])) >= 2 else None
+            if found:
+                os.kill(found[0], signal.SIGKILL)
+                killed.append(found)
                 return
             time.sleep(0.01)
 
@@ -209,6 +233,18 @@ def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, d
         done.set()
         killer.join()
     assert killed, "the train stage finished before two checkpoints were recorded"
+    return result, killed[0]
+
+
+@pytest.mark.slow
+def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, data_stages, ray_cluster):
+    """The whole pipeline up to train on the session's Ray; once two checkpoints are recorded, the stage's
+    task is SIGKILLed. Ray retries the task, which resumes from the newest checkpoint: the same weights as
+    the uninterrupted run, and MLflow holds each logged step once."""
+    weights, history, _, straight = in_task
+    cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster)
+    result, _ = kill_once_checkpointed_twice(tmp_path, cfg,
+                                             lambda: (pids[0],) if (pids := _stage_task_pids(session)) else None)
     art = result.artifacts["train"]
     assert art.hash == straight.hash
     starts = read_train_starts(art.path)
@@ -219,6 +255,41 @@ def test_a_killed_train_task_is_retried_and_resumes_exactly(tmp_path, in_task, d
     logged = sorted((m.step, m.value) for m in c.get_metric_history(train_run.info.run_id, "loss"))
     assert logged == loss_history(straight)
     assert [h["loss"] for h in history] == [v for _, v in logged]
+
+
+def cancel_once_checkpointed(tmp_path: Path, cfg, pids_of, count: int = 1, before_cancel=lambda: None):
+    """``run_pipeline(cfg, until="train")`` in a thread, its stage task cancelled (``runner.cancel_stage_tasks``,
+    as a stopped sweep trial's) once training has recorded a checkpoint and ``pids_of()`` names ``count``
+    processes (``before_cancel()`` then runs); this process's pipelines are let start stage tasks again after.
+    Returns what the pipeline raised and those pids."""
+    from pipeline.runner import allow_stage_tasks, cancel_stage_tasks
+
+    ended: list[BaseException] = []
+
+    def pipeline() -> None:
+        try:
+            run_pipeline(cfg, until="train", echo=lambda line: None)
+        except BaseException as e:  # noqa: BLE001 - what the test checks
+            ended.append(e)
+
+    thread = threading.Thread(target=pipeline)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while True:
+        runs = list((tmp_path / "artifacts" / "checkpoints").glob("train-*"))
+        pids = pids_of()
+        if runs and registered_steps(runs[0]) and len(pids) == count:
+            break
+        assert thread.is_alive() and time.monotonic() < deadline, ended
+        time.sleep(0.01)
+    before_cancel()
+    try:
+        assert cancel_stage_tasks(wait_s=60) == 1
+        thread.join(60)
+    finally:
+        allow_stage_tasks()  # this process's later pipelines (other tests) start stage tasks again
+    assert not thread.is_alive()
+    return ended, pids
 
 
 @pytest.mark.slow
@@ -235,32 +306,9 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
 
     steps = 5000
     cfg, session = whole_pipeline(tmp_path, data_stages, ray_cluster, f"train.steps={steps}")
-    ended: list[BaseException] = []
-
-    def pipeline() -> None:
-        try:
-            run_pipeline(cfg, until="train", echo=lambda line: None)
-        except BaseException as e:  # noqa: BLE001 - what the test checks
-            ended.append(e)
-
-    thread = threading.Thread(target=pipeline)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while True:
-        runs = list((tmp_path / "artifacts" / "checkpoints").glob("train-*"))
-        pids = _stage_task_pids(session)
-        if runs and registered_steps(runs[0]) and pids:
-            break
-        assert thread.is_alive() and time.monotonic() < deadline, ended
-        time.sleep(0.01)
-    try:
-        assert cancel_stage_tasks(wait_s=60) == 1
-        thread.join(60)
-    finally:
-        allow_stage_tasks()  # this process's later pipelines (other tests) start stage tasks again
-    assert not thread.is_alive() and len(ended) == 1 and isinstance(ended[0], TaskCancelledError), ended
-    proc = psutil.Process(pids[0])
-    assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    ended, pids = cancel_once_checkpointed(tmp_path, cfg, lambda: _stage_task_pids(session))
+    assert len(ended) == 1 and isinstance(ended[0], TaskCancelledError), ended
+    assert alive(pids[0])
     try:
         assert cancel_stage_tasks(wait_s=1) == 0  # nothing in flight now
     finally:
