@@ -227,7 +227,6 @@ def end_process_group() -> None:
     """torch's default process group and the groups made from it destroyed, and those DeepSpeed cached
     forgotten (its module keeps them, e.g. the expert-parallel groups, and would hand a later run's engine
     groups that are gone)."""
-    import gc
     import sys
 
     import torch.distributed as dist
@@ -243,7 +242,6 @@ def end_process_group() -> None:
         groups.mesh_device = None
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()  # what is left of the groups in cycles
 
 
 def _set_rank_env() -> dict:

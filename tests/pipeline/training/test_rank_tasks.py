@@ -232,7 +232,6 @@ def test_a_cancelled_stage_ends_its_ranks_and_frees_their_cpus(tmp_path, data_st
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(sys.platform != "linux", reason="reads process titles through /proc")
 def test_a_killed_stage_task_takes_its_ranks_along_and_its_retry_resumes_exactly(tmp_path, ranks, data_stages,
                                                                                    ray_cluster):
     """The stage's task SIGKILLed once two checkpoints are recorded: its ranks die with it (their owner is
