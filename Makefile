@@ -1,4 +1,4 @@
-# Conduit: `make run` runs the demo pipeline; `make test` installs everything and runs the tests.
+# Conduit: `make run` fetches the demo's data and runs its pipeline; `make test` installs everything and runs the tests.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -42,6 +42,7 @@ $(VENV)/.installed: pyproject.toml
 # (pipeline.serving.vllm_app); mlflow-skinny with SQLAlchemy (a sqlite registry, the embedded default) and pandas
 # to fetch the registered version's files through pipeline.tracking. VLLM_SPEC=none
 # skips it (deploy.engine auto then serves with Conduit's engine). On a GPU machine: VLLM_SPEC=vllm==0.29.0.
+# `make install` builds it (the tests need it); `make deploy` does not (jobs.deploy asks for it when vLLM is chosen).
 install-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
@@ -65,9 +66,11 @@ run: $(VENV)/.installed
 	$(PY) -m jobs.run $(CONFIG) $(ARGS)
 
 # The corpora the shipped configs read, into the data root (DATA_ROOT, else $CONDUIT_DATA_ROOT, else
-# ../shared/data), each checked against its sha256 in pipeline/data/corpora.py; present files are skipped.
-# MIRROR=URL_OR_DIR (a copy of a complete data folder) replaces the public URLs: the cleaned Gutenberg
-# books and wiki.test.raw have no public copy. ARGS="--verify" checks, ARGS="--only lambada" selects.
+# ../shared/data beside the checkout where it exists, else data/ in it): each file downloaded from its
+# public source pinned to a commit (the Gutenberg books and wiki.test.raw rebuilt from the raw e-books and
+# the WikiText rows) and checked against its sha256 in pipeline/data/corpora.py; present files are skipped.
+# `make run` fetches what its config reads first. MIRROR=URL_OR_DIR (a copy of a complete data folder)
+# replaces the sources. ARGS="--verify" checks, ARGS="--only lambada" or "--config configs/x.yaml" selects.
 .PHONY: data
 data: $(VENV)/.installed
 	$(PY) -m jobs.fetch_data $(if $(DATA_ROOT),--root "$(DATA_ROOT)") $(if $(MIRROR),--mirror "$(MIRROR)") $(ARGS)
@@ -76,9 +79,12 @@ submit: $(VENV)/.installed
 	@$(USE_INFRA); $(PY) -m jobs.submit $(CONFIG) $(ARGS) --follow
 
 # Serve MODEL (NAME or NAME@ALIAS, default alias champion) on Ray Serve; on the infra cluster while
-# outputs/infra/env exists, else on a Ray started here that serves until Ctrl-C.
+# outputs/infra/env exists, else on a Ray started here that serves until Ctrl-C. It needs the training venv
+# only: deploy.engine auto serves on Conduit's engine on CPU replicas (benchmarks/RESULTS.md, serve_vllm); where
+# the engine would be vLLM (GPU replicas, deploy.engine=vllm) and .venv-vllm is missing, jobs.deploy names
+# `make install-vllm` (engine vllm: an error; auto: Conduit's engine, saying why).
 MODEL ?= conduit-demo@champion
-deploy: install
+deploy: $(VENV)/.installed
 	@$(USE_INFRA); $(PY) -m jobs.deploy $(MODEL) --config $(CONFIG) $(ARGS)
 
 up: $(VENV)/.installed
@@ -140,7 +146,7 @@ $(DATATROVE_VENV)/.installed: Makefile
 	touch $@
 
 # The whole pipeline on infra/local's cluster under a fault a minute (about 40 minutes; not in CI):
-# checks that it ends with the undisturbed run's model and loses nothing; reports in docs/reliability.md.
+# checks that it ends with the undisturbed run's model and loses nothing; reports in benchmarks/RESULTS.md.
 chaos: $(VENV)/.installed
 	rm -rf outputs/chaos
 	$(PY) benchmarks/chaos.py $(ARGS)

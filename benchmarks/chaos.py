@@ -29,7 +29,7 @@
 5. The report: faults by kind, the time from each fault to the next progress (a stage done, a training
    step, documents tokenized, sets scored), the total time against the undisturbed run's, and what was
    redone (stage attempts beyond the first, training restarts and their resume points, driver runs).
-   Printed, written to ``benchmarks/results/chaos.json``, and put in docs/reliability.md.
+   Printed and written to ``benchmarks/results/chaos.json`` (``benchmarks/report.py`` puts it in RESULTS.md).
 
 The seed fixes the monkey's choices and waits; where a fault lands still depends on timing.
 """
@@ -63,7 +63,6 @@ KINDS = ("train_worker", "data_task", "mlflow", "node", "driver")
 DATA_TASKS = ("ray::conduit.shard", "ray::conduit.tokenizer", "ray::conduit.tokenize", "ray::pack_document_shard",
               "ray::conduit.evaluate")
 DETERMINISTIC = ("loss", "lr", "grad_norm", "val_loss")
-REPORT_START, REPORT_END = "<!-- chaos-report:start -->", "<!-- chaos-report:end -->"
 
 
 def load_services():
@@ -512,33 +511,7 @@ def report(calm_s: float, chaos: dict, results, redone: dict, out: Path, seed: i
         "config": {"seed": seed, "every_s": every, "pipeline": "configs/chaos.yaml"}, "summary": summary,
         "checks": [{"name": n, "target": 1, "op": ">=", "measured": int(ok)} for n, ok, _ in results],
     })
-    write_doc(summary)
     return summary
-
-
-def write_doc(s: dict) -> None:
-    """The report between the markers of docs/reliability.md."""
-    def seconds(v):
-        return "-" if v is None else f"{v:.0f} s"
-
-    rows = "\n".join(f"- {k}: {v['injected']} injected; recovery median {seconds(v['recovery_median_s'])}, "
-                     f"max {seconds(v['recovery_max_s'])}" for k, v in s["by_kind"].items())
-    checks = "\n".join(f"- {'passed' if c['passed'] else 'FAILED'}: {c['name']} ({c['detail']})" for c in s["checks"])
-    text = (f"{REPORT_START}\nThe latest chaos run (`make chaos`, seed {s['seed']}, a fault every {s['every_s']:.0f} s on "
-            f"average): {s['faults']} faults; the pipeline took {s['chaos_s']:.0f} s against {s['undisturbed_s']:.0f} s "
-            f"undisturbed ({s['ratio']}x), over {s['driver_runs']} driver runs "
-            f"({s['drivers_that_failed_on_their_own']} ended by a failure of their own).\n\n"
-            f"{rows}\n\n"
-            f"Recovery: from the fault (or the end of its outage) to the next progress (a stage done, a training "
-            f"step logged, documents tokenized, sets scored). Redone: stage attempts {s['stage_attempts']} "
-            f"(1 each undisturbed); training started at steps {s['train_starts']}.\n\n{checks}\n{REPORT_END}")
-    doc = ROOT / "docs" / "reliability.md"
-    body = doc.read_text()
-    if REPORT_START in body:
-        body = body[:body.index(REPORT_START)] + text + body[body.index(REPORT_END) + len(REPORT_END):]
-    else:
-        body = body.rstrip("\n") + "\n\n## The chaos run\n\n" + text + "\n"
-    doc.write_text(body)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ by kind (``total``). The steps' CPU-seconds: the wall of the steps, from the loo
 so its seconds are its tokens / tokens_per_s; the first window holds the first step's warm-up), times
 each worker's threads (the ``threads_per_worker`` tag of the stage's MLflow run) times the workers: the CPU
 the steps held, at full use of their threads. Fixed = total - steps. (One worker on a CPU trains in the
-train stage's task, ``pipeline.training.in_task``: its steps are in that task's CPU-seconds, and subtracted
+train stage's task, Ray Train's local mode through ``pipeline.training.launch``: its steps are in that task's CPU-seconds, and subtracted
 the same way.) As a cross-check, one 60-step
 run per worker count: the stage's CPU a step is (T60 - T30) / 30, and fixed = T30 - 30 x that.
 
@@ -425,7 +425,7 @@ def data_root() -> Path:
 
 def one_side(tree: Path, name: str, flags: list[str], out: Path) -> dict:
     """This script, as ``tree`` has it after `against` copied it there, run on ``tree``'s code; its result."""
-    # PYTHONPATH: Ray's workers import ``pipeline`` for their setup hook (pipeline.ray_logging) before they get
+    # PYTHONPATH: Ray's workers import ``pipeline`` for their setup hook (pipeline.internals.quiet_ray_worker) before they get
     # the driver's sys.path, so without it they would take the checkout the shared .venv installs, not ``tree``.
     subprocess.run([sys.executable, str(tree / "benchmarks" / "fixed_costs.py"), *flags, "--name", name], cwd=tree,
                    check=True, env={**os.environ, "PYTHONPATH": str(tree), "CONDUIT_DATA_ROOT": str(data_root())})

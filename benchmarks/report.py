@@ -1,15 +1,18 @@
 """Rewrite ``benchmarks/RESULTS.md`` from every ``benchmarks/results/*.json``.
 
-The page opens with the machine's description (the newest result's ``machine`` entry, else this
-machine now) and a summary of every target, then gives one section per benchmark: its numbers as
-tables, and its targets with the measured median, range and PASS/BELOW. Under a result below target
-stands its cause: the result's own ``notes`` (``{check name: text}``), an entry of ``KNOWN_CAUSES``,
+The page opens with a summary of every target, then gives one section per result file, headed by the
+machine, commit and date that file recorded (results are measured on different machines at different
+commits, so the page names no one machine for all; what a file did not record is printed as "not
+recorded", never filled in from this machine): its numbers as tables, and its targets with the
+measured median, range and PASS/BELOW. Under a result below target stands its cause: the result's own ``notes`` (``{check name: text}``), an entry of ``KNOWN_CAUSES``,
 or, when the target lies inside the measured range, that noise decides it.
 
 A result file may carry a ``summary`` (text printed under its tables) and ``checks``: ``[{"name", "measured" (a number or a summary with median, min
 and max), "target" (or null), "op" (">=", ">", "<=", "<"), "format" ("ratio" or "percent")}]``. Files
 without them (the older formats of peak, train_throughput, tokenize and gpu_check, some without a
 ``machine`` entry or with a plain string there) get their checks from the issue's targets here.
+A file need not come from a benchmark script: ``by_hand_*.json`` hold figures recorded by hand (moved
+out of docs/ and configs/), as ``rows`` and a ``summary``, with the machine they name and no commit.
 
     .venv/bin/python benchmarks/report.py [--results benchmarks/results] [--out benchmarks/RESULTS.md]
 """
@@ -25,7 +28,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS_DIR, ROOT, machine
+from benchmarks.common import RESULTS_DIR, ROOT
 
 # What `make bench` runs, in page order (gpu_check needs a GPU: benchmarks/gpu_check.sh).
 EXPECTED = {"peak": "`benchmarks/peak.py`", "train_throughput": "`benchmarks/train_throughput.py`",
@@ -66,6 +69,7 @@ KNOWN_CAUSES["MoE / dense tokens/s as a share of its ceiling"] = (
     "the MoE about 0.93 of its ceiling; routing is the rest (the next check). Storing the experts stacked (issue "
     "34) removed the per-step copy of every expert's weights into one tensor and its backward split: MoE "
     "tokens/s now / before 1.02 at both widths (the `before` checks), about two points of the ceiling.")
+BY_HAND = "by_hand_"  # result files of figures recorded by hand, not by a script
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
                                                  "<": operator.lt}
 
@@ -95,19 +99,36 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def describe_machine(m: dict | str | None) -> str:
-    """One line for a ``machine`` entry (a dict from ``common.machine()``, or an older plain string)."""
-    if not isinstance(m, dict):
-        return f"{m} (recorded as a platform string only)" if m else "not recorded"
-    parts = [f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"]
+    """The hardware of a ``machine`` entry (a dict from ``common.machine()``, or an older plain string)."""
+    if isinstance(m, str) and m:
+        return f"not recorded (only the platform string {m})"
+    if not isinstance(m, dict) or not m.get("cpu"):
+        return "not recorded"
+    out = m["cpu"] + (f", {m['cores']} cores" if "cores" in m else ", cores not recorded")
     if "memory_gib" in m:
-        parts[0] += f", {m['memory_gib']} GiB"
+        out += f", {m['memory_gib']} GiB"
     if "gpu" in m:
-        parts.append(f"GPU {m['gpu']}")
-    parts.append(m.get("platform", ""))
-    parts.append(", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "ray", "transformers") if k in m))
-    if "git" in m:
-        parts.append(f"commit {m['git']}")
+        out += f"; GPU {m['gpu']}"
+    return out
+
+
+def describe_software(m: dict | str | None) -> str:
+    """The platform and the stack's versions of a ``machine`` dict ("" when it records none)."""
+    if not isinstance(m, dict):
+        return ""
+    parts = [m.get("platform", ""),
+             ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "ray", "transformers") if k in m)]
     return "; ".join(p for p in parts if p)
+
+
+def provenance(name: str, data: dict) -> str:
+    """The line under a section's heading: the result file's own machine, commit and date."""
+    m = data.get("machine")
+    commit = m.get("git") if isinstance(m, dict) and m.get("git") else "not recorded"
+    when = data.get("written_at") or "not recorded"
+    software = describe_software(m)
+    return (f"Machine: {describe_machine(m)}. Commit: {commit}. Written: {when}. "
+            f"(`benchmarks/results/{name}.json`{'; ' + software if software else ''}.)")
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -354,10 +375,28 @@ def full_path_profile_tables(d: dict) -> list[str]:
     return out
 
 
+def chaos_tables(d: dict) -> list[str]:
+    """`make chaos`'s summary: the faults injected, the recovery by kind, what was redone."""
+    s = d.get("summary")
+    if not isinstance(s, dict) or "by_kind" not in s:
+        return []
+    out = [f"`configs/chaos.yaml` on `infra/local`'s cluster, seed {s['seed']}, a fault every {s['every_s']:.0f} s on "
+           f"average: {s['faults']} faults; the pipeline took {s['chaos_s']:.0f} s against {s['undisturbed_s']:.0f} s "
+           f"undisturbed ({s['ratio']}x), over {s['driver_runs']} driver runs "
+           f"({s['drivers_that_failed_on_their_own']} ended by a failure of their own).", ""]
+    out += table(["fault", "injected", "recovery median s", "recovery max s"],
+                 [[k, v["injected"], v["recovery_median_s"], v["recovery_max_s"]] for k, v in s["by_kind"].items()])
+    out += ["Recovery: from the fault (or the end of its outage) to the next progress (a stage done, a training step "
+            f"logged, documents tokenized, sets scored). Stage attempts: {s['stage_attempts']} (1 each undisturbed); "
+            f"training started at steps {s['train_starts']}.", ""]
+    return out
+
+
 TABLES: dict[str, Callable[[dict], list[str]]] = {"peak": peak_tables, "train_throughput": train_tables,
                                                   "tokenize": tokenize_tables, "moe": moe_tables,
                                                   "pipeline": pipeline_tables, "data_stages": data_stages_tables,
-                                                  "full_path_profile": full_path_profile_tables}
+                                                  "full_path_profile": full_path_profile_tables,
+                                                  "chaos": chaos_tables}
 
 
 def kind_of(name: str) -> str:
@@ -368,14 +407,8 @@ def kind_of(name: str) -> str:
     return name.split("_scale", 1)[0]
 
 
-def section(name: str, data: dict, header_machine: Any) -> list[str]:
-    out = [f"## {name}", ""]
-    when = f"written {data['written_at']}" if "written_at" in data else "no date recorded"
-    m = data.get("machine")
-    if isinstance(m, dict) and "git" in m:
-        when += f" at commit {m['git']}"
-    same = _without_git(m) == _without_git(header_machine)
-    out += [f"`benchmarks/results/{name}.json`, {when}{'' if same else f'; machine: {describe_machine(m)}'}.", ""]
+def section(name: str, data: dict) -> list[str]:
+    out = [f"## {name}", "", provenance(name, data), ""]
     checks = data.get("checks") or derived_checks(kind_of(name), data)
     if kind_of(name) in TABLES:
         out += TABLES[kind_of(name)](data)
@@ -387,22 +420,15 @@ def section(name: str, data: dict, header_machine: Any) -> list[str]:
     return out + checks_section(checks, notes if isinstance(notes, dict) else {})
 
 
-def _without_git(m: Any) -> Any:
-    return {k: v for k, v in m.items() if k != "git"} if isinstance(m, dict) else m
-
-
-def build_report(results: dict[str, dict], fallback_machine: dict | None = None) -> str:
-    """The markdown page for ``results`` (result name -> parsed JSON); ``fallback_machine`` describes
-    the machine when no result carries a ``machine`` dict (default: this machine, now)."""
-    dated = sorted((d.get("written_at", ""), n) for n, d in results.items() if isinstance(d.get("machine"), dict))
-    if dated:
-        header_machine = results[dated[-1][1]]["machine"]
-    else:
-        header_machine = fallback_machine if fallback_machine is not None else machine()
+def build_report(results: dict[str, dict]) -> str:
+    """The markdown page for ``results`` (result name -> parsed JSON)."""
     out = ["# Benchmark results", "",
-           "Written by `benchmarks/report.py` from `benchmarks/results/*.json` (`make bench` reruns everything). "
+           "Written by `benchmarks/report.py` from `benchmarks/results/*.json` (`make bench` reruns the benchmarks; "
+           "the `by_hand_*` sections hold figures recorded by hand, which no script reruns). "
            "Ratios are medians of A/B pairs measured in one run; ranges are min-max over repeats.", "",
-           f"Machine: {describe_machine(header_machine)}.", ""]
+           "The results were measured on different machines at different commits: each section below names the "
+           "machine (CPU, cores), commit and date its result file recorded, or says what it did not record. "
+           "Compare figures across sections only where they name the same machine.", ""]
     summary_rows = []
     for name, data in results.items():
         for c in data.get("checks") or derived_checks(kind_of(name), data):
@@ -415,14 +441,16 @@ def build_report(results: dict[str, dict], fallback_machine: dict | None = None)
     if missing:
         out += missing + [""]
     for name, data in results.items():
-        out += section(name, data, header_machine)
+        out += section(name, data)
     return "\n".join(out).rstrip() + "\n"
 
 
 def load_results(folder: Path) -> dict[str, dict]:
-    """Every ``*.json`` in ``folder``: the expected ones in page order, then the others by name."""
+    """Every ``*.json`` in ``folder``: the expected ones in page order, then the others by name, the
+    figures recorded by hand (``by_hand_*``) last."""
     found = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
-    return {n: found[n] for n in [*(n for n in EXPECTED if n in found), *(n for n in found if n not in EXPECTED)]}
+    others = sorted((n.startswith(BY_HAND), n) for n in found if n not in EXPECTED)
+    return {n: found[n] for n in [*(n for n in EXPECTED if n in found), *(n for _, n in others)]}
 
 
 def main() -> None:

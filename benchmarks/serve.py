@@ -224,8 +224,7 @@ def report_fields(results: dict[str, list[dict]], runs: dict[str, list[list[dict
 
 
 def _deploy(uri: str, gcs: str, name: str, mode: str, cpus: float, **settings) -> str:
-    # Conduit's own engine: this benchmark compares its batching policies (vLLM is deploy.engine's default
-    # where it can serve the model)
+    # Conduit's own engine: this benchmark compares its batching policies
     section = dataclasses.replace(DeploySection(engine="conduit"), port=8000, num_cpus_per_replica=cpus,
                                   route_prefix=f"/{mode}", **settings)
     d = deploy.deploy(section, uri, name, "champion", gcs)

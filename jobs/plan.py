@@ -3,7 +3,8 @@
     python -m jobs.plan CONFIG [section.field=value ...] --cluster NODESxGPUSxTYPE [--mfu 0.4] [--tokens N]
                                [--cpu-flops F] [--json]
 
-Types: H100, H200, A100-80G, L4, H800, and cpu (this machine, its peak measured unless --cpu-flops).
+Types: H100, H200, H800, H20, B200, A100-80G, A100-40G, L40S, L4, A10G, T4, V100, P100, P4, K80, and cpu
+(this machine, its peak measured unless --cpu-flops).
 Exit 0 when the config fits, 1 when it does not (the reason and the cheapest change that fits are
 printed), 2 on a bad config or argument.
 """

@@ -9,7 +9,8 @@ comparison table and exits 1 unless ``--force --reason`` is given, which is reco
 Every promotion tags the version with who, when and the previous holder; promoting the version that
 already holds the alias changes nothing. ``--rollback`` moves the alias back to the version it replaced
 (the holder's ``promotion.<alias>.previous_version`` tag; no gates). After the alias moves, a Ray Serve
-deployment that follows it (``jobs.deploy``) is rolled over to the new holder (``pipeline.serving.deploy.follow``).
+deployment that follows it (``jobs.deploy``) is rolled over to the new holder, after it has started if it
+was starting (``pipeline.serving.deploy.follow``); the last line says which.
 Exit status: 0 promoted or already there, 1 refused or the deployment could not follow, 2 usage.
 """
 
@@ -115,16 +116,25 @@ def rollback(args: argparse.Namespace) -> int:
 
 
 def follow(uri: str, name: str, alias: str, previous: int, new: int) -> int:
-    """Roll a deployment that served ``previous`` under ``alias`` over to ``new``; 0 when done or when
-    there is none, 1 (with what to run) when it could not follow."""
+    """Bring the deployment that follows ``alias`` to ``new`` (waiting for one that is starting); 0 when
+    done or when there is none, 1 (with what to run) when it could not follow."""
     try:
-        d = deploy.follow(uri, name, alias, previous, new)
+        f = deploy.follow(uri, name, alias, new, notify=lambda line: print(line, flush=True))
     except (ClusterError, deploy.DeployError) as e:
         print(f"error: @{alias} now points at v{new}, but the deployment that served v{previous} did not "
               f"follow: {e}. Redeploy with: python -m jobs.deploy {name}@{alias} --address ADDRESS", file=sys.stderr)
         return 1
-    if d is not None:
-        print(f"deployment {d.app} rolled over to v{d.version} ({d.status}) at {d.endpoint}")
+    if f is None:
+        return 0
+    d = f.deployment
+    if f.rolled:
+        print(f"deployment {d.app} rolled over to v{d.version} ({d.status}) at {d.endpoint}"
+              + ("" if f.waited_s is None else f", after waiting {f.waited_s:.0f} s for it to start"))
+    elif f.waited_s is not None:
+        print(f"deployment {d.app} serves v{d.version} ({d.status}) at {d.endpoint}: it was starting when "
+              f"@{alias} moved, and started on v{d.version}")
+    else:
+        print(f"deployment {d.app} already serves v{d.version} ({d.status}) at {d.endpoint}")
     return 0
 
 

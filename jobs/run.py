@@ -60,6 +60,22 @@ def run_pipeline(cfg: RunConfig, **kwargs):
     return run(cfg, **kwargs)
 
 
+def fetch_missing_data(cfg: RunConfig) -> int | None:
+    """The run's set-up: the shipped corpora's files the config reads and the data root lacks, downloaded
+    from their public sources and checked (``pipeline.data.fetch.fetch_for_run``; a progress bar per file on
+    a terminal). Returns None to go on, or the exit status after printing the one error that says what
+    is missing, from where, and the command that fetches it."""
+    from pipeline.data.fetch import fetch_for_run
+
+    # The stage tasks read where this process looked and fetched, whichever checkout their own code lies in.
+    cfg.data.data_root = str(cfg.data_root())
+    error = fetch_for_run(cfg.data_patterns(), cfg.data_root(), say=print, progress=sys.stderr.isatty())
+    if error is None:
+        return None
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipeline.console import Console, RunLog, log_path
@@ -76,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except EXPECTED_ERRORS as e:
         return main_exit_code(e)
+    if not args.dry_run and (code := fetch_missing_data(cfg)) is not None:
+        return code
     if not quiet:
         return _run(cfg, args, Console(sys.stdout, tty=False), sys.stderr, None)
     path = log_path(cfg.workdir())

@@ -77,8 +77,8 @@ def _run(spec, echo, errors) -> int:
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume the sweep (finished trials are kept)", file=errors)
         return 130
-    if result.best is None:
-        echo("no trial finished")
+    if result.best is None:  # the summary above named each trial and why none is best
+        echo("no best trial: nothing was registered")
         return 1
     return 0
 

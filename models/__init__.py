@@ -1,6 +1,6 @@
 """Conduit models: pure torch.nn decoder-only Transformer, Mamba, Mamba-2, hybrid and encoder-decoder.
 
-Floors, bottom up (docs/architecture.md): `models.config` (data), `models.layers` (the shared parts),
+Floors, bottom up (docs/design.md): `models.config` (data), `models.layers` (the shared parts),
 `models.families.<name>` (one package per family), the family table `models.families`, and on top the
 modules that ask the table: `models.presets` (build_model, PRESETS), `models.export` (save_hf,
 load_hf), `models.accounting` and `models.generate`. Importing this package imports the table, which

@@ -1,6 +1,8 @@
 """The ground floor: what every layer may import. It imports nothing of Conduit.
 
-- ``REPO_ROOT`` and ``DEFAULT_DATA_ROOT``: where the checkout is, and the shipped corpora beside it.
+- ``REPO_ROOT`` and ``DEFAULT_DATA_ROOT``: where the checkout is, and where the shipped corpora are read from
+  when nothing else is set: ``../shared/data`` beside the checkout where that folder exists (the developers'
+  and CI's layout), else ``data/`` inside it (a clone anywhere; ``make data`` and ``make run`` fill it).
 - ``ConfigError``: bad input (a config file, field or value; a data source), with a message that names
   which and what is allowed. The config, the data readers and the stages all raise it, so it lives
   below all of them.
@@ -25,7 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+SHARED_DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_DATA_ROOT = SHARED_DATA_ROOT if SHARED_DATA_ROOT.is_dir() else REPO_ROOT / "data"
 
 STAGE_ORDER = ("shard", "tokenizer", "tokenize", "train", "evaluate", "register")
 

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 
 from pipeline.base import is_uri
 from pipeline.config import ConfigError, RunConfig
-from pipeline.training.device import resolve_device, resolve_precision
+from pipeline.training.device import resolve_device, resolve_precision, trains_in_process
 
 TRAIN_STAGE = "train"  # the stage whose Ray Train workers this module judges
 
@@ -31,7 +31,8 @@ def worker_resources(device: str, threads_per_worker: int | None = None) -> dict
 
 def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
                             stages_to_run: Collection[str] | None = None,
-                            node_cpus: Collection[float] | None = None) -> None:
+                            node_cpus: Collection[float] | None = None,
+                            node_gpus: Collection[float] | None = None) -> None:
     """Refuse a config that asks for more than the cluster has.
 
     Args:
@@ -40,7 +41,9 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
         stages_to_run: the stages this run will execute (not cached); None: all. Only the train
             stage starts workers, so a run without it (``--only shard``, or train cached) is not
             judged by them.
-        node_cpus: each node's CPUs (None: not judged per node): a worker's CPUs must fit on one node.
+        node_cpus: each node's CPUs (None: not judged per node): a worker's CPUs must fit on one node, and
+            the workers must be placeable by ``parallel.placement_strategy`` (``check_placement``).
+        node_gpus: each node's GPUs, in the order of ``node_cpus`` (None: none anywhere).
 
     Raises:
         ConfigError: a ``cluster.stage_resources`` name no node has; ``parallel.device=cuda`` on a
@@ -92,10 +95,44 @@ def check_cluster_resources(cfg: RunConfig, resources: Mapping[str, float],
             f"parallel.threads_per_worker={p.threads_per_worker}: each training worker reserves that many CPUs on "
             f"one node, but the largest node of the Ray cluster has {largest:g}; Ray Train would wait for it "
             f"forever. Use at most {largest:g}, or leave it unset")
+    if node_cpus is not None and p.num_workers > 1 and not (device == "cpu" and trains_in_process(
+            p.launcher, p.num_workers, device, bool(cfg.cluster.stage_resources))):
+        check_placement(p.placement_strategy, p.num_workers, worker_resources(device, p.threads_per_worker),
+                        node_cpus, node_gpus)
     if device == "cuda":
         from pipeline.plan.fit import check_memory_fits  # the planner is heavier than this module's own checks
 
         check_memory_fits(cfg, resources)
+
+
+def check_placement(strategy: str, num_workers: int, per_worker: Mapping[str, float], node_cpus: Collection[float],
+                    node_gpus: Collection[float] | None = None) -> None:
+    """Refuse workers that ``parallel.placement_strategy`` cannot place on the cluster's nodes, rather than let
+    Ray Train wait for their placement group forever: ``STRICT_SPREAD`` needs a node for each worker, each
+    holding one worker's resources; ``STRICT_PACK`` one node holding all of them. (``PACK`` and ``SPREAD``
+    place wherever the totals fit, which ``check_cluster_resources`` has checked.)
+
+    Raises:
+        ConfigError: naming the strategy, the workers and their resources, and what the nodes have.
+    """
+    gpus = list(node_gpus) if node_gpus is not None else [0.0] * len(node_cpus)
+    nodes = list(zip(node_cpus, gpus))
+    want_cpu, want_gpu = per_worker.get("CPU", 0.0), per_worker.get("GPU", 0.0)
+    have = ", ".join(f"{c:g} CPUs" + (f" and {g:g} GPUs" if g else "") for c, g in nodes)
+    each = " and ".join(f"{n:g} {name}s" for name, n in (("CPU", want_cpu), ("GPU", want_gpu)) if n)
+    what = f"{num_workers} workers of {each}"
+    if strategy == "STRICT_SPREAD":
+        fitting = sum(c >= want_cpu and g >= want_gpu for c, g in nodes)
+        if fitting < num_workers:
+            raise ConfigError(
+                f"parallel.placement_strategy=STRICT_SPREAD puts each of the {what} on a node of its own, but only "
+                f"{fitting} of the cluster's {len(nodes)} nodes ({have}) can hold one; Ray Train would wait for "
+                "them forever. Use PACK or SPREAD, fewer workers, or more nodes")
+    elif strategy == "STRICT_PACK":
+        if not any(c >= want_cpu * num_workers and g >= want_gpu * num_workers for c, g in nodes):
+            raise ConfigError(
+                f"parallel.placement_strategy=STRICT_PACK puts all {what} on one node, but no node of the cluster "
+                f"({have}) holds them; Ray Train would wait for them forever. Use PACK or SPREAD, or fewer workers")
 
 
 class DiskError(RuntimeError):

@@ -64,8 +64,8 @@ def worker_env() -> dict[str, str]:
 
 def ray_runtime_env() -> dict:
     """The runtime_env of the driver's ``ray.init``: ``worker_env()`` and the hook that quiets Ray's
-    own noise in each worker process (``pipeline.ray_logging``)."""
-    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.ray_logging.setup"}
+    own noise in each worker process (``pipeline.internals.quiet_ray_worker``)."""
+    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.internals.quiet_ray_worker"}
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -210,9 +210,10 @@ def run_pipeline(cfg: RunConfig, *, only: str | None = None, until: str | None =
     tracking.check_reachable(uri)  # a server that is down fails the run here, before any compute
     started_ray = connect_ray(cfg)
     try:
-        check_shared_storage(cfg, len([n for n in ray.nodes() if n["Alive"]]))
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        check_shared_storage(cfg, len(alive))
         check_cluster_resources(cfg, ray.cluster_resources(), [p.stage for p in plan if p.run],
-                                [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")])
+                                [r.get("CPU", 0.0) for r in alive], [r.get("GPU", 0.0) for r in alive])
         return _run_stages(cfg, plan, uri, echo, stages, nest or Nesting())
     finally:
         if started_ray:

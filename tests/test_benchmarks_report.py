@@ -33,12 +33,14 @@ def test_checks_targets_causes_and_missing_results(tmp_path):
         ],
         "notes": {"C share": "the router is slow."},
     })
+    write(tmp_path, "by_hand_notes", {"rows": [{"what": "a wall time", "figure": "about a minute"}]})
     results = load_results(tmp_path)
-    assert list(results) == ["tokenize", "zeta"]  # expected ones first, then the others by name
-    lines = build_report(results, fallback_machine={"cpu": "unused"}).splitlines()
+    # Expected ones first, then the others by name, the figures recorded by hand last.
+    assert list(results) == ["tokenize", "zeta", "by_hand_notes"]
+    lines = build_report(results).splitlines()
 
-    assert ("Machine: Test CPU, 2 cores, 8.0 GiB; Linux-test; python 3.11.7, torch 2.13.0; commit abc1234."
-            in lines)
+    # The page names no one machine for all: each section names its own, its commit and its date.
+    assert not any(line.startswith("Machine:") for line in lines[:lines.index("## Targets")])
     summary = lines[lines.index("## Targets") + 2:]
     assert summary[:7] == [
         "| benchmark | check | median | target | status |",
@@ -53,12 +55,24 @@ def test_checks_targets_causes_and_missing_results(tmp_path):
         assert f"- `{name}`: not run (no `benchmarks/results/{name}.json`; run {EXPECTED[name]})." in lines
     assert "- `tokenize`: not run" not in "\n".join(lines)
 
-    assert ("`benchmarks/results/tokenize.json`, no date recorded; machine: x86_64 (recorded as a platform "
-            "string only).") in lines
+    assert lines[lines.index("## tokenize") + 2] == (
+        "Machine: not recorded (only the platform string x86_64). Commit: not recorded. Written: not recorded. "
+        "(`benchmarks/results/tokenize.json`.)")
     assert "| tokenize_stage | 4.00 | 3.50-4.50 |" in lines
     assert ("- BELOW: tokenize stage / plain sentencepiece MB/s. Cause: Not yet known (no note in the result "
             "file, none recorded in report.py).") in lines
-    assert "`benchmarks/results/zeta.json`, written 2026-01-02 03:04:05 at commit abc1234." in lines
+    assert lines[lines.index("## zeta") + 2] == (
+        "Machine: Test CPU, 2 cores, 8.0 GiB. Commit: abc1234. Written: 2026-01-02 03:04:05. "
+        "(`benchmarks/results/zeta.json`; Linux-test; python 3.11.7, torch 2.13.0.)")
+    # A file without a machine or a commit says so rather than borrowing another's.
+    assert lines[lines.index("## by_hand_notes") + 2:lines.index("## by_hand_notes") + 7] == [
+        "Machine: not recorded. Commit: not recorded. Written: not recorded. "
+        "(`benchmarks/results/by_hand_notes.json`.)",
+        "",
+        "| what | figure |",
+        "|---|---|",
+        "| a wall time | about a minute |",
+    ]
     assert "| C share | 8.0% | - | < 5.0% | BELOW |" in lines
     assert "- BELOW: C share. Cause: the router is slow." in lines
     assert ("- BELOW: D / E. Cause: The target lies inside the measured range, so repeat-to-repeat noise on this "
@@ -66,15 +80,22 @@ def test_checks_targets_causes_and_missing_results(tmp_path):
     assert not any(line.startswith("- BELOW: A / B") or line.startswith("- BELOW: F / G") for line in lines)
 
 
-def test_old_train_throughput_format_and_fallback_machine(tmp_path):
+def test_old_train_throughput_format_and_a_machine_of_two_sections(tmp_path):
     row = {"preset": "p", "tokens_per_s": 1000.0, "mfu": 0.3, "threads": 2}
     write(tmp_path, "train_throughput", {"machine": "Linux-x", "peak_fp32_flops": 3.0e11, "rows": [
         {**row, "impl": "conduit", "min": 900.0, "max": 1100.0, "ratio_vs_hf": 1.25},
         {**row, "impl": "hf_llama", "tokens_per_s": 800.0, "min": 750.0, "max": 900.0, "ratio_vs_hf": 1.0},
     ]})
-    text = build_report(load_results(tmp_path), fallback_machine={"cpu": "Fallback CPU", "cores": 4})
+    write(tmp_path, "other", {"machine": {"cpu": "Other CPU", "cores": 4, "git": "def5678"},
+                              "written_at": "2026-02-03 04:05:06", "rows": [{"a": 1}]})
+    text = build_report(load_results(tmp_path))
     section = text[text.index("## train_throughput"):]
-    assert "Machine: Fallback CPU, 4 cores." in text.splitlines()
+    # Each section is headed by its own machine; a platform string is not taken for a CPU.
+    assert section.splitlines()[2] == ("Machine: not recorded (only the platform string Linux-x). Commit: not "
+                                       "recorded. Written: not recorded. (`benchmarks/results/train_throughput.json`.)")
+    assert ("Machine: Other CPU, 4 cores. Commit: def5678. Written: 2026-02-03 04:05:06. "
+            "(`benchmarks/results/other.json`.)") in text.splitlines()
+    section = section[:section.index("## other")].rstrip("\n") + "\n"
     assert section.splitlines()[4:] == [
         "fp32 matmul peak (MFU denominator): 300 GFLOP/s",
         "",

@@ -1,4 +1,4 @@
-"""No import circle in models/ or pipeline/ (docs/architecture.md, "Floors"): the module graph, read from
+"""No import circle in models/ or pipeline/ (docs/design.md, "Floors"): the module graph, read from
 the source, has no cycle, and a cycle found is named module by module.
 
 What counts as an arrow from module M to module N:

@@ -1,4 +1,4 @@
-"""The layer rules of docs/architecture.md ("The floors"), read from the imports of every source file."""
+"""The layer rules of docs/design.md ("The floors"), read from the imports of every source file."""
 
 from __future__ import annotations
 

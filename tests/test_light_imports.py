@@ -88,27 +88,28 @@ def test_a_dry_run_imports_no_torch_ray_or_mlflow_once_the_cpu_is_measured(tmp_p
 def test_what_a_train_stage_hands_its_controller_and_workers_unpickles_without_mlflow_or_torch(tmp_path):
     """Ray Train's controller and every worker unpickle the train function and the run's tracker (the failure
     callback's, the loop config's): neither brings MLflow or torch with it, nor does the train stage's own module
-    (a stage task imports just it), nor its look at Ray Train's checkpoint record before the trainer starts. Only
-    a call on the tracker imports MLflow (pipeline.tracking)."""
+    (a stage task imports just it), nor the launch, nor reading the training's checkpoint record. Only a call on
+    the tracker imports MLflow (pipeline.tracking)."""
     import pickle
 
     from pipeline.stage_tracker import StageTracker
-    from pipeline.training.ray_train import train_worker
+    from pipeline.training.launch import train_worker
 
     payload = pickle.dumps((train_worker, StageTracker("sqlite:////nowhere/mlflow.db", "run0")))
     code = f"""
 import json, pickle, sys
-import pipeline.stages.train
+import pipeline.stages.train, pipeline.training.launch
 from pipeline.config import load_config
+from pipeline.training.checkpoint.record import CheckpointRecord
 fn, tracker = pickle.loads({payload!r})
-assert pipeline.stages.train.recover_unreadable_snapshot(
-    load_config("configs/smoke.yaml", ["run.workdir={tmp_path}"]), "0123456789abcdef") is None
+cfg = load_config("configs/smoke.yaml", ["run.workdir={tmp_path}"])
+assert CheckpointRecord(pipeline.stages.train.checkpoint_place(cfg, "0123456789abcdef")).entries == []
 print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "fn": fn.__module__, "run": tracker.run_id}}))
 """
     out = run_python("-c", code)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.splitlines()[-1])
-    assert result == {"heavy": [], "fn": "pipeline.training.ray_train", "run": "run0"}
+    assert result == {"heavy": [], "fn": "pipeline.training.launch", "run": "run0"}
 
 
 def test_the_lazy_names_of_models_resolve_to_the_modules_that_define_them():
@@ -166,3 +167,20 @@ def test_a_model_is_built_without_importing_dynamo_and_to_the_same_weights():
     assert skip["families"] == 6 and len(skip["weights"]) > 100
     assert skip["weights"] == run["weights"]
     assert (skip["dynamo_before_moe"], run["dynamo_before_moe"]) == (False, True)
+
+
+def test_the_driver_places_each_stage_without_importing_torch():
+    """The driver computes where each stage's task goes (its resources) while its status and log threads run;
+    importing torch there crashed a Ray job's driver with a segfault as the evaluate stage started (its
+    device module imported torch at its top). None of it imports torch now."""
+    code = f"""
+import json, sys
+from pipeline.config import load_config
+from pipeline.stages import evaluate, train
+cfg = load_config("configs/smoke.yaml")
+placed = [evaluate.resources_on(cfg, 0).cpus, train.resources_on(cfg, "cpu", free_by_node=lambda: [4.0]).cpus]
+print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "placed": placed}}))
+"""
+    out = run_python("-c", code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"heavy": [], "placed": [1, 0]}

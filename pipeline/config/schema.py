@@ -247,14 +247,12 @@ class ParallelSection:
     # consecutive ranks, each holding seq_len / sp positions of the same sequences; attention runs on all
     # positions for n_heads / sp heads. Data parallelism is over num_workers / sp groups.
     sequence_parallel_size: int = 1
-    # Where the workers train. ray_train: Ray Train's workers (a controller and a worker process each, with
-    # their process group). in_task: the train stage's own task trains, as its one worker (one worker only;
-    # pipeline.training.in_task: the same checkpoints, restarts and callbacks, without Ray Train's processes).
-    # ray_tasks: each rank a Ray task in a placement group, in Ray's pooled worker processes (CPUs only;
-    # pipeline.training.rank_tasks: the same, without Ray Train's controller and fresh worker processes).
-    # auto: in_task for one worker on a CPU (unless cluster.stage_resources keeps stage tasks on some nodes),
-    # ray_tasks for several on CPUs, else ray_train. The weights are the same either way.
-    launcher: Literal["auto", "ray_train", "in_task", "ray_tasks"] = _unhashed("auto")
+    # Where the workers train (pipeline.training.launch). ray_train: Ray Train's workers (a controller and a
+    # worker process each, with their process group). in_task: Ray Train's local mode in the train stage's own
+    # task, as its one worker (one worker only). auto: in_task for one worker on a CPU (unless
+    # cluster.stage_resources keeps stage tasks on some nodes), else ray_train. The weights are the same
+    # either way, and so are the checkpoints: a run begun by one resumes under the other.
+    launcher: Literal["auto", "ray_train", "in_task"] = _unhashed("auto")
 
 
 @dataclass
@@ -345,8 +343,9 @@ class DeploySection:
     batch_wait_timeout_s: float = _unhashed(0.01)  # static batching: how long a batch waits to fill
     max_ongoing_requests: int = _unhashed(64)  # per replica; more wait in Serve's queue
     # Which engine generates: vllm (Ray Serve LLM running vLLM on the version's HF export), conduit
-    # (Conduit's own continuous-batching engine), or auto: vLLM where it is installed and can serve the
-    # version's architecture on the replica's hardware (pipeline.serving.vllm_support), else Conduit's.
+    # (Conduit's own continuous-batching engine), or auto: the one measured faster on the replicas'
+    # hardware (vLLM on GPUs; on CPUs only where benchmarks/RESULTS.md "serve_vllm" measured it faster:
+    # pipeline.serving.vllm_support), where vLLM is installed and can serve the version; else Conduit's.
     engine: str = _unhashed("auto")
     # The interpreter that has vLLM, on the cluster's nodes: a path (relative: to the checkout; the
     # .venv-vllm that `make install` builds), or "" for the nodes' own Python (a GPU image with vLLM).
@@ -408,6 +407,12 @@ class RunConfig:
     def data_root(self) -> Path:
         root = self.data.data_root or os.environ.get("CONDUIT_DATA_ROOT") or str(DEFAULT_DATA_ROOT)
         return Path(root).expanduser().resolve()
+
+    def data_patterns(self) -> list[str]:
+        """Every file pattern the run reads under the data root: ``data.train_paths``, then the evaluate
+        stage's ``eval.heldout_paths``, ``eval.wikitext_path`` and ``eval.lambada_path`` where set."""
+        e = self.eval
+        return [*self.data.train_paths, *e.heldout_paths, *(p for p in (e.wikitext_path, e.lambada_path) if p)]
 
     def tracking_uri(self) -> str:
         """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (refused when it carries a credential: the

@@ -16,8 +16,9 @@ order) is kept.
    with 112 permutations, which would miss about a fifth of the pairs just above the bar). One task
    per pair of inputs holding candidates reads those two inputs' documents; the stage's process
    receives only the similarities.
-4. Union-find over the joined pairs; a cluster keeps its member with the smallest global index
-   (input, row), so the result depends on the corpus and its order alone.
+4. The clusters are the connected components of the joined pairs (scipy's ``csgraph``); a cluster keeps its
+   member with the smallest global index (input, row), so the result depends on the corpus and its order
+   alone.
 
 datasketch's ``MinHashLSH`` keeps its whole index in one process; the banding and the join are done
 here so that the index is spread over tasks.
@@ -100,35 +101,6 @@ def candidates(*parts: np.ndarray) -> np.ndarray:
     return np.unique(pairs, axis=0) if len(pairs) else pairs
 
 
-class UnionFind:
-    def __init__(self):
-        self.parent: dict[int, int] = {}
-
-    def find(self, x: int) -> int:
-        root = x
-        while self.parent.get(root, root) != root:
-            root = self.parent[root]
-        while x != root:  # path compression
-            self.parent[x], x = root, self.parent.get(x, x)
-        return root
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            lo, hi = (ra, rb) if ra < rb else (rb, ra)
-            self.parent[hi] = lo  # the smaller global index is the root: the one kept
-
-    def clusters(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for x in list(self.parent):
-            out.setdefault(self.find(x), []).append(x)
-        for root, members in out.items():
-            if root not in members:
-                members.append(root)
-            members.sort()
-        return out
-
-
 def split_gidx(g: int) -> tuple[int, int]:
     return g >> ROW_BITS, g & ((1 << ROW_BITS) - 1)
 
@@ -161,20 +133,24 @@ def verify(pairs: np.ndarray, similarity_of, threshold: float) -> tuple[np.ndarr
 
 
 def resolve(pairs: np.ndarray, excluded: set[int]) -> tuple[set[int], list[list[int]]]:
-    """Clusters of the joined pairs, without ``excluded`` members (exact duplicates removed before):
-    (the global indices to remove, every cluster of two or more documents, smallest index first)."""
-    uf = UnionFind()
-    for a, b in pairs:
-        uf.union(int(a), int(b))
-    remove: set[int] = set()
-    clusters = []
-    for members in uf.clusters().values():
-        members = [m for m in members if m not in excluded]
-        if len(members) >= 2:
-            clusters.append(members)
-            remove.update(members[1:])
-    clusters.sort()
-    return remove, clusters
+    """Clusters of the joined pairs (``[m, 2]`` global indices): the connected components of the graph they
+    are the edges of, less their ``excluded`` members (exact duplicates removed before, which still join
+    what they link). Returns the global indices to remove (all but the smallest of each cluster) and every
+    cluster of two or more documents, each in rising order, the clusters in order of their members."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    nodes, ends = np.unique(np.asarray(pairs, dtype=np.int64).reshape(-1), return_inverse=True)  # nodes: sorted
+    ends = ends.reshape(-1, 2)
+    graph = coo_matrix((np.ones(len(ends), dtype=np.int8), (ends[:, 0], ends[:, 1])), shape=(len(nodes), len(nodes)))
+    _, component = connected_components(graph, directed=False)
+    kept = ~np.isin(nodes, np.fromiter(excluded, dtype=np.int64, count=len(excluded)))
+    nodes, component = nodes[kept], component[kept]
+    order = np.argsort(component, kind="stable")  # each component's members stay in rising order
+    starts = np.flatnonzero(np.diff(component[order], prepend=-1))
+    clusters = sorted(members for members in (g.tolist() for g in np.split(nodes[order], starts[1:]))
+                      if len(members) >= 2)
+    return {m for members in clusters for m in members[1:]}, clusters
 
 
 def jaccard(a: str, b: str, n: int) -> float:

@@ -24,6 +24,7 @@ import torch
 from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.data.span_corruption import EVAL_SALT, SpanCorruption
 from pipeline.evaluation.device import on_model
+from pipeline.evaluation import perplexity
 
 
 def piece_bytes(sp) -> np.ndarray:
@@ -63,7 +64,7 @@ def denoising_metrics(model: torch.nn.Module, blocks: np.ndarray, corruption: Sp
     loss = total / count
     return {
         "val_loss": loss,
-        "val_perplexity": math.exp(loss),
+        "val_perplexity": perplexity(loss),
         "val_bits_per_target_byte": total / math.log(2) / max(target_bytes, 1),
         "val_targets_evaluated": count,
         "val_target_bytes": target_bytes,

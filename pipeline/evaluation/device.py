@@ -9,10 +9,16 @@ pictures and sample generation run on CPU afterwards (small, and sampling draws 
 from __future__ import annotations
 
 import contextlib
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.training.device import resolve_device
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a function needs it, not here: the driver asks ``eval_device`` where the evaluate
+# task goes (its resources) while its own threads run, and importing torch there crashed the driver (a
+# segfault in a Ray job's driver, where its status and log threads run beside the import).
 
 # A GPU batch is grown from eval.batch_size by doubling while a forward pass of it fits, up to this.
 MAX_GPU_BATCH = 512
@@ -47,21 +53,25 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     """bf16 autocast for ``precision=bf16``, else nothing."""
     if precision != "bf16":
         return contextlib.nullcontext()
+    import torch
+
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
-@torch.no_grad()
 def fit_batch_size(model: torch.nn.Module, seq_len: int, start: int, limit: int) -> int:
     """The largest batch from ``start`` doubling up to ``limit`` (and ``MAX_GPU_BATCH``) whose forward pass
     and fp32 logits fit in the GPU's memory; ``start`` itself is taken as it is."""
+    import torch
+
     best, b = start, start * 2
     device = next(model.parameters()).device
-    while b <= min(limit, MAX_GPU_BATCH):
-        try:
-            model(torch.zeros(b, seq_len, dtype=torch.long, device=device)).logits.float()
-        except torch.cuda.OutOfMemoryError:
-            break
-        finally:
-            torch.cuda.empty_cache()
-        best, b = b, b * 2
+    with torch.no_grad():
+        while b <= min(limit, MAX_GPU_BATCH):
+            try:
+                model(torch.zeros(b, seq_len, dtype=torch.long, device=device)).logits.float()
+            except torch.cuda.OutOfMemoryError:
+                break
+            finally:
+                torch.cuda.empty_cache()
+            best, b = b, b * 2
     return best

@@ -16,7 +16,6 @@ Shape legend: B examples in a batch, T positions, V vocab.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from pipeline.evaluation.device import on_model
 from pipeline.tokenization.spm import EOS_ID
+from pipeline.evaluation import perplexity
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,6 @@ def lambada_metrics(model: torch.nn.Module, examples: list[Example], context: in
             nll_total += nll
     return {
         "accuracy": hits / len(examples),
-        "perplexity": math.exp(nll_total / len(examples)),
+        "perplexity": perplexity(nll_total / len(examples)),
         "examples": len(examples),
     }

@@ -25,6 +25,7 @@ from models.layers.loss import DEFAULT_CHUNK_TOKENS
 from pipeline.data.corpora import data_root_hint
 from pipeline.evaluation.device import on_model
 from pipeline.tokenization.spm import EOS_ID
+from pipeline.evaluation import perplexity
 
 IGNORE = -100
 _CHARS_PER_TOKEN_BOUND = 16  # a piece of a 512..32k BPE vocabulary is far shorter; bounds the text we encode
@@ -165,9 +166,9 @@ def text_metrics(model: torch.nn.Module, encoded: EncodedText, context: int, bat
     nll, n = summed_nll(model, inputs, targets, batch_size)
     return {
         "loss": nll / n,
-        "perplexity": math.exp(nll / n),
+        "perplexity": perplexity(nll / n),
         "bits_per_byte": nll / math.log(2) / encoded.n_bytes,
-        "word_perplexity": math.exp(nll / max(encoded.n_words, 1)),
+        "word_perplexity": perplexity(nll / max(encoded.n_words, 1)),
         "tokens": n,
         "bytes": encoded.n_bytes,
     }

@@ -1,12 +1,27 @@
 """The accelerators a plan can be made for, and the cluster shape ``NODESxGPUSxTYPE``.
 
 One row per type: its memory, its dense bf16 peak (the figure MFU is quoted against), the bandwidth
-between the GPUs of one node (NVLink, one direction) and out of a GPU to other nodes (its share of the
-node's network, one direction). The figures are the vendors' data sheets for the SXM parts (NVIDIA H100,
-H200, A100 and L4 data sheets; the H800 is the H100 with NVLink cut to 400 GB/s both ways, as the
-DeepSeek-V3 report describes its cluster: 8 GPUs per node, 400 Gb/s InfiniBand per GPU). Memory is in
-bytes as the device reports it (80 GB parts report 80 GiB less a little; we take the marketed size in GiB
-for the 80 GB parts and in GB for the H200's 141 and the L4's 24).
+between the GPUs of one node (NVLink, one direction; PCIe for the parts without it) and out of a GPU to
+other nodes (its share of the node's network, one direction). The figures are NVIDIA's data sheets, for
+the SXM part where there are several (H100, H200, H20, A100, B200, V100, and L4, L40S, A10, T4, P100, P4,
+K80; the H800 is the H100 with NVLink cut to 400 GB/s both ways, as the DeepSeek-V3 report describes its
+cluster: 8 GPUs per node, 400 Gb/s InfiniBand per GPU). Parts without bf16 give their fastest
+half-precision peak (V100, T4: fp16 tensor cores; P100: fp16) or, without that either, fp32 (P4, K80).
+The network: NVIDIA's reference node (DGX A100: 200 Gb/s per GPU; DGX H100, DGX B200: 400 Gb/s; DGX-1,
+the V100's: 4 x 100 Gb/s for 8 GPUs), else 100 Gb/s per GPU. Memory is in bytes as the device reports it
+(80 GB parts report 80 GiB less a little; we take the marketed size in GiB for the A100 and the 80 GB
+parts and in GB for the others, which report a little more than that, or, with ECC on, about as much).
+
+``ray_names``: the ``accelerator_type:<name>`` resources that say a Ray node has this type. Ray names a
+node's GPUs from their NVML name (``NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type``: the model
+token, without the memory: "NVIDIA A100-SXM4-80GB" is ``A100``, "Tesla V100-SXM2-32GB" is ``V100``), so
+where one name covers parts of several sizes the name is the smallest's: a plan against more memory than
+a worker may have would let through a config that then runs out of it. So ``A100`` is the 40 GB A100,
+also on nodes of 80 GB ones; ``A100-80G`` (and ``A100-40G``), Ray's names for a label that a node's
+operator adds by hand beside Ray's own ``A100``, cannot overrule it: the cluster's resources do not say
+which nodes carry which (``from_ray_resources`` takes the least memory named). ``V100`` is the 16 GB
+part, ``P100`` the 12 GB one. The types of Ray's table left out: B300, GB200, GB300 and RTX-PRO-6000,
+whose data sheets we do not have to hand (a node of them is not judged: ``pipeline.plan.fit``).
 
 ``cpu`` is this machine: its memory from the OS and its peak from a short matmul measured here (or
 ``--cpu-flops``); gloo between processes of one node goes through shared memory. The measurement is kept
@@ -38,7 +53,7 @@ class Accelerator:
         peak_flops: dense bf16 (fp32 for ``cpu``) FLOP/s, the denominator of MFU.
         intra_node_bytes_per_s: device-to-device within a node, one direction.
         inter_node_bytes_per_s: one device's share of the node's network, one direction.
-        ray_names: the ``accelerator_type:<name>`` resources Ray gives a node of this type.
+        ray_names: the ``accelerator_type:<name>`` resources Ray gives a node of this type (module docstring).
     """
 
     name: str
@@ -53,12 +68,24 @@ class Accelerator:
         return self.name != "cpu"
 
 
+GB = 10**9
 GPUS: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("H100", 80 * GiB, 989e12, 450e9, 50e9, ("H100",)),
-    Accelerator("H200", 141 * 10**9, 989e12, 450e9, 50e9, ("H200",)),
+    Accelerator("H100", 80 * GiB, 989e12, 450e9, 50e9, ("H100",)),  # also the PCIe (80 GB) and NVL (94 GB)
+    Accelerator("H200", 141 * GB, 989e12, 450e9, 50e9, ("H200",)),
     Accelerator("A100-80G", 80 * GiB, 312e12, 300e9, 25e9, ("A100-80G",)),
-    Accelerator("L4", 24 * 10**9, 121e12, 32e9, 12.5e9, ("L4",)),
+    # Ray's own name for every A100, 40 GB or 80 GB: planned as the 40 GB one (module docstring)
+    Accelerator("A100-40G", 40 * GiB, 312e12, 300e9, 25e9, ("A100-40G", "A100")),
+    Accelerator("L4", 24 * GB, 121e12, 32e9, 12.5e9, ("L4",)),
     Accelerator("H800", 80 * GiB, 989e12, 200e9, 50e9, ("H800",)),
+    Accelerator("H20", 96 * GB, 148e12, 450e9, 50e9, ("H20",)),
+    Accelerator("B200", 180 * GB, 2250e12, 900e9, 50e9, ("B200",)),  # DGX B200: 1,440 GB for 8
+    Accelerator("L40S", 48 * GB, 362e12, 32e9, 12.5e9, ("L40S",)),
+    Accelerator("A10G", 24 * GB, 125e12, 32e9, 12.5e9, ("A10G",)),  # AWS's A10: the A10 data sheet's peak
+    Accelerator("T4", 16 * GB, 65e12, 16e9, 12.5e9, ("T4",)),
+    Accelerator("V100", 16 * GB, 125e12, 150e9, 6.25e9, ("V100",)),  # also the 32 GB part
+    Accelerator("P100", 12 * GB, 18.7e12, 16e9, 12.5e9, ("P100",)),  # the 12 GB part is PCIe only
+    Accelerator("P4", 8 * GB, 5.5e12, 16e9, 12.5e9, ("P4",)),
+    Accelerator("K80", 12 * GB, 4.37e12, 16e9, 12.5e9, ("K80",)),  # one of the board's two GPUs
 )}
 
 # gloo over shared memory within this machine, and a 10 GbE link between machines.

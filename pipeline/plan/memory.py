@@ -14,8 +14,9 @@ by ep_size). With 16-bit weights (bf16, fp16) they follow DeepSpeed's own estima
              (4 bytes per parameter of it), which is DeepSpeed's 4 L + 18P/N plus the 16-bit gradient
              partition 2P/N its estimator leaves out
     offload_optimizer: the optimizer and the fp32 gradients live on the CPU: stage 1-2 keep the
-             weights (2P, DeepSpeed's estimate), stage 3 the weight partition (DeepSpeed's 4 L + 2P/N)
-             and, as above, the 16-bit gradient partition;
+             weights (2P, DeepSpeed's estimate), stage 3 the weight partition (DeepSpeed's 4 L + 2P/N);
+             stage 3 also keeps its gradient partition on the CPU then (DeepSpeed 0.19's
+             ``grad_partitions_flat_buffer`` lives on the optimizer's device);
     offload_params (stage 3): the weights' partition lives on the CPU too (DeepSpeed's 4 L).
 
 With fp32 weights (fp32, amp_bf16) weights and gradients take 4 bytes, stage 0 steps torch's AdamW
@@ -149,10 +150,9 @@ def _states_16bit(P: float, N: float, stage: int, offload: bool) -> dict[str, fl
         if offload:
             return {"weights": 2 * P}
         return {"weights": 2 * P, "gradients": 2 * P if stage == 1 else 2 * P / N, "optimizer": 16 * P / N}
-    states = {"weights": 2 * P / N, "gradients": 2 * P / N}
-    if not offload:
-        states["optimizer"] = 16 * P / N
-    return states
+    if offload:  # the gradient partition lives with the optimizer, on the CPU
+        return {"weights": 2 * P / N}
+    return {"weights": 2 * P / N, "gradients": 2 * P / N, "optimizer": 16 * P / N}
 
 
 def _states_32bit(P: float, N: float, stage: int, offload: bool) -> dict[str, float]:
@@ -161,6 +161,8 @@ def _states_32bit(P: float, N: float, stage: int, offload: bool) -> dict[str, fl
         return {"weights": 4 * P, "gradients": 4 * P, "optimizer": 8 * P}
     if stage in (1, 2):
         states = {"weights": 4 * P, "gradients": 4 * P if stage == 1 else 4 * P / N}
+    elif offload:  # stage 3: the gradient partition lives with the optimizer, on the CPU
+        return {"weights": 4 * P / N}
     else:
         states = {"weights": 4 * P / N, "gradients": 4 * P / N}
     if not offload:
@@ -184,10 +186,11 @@ def model_states(setup: Setup, shape: ModelShape) -> dict[str, int]:
 
 
 def optimizer_on_cpu(setup: Setup, shape: ModelShape) -> int:
-    """Bytes the offloaded optimizer (and gradient partitions) take in the node's CPU memory, per rank."""
+    """Bytes the offloaded optimizer (and gradient partitions) take in the node's CPU memory, per rank: at
+    stage 3 the gradient partition too (``_states_16bit``)."""
     if not setup.offload_optimizer:
         return 0
-    per_param = 16 if setup.weight_bytes == 2 else 12
+    per_param = (16 if setup.weight_bytes == 2 else 12) + (setup.weight_bytes if setup.zero_stage == 3 else 0)
     return round(per_param * (shape.dense + shape.experts * setup.ep_size) / setup.world)
 
 

@@ -4,13 +4,19 @@
 ``pipeline.serving.app``. One Serve application per registered model, named ``conduit-<model>``.
 
 What is deployed is recorded on the served model version as ``deploy.*`` tags (through
-``pipeline.tracking``): ``status`` (running, replaced, down, stopped), ``serve_status`` (Serve's, when
-deployed), ``endpoint`` (the OpenAI base URL),
-``app``, ``alias`` (the alias it follows), ``ray_address`` (the cluster's GCS address), ``settings`` (the
-``deploy`` config section, JSON) and ``at``. ``follow`` reads them from the version that held the alias
-before a promotion, so ``jobs.promote`` finds the deployment without being told where it is, and
-redeploys it with the same settings on the new version: Serve replaces the replicas with a surge (the
-new ones start and become ready before the old ones drain), so no request fails during the swap.
+``pipeline.tracking``): ``status`` (starting, running, replaced, failed, down, stopped), ``serve_status``
+(Serve's, when deployed), ``endpoint`` (the OpenAI base URL), ``app``, ``alias`` (the alias it follows),
+``ray_address`` (the cluster's GCS address), ``settings`` (the ``deploy`` config section, JSON), ``engine``,
+``error`` (why it failed) and ``at``. A deployment is recorded ``starting`` before its application is
+started, then ``running``; ``follow`` finds the one that follows an alias from these tags, so
+``jobs.promote`` reaches it without being told where it is, waits for it while it starts, and redeploys
+it with the same settings on the new version: Serve replaces the replicas with a surge (the new ones start
+and become ready before the old ones drain), so no request fails during the swap.
+
+Why ``starting`` is recorded first, and the alias read again after it: a promotion moves the alias, then
+reads the tags; a deployment writes its tag, then reads the alias. Whichever comes second sees the other's
+write, so a deployment that starts while the alias moves is either started on the new version or found
+(and waited for, and rolled) by the promotion: never left serving the old one unseen.
 
 Where the cluster is: ``--address`` (a GCS address ``HOST:PORT``), else ``$RAY_ADDRESS`` when it is
 not an http(s) Jobs API URL, else the ``CONDUIT_RAY_GCS_ADDRESS`` of the env file written by
@@ -22,23 +28,31 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from pipeline import cluster, tracking
 from pipeline.base import REPO_ROOT
 from pipeline.config import DeploySection
-from pipeline.serving import vllm_support
+from pipeline.serving import vllm_files, vllm_support
 from pipeline.serving.listen import warn_if_exposed
+
+if TYPE_CHECKING:  # a hint only: vllm_app imports Ray at import time
+    from pipeline.serving.vllm_app import VllmTarget
 
 APP_PREFIX = "conduit-"
 TAG = "deploy."
+STARTING, RUNNING = "starting", "running"
+# How long a deployment may take to start (a vLLM replica's first start fetches the version and builds its
+# engine), and so how long a promotion waits for one that is starting before it gives up naming it.
+START_TIMEOUT_S = 900.0
+WAIT_POLL_S = 1.0
 
 
 class DeployError(RuntimeError):
@@ -58,6 +72,15 @@ class Deployment:
     ray_address: str
     engine: str = "conduit"
     engine_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Followed:
+    """What ``follow`` did to the deployment that follows an alias."""
+
+    deployment: Deployment
+    rolled: bool  # False: it was starting when the alias moved, and started on the new version itself
+    waited_s: float | None  # how long it waited for the deployment to finish starting (None: it was running)
 
 
 def app_name(model_name: str) -> str:
@@ -126,9 +149,9 @@ def connect(address: str | None) -> tuple[str, bool]:
 
 def serve_log_dir() -> str:
     """Where this process's Ray keeps Serve's logs (the replicas' access logs among them)."""
-    import ray
+    from pipeline.internals import ray_node_of_this_process
 
-    node = getattr(ray._private.worker, "_global_node", None)  # no public accessor in Ray 2.60
+    node = ray_node_of_this_process()
     base = node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
     return os.path.join(base, "serve")
 
@@ -158,17 +181,20 @@ def _vllm_installed(python: str | None) -> str | None:
     if python is None:
         return None
     if not os.access(python, os.X_OK):
-        return f"no vLLM interpreter at {python} (deploy.vllm_python; `make install` builds .venv-vllm)"
+        return f"no vLLM interpreter at {python} (deploy.vllm_python): build it with `make install-vllm`"
     probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
                            capture_output=True, timeout=60)
-    return None if probe.returncode == 0 else f"{python} cannot import vllm (deploy.vllm_python)"
+    return None if probe.returncode == 0 else (f"{python} cannot import vllm (deploy.vllm_python): "
+                                               "build .venv-vllm with `make install-vllm`")
 
 
 def choose_engine(section: DeploySection, uri: str, name: str, version: int) -> EngineChoice:
     """The engine ``deploy.engine`` picks for ``name`` v``version``.
 
-    ``conduit``: Conduit's engine. ``vllm``: vLLM, or an error saying why it cannot. ``auto``: vLLM when it
-    is installed and can serve the version's HF export on the replicas' hardware, else Conduit's engine.
+    ``conduit``: Conduit's engine. ``vllm``: vLLM, or an error saying why it cannot. ``auto``: the engine
+    ``benchmarks/serve_vllm.py`` measured faster on the replicas' hardware (vLLM on GPU replicas; on CPU
+    replicas only where ``vllm_support.faster_on_cpu`` says it was), when vLLM is installed and can serve
+    the version's HF export there; else Conduit's engine. The reason says which rule decided.
 
     Raises:
         DeployError: ``engine: vllm`` and vLLM cannot serve this version here (the reason).
@@ -176,28 +202,40 @@ def choose_engine(section: DeploySection, uri: str, name: str, version: int) -> 
     if section.engine == "conduit":
         return EngineChoice("conduit", "deploy.engine is conduit")
     hardware = "gpu" if section.num_gpus_per_replica > 0 else "cpu"
+    hf = None
+    rule = "deploy.engine is vllm"
+    if section.engine == "auto" and hardware == "cpu":  # decided before vLLM's interpreter is looked for
+        hf = tracking.hf_export_config(uri, name, version)
+        faster, why = vllm_support.faster_on_cpu(hf)
+        if not faster:
+            return EngineChoice("conduit", f"auto: {why}")
+        rule = f"auto: {why}"
+    elif section.engine == "auto":
+        rule = "auto: vLLM on GPU replicas"
     python = vllm_python(section)
     problem = _vllm_installed(python)
-    hf = None
     if problem is None:
-        hf = tracking.hf_export_config(uri, name, version)
+        hf = hf if hf is not None else tracking.hf_export_config(uri, name, version)
         why_no_export = tracking.get_version(uri, name, version).tags.get("conduit.hf_export")
-        verdict = vllm_support.check(hf, hardware, why_no_export)
-        problem = verdict.reason
+        problem = vllm_support.check(hf, hardware, why_no_export).reason
     if problem is None:
         arch = hf["architectures"][0]
-        return EngineChoice("vllm", f"vLLM serves {arch} on {hardware.upper()}", hf, python)
+        return EngineChoice("vllm", f"{rule}; vLLM serves {arch} on {hardware.upper()}", hf, python)
     if section.engine == "vllm":
         raise DeployError(f"deploy.engine is vllm, but vLLM cannot serve {name} v{version} here: {problem}")
-    return EngineChoice("conduit", f"vLLM cannot serve it: {problem}")
+    return EngineChoice("conduit", f"auto: vLLM cannot serve it: {problem}")
 
 
 def _files_cache(uri: str, name: str, version: int) -> str:
-    """Where each node keeps a version's files for vLLM: one folder per registry, model and version (and
-    the run that made it, so that a new registry reusing the name and number never meets old files)."""
+    """Where each node keeps a version's files for vLLM (``pipeline.serving.vllm_files``)."""
     run_id = tracking.get_version(uri, name, version).run_id
-    key = hashlib.sha256(f"{uri}|{name}|{version}|{run_id}".encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), "conduit-vllm", key)
+    return os.path.join(vllm_files.model_dir(uri, name), vllm_files.version_key(uri, name, version, run_id))
+
+
+def _prune_copies(uri: str, name: str, keep_version: int | None) -> None:
+    """Remove, on every node, the model's vLLM copies other than ``keep_version``'s (None: all of them)."""
+    keep = None if keep_version is None else os.path.basename(_files_cache(uri, name, keep_version))
+    vllm_files.prune_on_every_node(vllm_files.model_dir(uri, name), keep)
 
 
 def vllm_target(section: DeploySection, uri: str, name: str, version: int, choice: EngineChoice):
@@ -215,7 +253,8 @@ def vllm_target(section: DeploySection, uri: str, name: str, version: int, choic
 
 
 # ---- deploying ------------------------------------------------------------------------------------
-def _run(section: DeploySection, uri: str, name: str, version: int, choice: EngineChoice) -> None:
+def _run(section: DeploySection, uri: str, name: str, version: int, choice: EngineChoice,
+         start_timeout_s: float) -> None:
     from ray import serve
 
     from pipeline.serving.app import ServeTarget, build
@@ -223,12 +262,7 @@ def _run(section: DeploySection, uri: str, name: str, version: int, choice: Engi
     warn_if_exposed("Ray Serve's HTTP proxy (the OpenAI API)", section.host, "deploy.host")
     serve.start(http_options={"host": section.host, "port": section.port})
     if choice.engine == "vllm":
-        from pipeline.serving import vllm_app
-
-        try:
-            vllm_app.launch(vllm_target(section, uri, name, version, choice))
-        except RuntimeError as e:
-            raise DeployError(str(e)) from e
+        _run_vllm(vllm_target(section, uri, name, version, choice), start_timeout_s)
         return
     app = build(ServeTarget(uri, name, version), num_replicas=section.num_replicas,
                 num_cpus=section.num_cpus_per_replica, num_gpus=section.num_gpus_per_replica,
@@ -238,28 +272,84 @@ def _run(section: DeploySection, uri: str, name: str, version: int, choice: Engi
     serve.run(app, name=app_name(name), route_prefix=section.route_prefix)
 
 
+def _run_vllm(target: VllmTarget, start_timeout_s: float) -> None:
+    """Start the vLLM application; when it fails, nothing of a new application is left to start later.
+
+    Raises:
+        DeployError: it did not start (what failed); a new application was removed, an existing one (a
+            roll-over) is left to Serve, which keeps its old replicas until new ones are ready.
+    """
+    from ray import serve
+
+    from pipeline.serving import vllm_app
+
+    existed = app_status(target.model_name) != "NOT_DEPLOYED"
+    try:
+        vllm_app.launch(target, start_timeout_s)
+    except vllm_app.LaunchError as e:
+        if existed:  # a roll-over: with the surge, the old replicas serve until new ones are ready
+            raise DeployError(f"{e}; {target.app} was already serving: Serve keeps its old replicas until new ones "
+                              "are ready") from e
+        if app_status(target.model_name) != "NOT_DEPLOYED":
+            serve.delete(target.app)
+        raise DeployError(f"{e}; {target.app} removed") from e
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _record(uri: str, d: Deployment, section: DeploySection) -> None:
     tracking.set_version_tags(uri, d.model_name, d.version, {
-        TAG + "status": "running", TAG + "serve_status": d.status, TAG + "endpoint": d.endpoint, TAG + "app": d.app, TAG + "alias": d.alias,
+        TAG + "status": RUNNING, TAG + "serve_status": d.status, TAG + "endpoint": d.endpoint, TAG + "app": d.app, TAG + "alias": d.alias,
         TAG + "ray_address": d.ray_address, TAG + "settings": json.dumps(dataclasses.asdict(section)),
         TAG + "engine": d.engine, TAG + "engine_reason": d.engine_reason,
         TAG + "at": _now(),
     })
 
 
-def deploy(section: DeploySection, uri: str, name: str, alias: str, ray_address: str) -> Deployment:
+def _claim(uri: str, name: str, alias: str, section: DeploySection, ray_address: str) -> int:
+    """Record the deployment as starting on the version behind ``alias``, then read the alias again: a
+    promotion that moved it before the record could be read is followed here (the module docstring).
+
+    Returns:
+        The version to deploy, recorded ``deploy.status=starting``.
+
+    Raises:
+        LookupError: the model or the alias does not exist.
+    """
+    target = tracking.version_by_alias(uri, name, alias)
+    while True:
+        if target is None:
+            raise LookupError(f"model {name!r} has no alias {alias!r} (at {uri})")
+        tracking.set_version_tags(uri, name, target.version, {
+            TAG + "status": STARTING, TAG + "endpoint": endpoint(section), TAG + "app": app_name(name),
+            TAG + "alias": alias, TAG + "ray_address": ray_address,
+            TAG + "settings": json.dumps(dataclasses.asdict(section)), TAG + "at": _now()})
+        now = tracking.version_by_alias(uri, name, alias)
+        if now is not None and now.version == target.version:
+            return target.version
+        before = target.tags.get(TAG + "status")  # what it was before this record (running: a redeploy)
+        undo = ({TAG + "status": before} if before else
+                {TAG + "status": "replaced", TAG + "replaced_by": str(now and now.version)})
+        tracking.set_version_tags(uri, name, target.version, {**undo, TAG + "at": _now()})
+        target = now
+
+
+def deploy(section: DeploySection, uri: str, name: str, alias: str, ray_address: str,
+           start_timeout_s: float | None = None) -> Deployment:
     """Serve the version behind ``name@alias`` on the connected cluster (``connect`` first).
 
-    Redeploying an application that serves another version rolls it over to this one.
+    Redeploying an application that serves another version rolls it over to this one. The version is
+    tagged ``deploy.status=starting`` before the application starts (``follow`` waits for it), ``running``
+    once it serves, ``failed`` (with ``deploy.error``) when it did not start. Once it serves vLLM, or a
+    vLLM deployment goes, the model's vLLM copies of other versions are removed from every node.
 
     Args:
         section: replicas, resources, HTTP host/port/prefix and batching.
         uri: the MLflow tracking/registry URI (the replicas download the model from it).
         ray_address: the connected cluster's GCS address, recorded for ``follow``.
+        start_timeout_s: how long vLLM's application may take to start (default ``START_TIMEOUT_S``).
 
     Returns:
         The running deployment (also recorded as ``deploy.*`` tags on the version).
@@ -268,18 +358,27 @@ def deploy(section: DeploySection, uri: str, name: str, alias: str, ray_address:
         LookupError: the model or the alias does not exist.
         DeployError: ``deploy.engine: vllm`` cannot serve it, or vLLM's application did not start.
     """
-    target = tracking.version_by_alias(uri, name, alias)
-    if target is None:
-        raise LookupError(f"model {name!r} has no alias {alias!r} (at {uri})")
     before = served_version(uri, name)
-    choice = choose_engine(section, uri, name, target.version)
-    _run(section, uri, name, target.version, choice)
-    d = Deployment(app_name(name), name, target.version, alias, endpoint(section), app_status(name), ray_address,
+    before_vllm = before is not None and tracking.get_version(uri, name, before).tags.get(TAG + "engine") == "vllm"
+    version = _claim(uri, name, alias, section, ray_address)
+    choice = None
+    try:
+        choice = choose_engine(section, uri, name, version)
+        _run(section, uri, name, version, choice, START_TIMEOUT_S if start_timeout_s is None else start_timeout_s)
+    except BaseException as e:  # Ctrl-C included: the starting record must not outlive this call
+        tracking.set_version_tags(uri, name, version, {
+            TAG + "status": "failed", TAG + "error": f"{type(e).__name__}: {e}"[:4000], TAG + "at": _now()})
+        if isinstance(e, Exception) and before is None and choice is not None and choice.engine == "vllm":
+            _prune_copies(uri, name, None)  # a new deployment: what its replicas fetched is of no use
+        raise
+    d = Deployment(app_name(name), name, version, alias, endpoint(section), app_status(name), ray_address,
                    choice.engine, choice.reason)
     _record(uri, d, section)
-    if before is not None and before != target.version:
+    if before is not None and before != version:
         tracking.set_version_tags(uri, name, before, {TAG + "status": "replaced",
-                                                      TAG + "replaced_by": str(target.version), TAG + "at": _now()})
+                                                      TAG + "replaced_by": str(version), TAG + "at": _now()})
+    if choice.engine == "vllm" or before_vllm:
+        _prune_copies(uri, name, version if choice.engine == "vllm" else None)
     return d
 
 
@@ -292,8 +391,8 @@ def app_status(name: str) -> str:
 
 
 def down(uri: str, name: str) -> bool:
-    """Delete the model's application from the connected cluster and tag the version it served
-    (per the registry's ``deploy.status=running``) ``down``.
+    """Delete the model's application from the connected cluster, tag the version it served (per the
+    registry's ``deploy.status=running``) ``down`` and, for vLLM, remove the model's copies from every node.
 
     Returns:
         Whether an application was deleted (False: none is deployed on this cluster; no tag changes).
@@ -306,14 +405,22 @@ def down(uri: str, name: str) -> bool:
     serve.delete(app_name(name))
     if served is not None:
         tracking.set_version_tags(uri, name, served, {TAG + "status": "down", TAG + "at": _now()})
+        if tracking.get_version(uri, name, served).tags.get(TAG + "engine") == "vllm":
+            _prune_copies(uri, name, None)
     return True
 
 
+def _recorded(uri: str, name: str, statuses: tuple[str, ...]) -> dict[int, dict[str, str]]:
+    """The versions whose ``deploy.status`` is one of ``statuses``, with their tags."""
+    found = sorted({v for status in statuses for v in tracking.versions_with_tag(uri, name, TAG + "status", status)})
+    return {v: tracking.get_version(uri, name, v).tags for v in found}
+
+
 def recorded_address(uri: str, name: str) -> str | None:
-    """The GCS address of the cluster that the registry says serves the model (its running version's
-    ``deploy.ray_address``), or None when no version is tagged running."""
-    served = served_version(uri, name)
-    return None if served is None else tracking.get_version(uri, name, served).tags[TAG + "ray_address"]
+    """The GCS address of the cluster that the registry says serves the model (its running or starting
+    version's ``deploy.ray_address``), or None when no version is tagged so."""
+    recorded = _recorded(uri, name, (RUNNING, STARTING))
+    return next((tags[TAG + "ray_address"] for tags in recorded.values()), None)
 
 
 def served_version(uri: str, name: str) -> int | None:
@@ -322,7 +429,7 @@ def served_version(uri: str, name: str) -> int | None:
     Raises:
         DeployError: more than one version is tagged running (the record is inconsistent).
     """
-    running = tracking.versions_with_tag(uri, name, TAG + "status", "running")
+    running = tracking.versions_with_tag(uri, name, TAG + "status", RUNNING)
     if len(running) > 1:
         raise DeployError(f"versions {running} of {name!r} are all tagged {TAG}status=running; one deployment "
                           "per model serves one version (fix the tags, or redeploy with jobs.deploy)")
@@ -330,30 +437,83 @@ def served_version(uri: str, name: str) -> int | None:
 
 
 def mark_stopped(uri: str, name: str, version: int) -> None:
-    """Tag a version whose deployment ended with its process (the embedded Ray of ``jobs.deploy``)."""
+    """Tag a version whose deployment ended with its process (the embedded Ray of ``jobs.deploy``), and
+    remove its vLLM copy (that Ray's only node is this machine)."""
     tracking.set_version_tags(uri, name, version, {TAG + "status": "stopped", TAG + "at": _now()})
+    if tracking.get_version(uri, name, version).tags.get(TAG + "engine") == "vllm":
+        vllm_files.prune(vllm_files.model_dir(uri, name), None)
 
 
-def follow(uri: str, name: str, alias: str, previous: int, new: int) -> Deployment | None:
-    """After ``alias`` moved from ``previous`` to ``new``: roll a deployment that follows the alias
-    over to ``new``, with the settings recorded on ``previous``.
+def _wait_started(uri: str, name: str, address: str, timeout_s: float) -> float:
+    """Wait until no version of the model is tagged starting.
 
     Returns:
-        The new deployment, or None when ``previous`` was not being served under ``alias``.
+        The seconds waited.
 
     Raises:
-        DeployError: the recorded cluster cannot be reached, or no longer runs the application.
+        DeployError: one is still starting after ``timeout_s`` (naming the application and the version).
     """
-    tags = tracking.get_version(uri, name, previous).tags
-    if tags.get(TAG + "status") != "running" or tags.get(TAG + "alias") != alias:
+    t0 = time.monotonic()
+    while starting := tracking.versions_with_tag(uri, name, TAG + "status", STARTING):
+        if time.monotonic() - t0 > timeout_s:
+            since = tracking.get_version(uri, name, starting[0]).tags.get(TAG + "at", "?")
+            raise DeployError(
+                f"{app_name(name)!r} on the Ray cluster at {address} is still starting v{starting[0]} (deploy.status="
+                f"starting since {since}) after {timeout_s:.0f} s; if its jobs.deploy is gone, deploy again or take it "
+                f"down with: python -m jobs.deploy {name} --down --address {address}")
+        time.sleep(WAIT_POLL_S)
+    return time.monotonic() - t0
+
+
+def _deployment(name: str, version: int, tags: dict[str, str]) -> Deployment:
+    return Deployment(tags[TAG + "app"], name, version, tags[TAG + "alias"], tags[TAG + "endpoint"],
+                      tags.get(TAG + "serve_status", ""), tags[TAG + "ray_address"],
+                      tags.get(TAG + "engine", "conduit"), tags.get(TAG + "engine_reason", ""))
+
+
+def follow(uri: str, name: str, alias: str, new: int,
+           notify: Callable[[str], None] | None = None) -> Followed | None:
+    """After ``alias`` moved to ``new``: bring the deployment that follows the alias (tagged running or
+    starting under it) to ``new``, with the settings recorded on the version it serves. One that is
+    starting is waited for (``START_TIMEOUT_S``; ``notify`` is told), then rolled over unless it started on
+    ``new`` itself.
+
+    Returns:
+        What was done, or None when no deployment follows ``alias``.
+
+    Raises:
+        DeployError: the recorded cluster no longer runs the application, the deployment that was starting
+            did not start, or is still starting after ``START_TIMEOUT_S`` (naming the application).
+        ClusterError: the recorded cluster cannot be reached.
+    """
+    recorded = {v: tags for v, tags in _recorded(uri, name, (RUNNING, STARTING)).items()
+                if tags.get(TAG + "alias") == alias}
+    if not recorded:
         return None
-    address = tags[TAG + "ray_address"]
-    section = DeploySection(**json.loads(tags[TAG + "settings"]))
+    address = next(iter(recorded.values()))[TAG + "ray_address"]
     gcs, _ = connect(address)
+    waited = None
+    starting = [v for v, tags in recorded.items() if tags[TAG + "status"] == STARTING]
+    if starting:
+        if notify is not None:
+            notify(f"{app_name(name)} on the Ray cluster at {address} is starting v{starting[0]}: waiting for it "
+                   f"(at most {START_TIMEOUT_S:.0f} s) to roll it to v{new}")
+        waited = _wait_started(uri, name, address, START_TIMEOUT_S)
+    served = served_version(uri, name)
+    if served is None:
+        tags = tracking.get_version(uri, name, starting[0]).tags if starting else {}
+        status, error = tags.get(TAG + "status"), tags.get(TAG + "error", "")
+        raise DeployError(f"{app_name(name)!r} was starting v{starting[0] if starting else '?'} when @{alias} moved, "
+                          f"but it did not start (deploy.status={status}: {error}); nothing serves @{alias}")
+    tags = tracking.get_version(uri, name, served).tags
+    if tags.get(TAG + "alias") != alias:
+        return None
     if app_status(name) == "NOT_DEPLOYED":
-        raise DeployError(f"v{previous} is tagged as served by {app_name(name)!r} on the Ray cluster at {address}, "
+        raise DeployError(f"v{served} is tagged as served by {app_name(name)!r} on the Ray cluster at {address}, "
                           "but that cluster runs no such application (stopped without --down?)")
-    d = deploy(section, uri, name, alias, gcs)
+    if served == new:
+        return Followed(_deployment(name, served, tags), rolled=False, waited_s=waited)
+    d = deploy(DeploySection(**json.loads(tags[TAG + "settings"])), uri, name, alias, gcs)
     if d.version != new:
         raise DeployError(f"@{alias} points at v{d.version}, not v{new}: it moved again meanwhile")
-    return d
+    return Followed(d, rolled=True, waited_s=waited)

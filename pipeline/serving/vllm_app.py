@@ -100,8 +100,9 @@ def llm_config(t: VllmTarget):
 def build_app(t: VllmTarget):
     """The Serve application: Ray Serve LLM's LLMServer deployment behind Conduit's OpenAI ingress."""
     from ray import serve
-    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.serve.llm import build_llm_deployment
+
+    from pipeline.internals import serve_llm_model_metadata
 
     from pipeline.serving.vllm_ingress import ingress_class
 
@@ -111,7 +112,7 @@ def build_app(t: VllmTarget):
                                max_ongoing_requests=t.max_ongoing_requests * max(1, t.num_replicas),
                                ray_actor_options={"num_cpus": 0, "runtime_env": _runtime_env(t)})
     return ingress.bind(llm_deployments={t.model_name: server},
-                        model_cards={t.model_name: to_model_metadata(t.model_name, config)},
+                        model_cards={t.model_name: serve_llm_model_metadata()(t.model_name, config)},
                         conduit=asdict(t))
 
 
@@ -127,14 +128,44 @@ def run_here(t: VllmTarget) -> str:
     return serve.status().applications[t.app].status.value
 
 
-def launch(t: VllmTarget, timeout_s: float = 900.0) -> str:
+def _one_line(e: Exception) -> str:
+    """Ray's error in one line: a task's own exception (not its remote traceback), else the first line."""
+    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else None
+    lines = str(e if cause is None else cause).strip().splitlines() or [""]
+    return f"{type(e).__name__}: " + ("" if cause is None else f"{type(cause).__name__}: ") + lines[0]
+
+
+class LaunchError(RuntimeError):
+    """vLLM's application did not start; ``task`` is the Ray task that was starting it (ended: cancelled
+    unless it had failed)."""
+
+    def __init__(self, message: str, task: ray.ObjectRef):
+        super().__init__(message)
+        self.task = task
+
+
+def launch(t: VllmTarget, timeout_s: float) -> str:
     """Deploy ``t`` from a Ray task running in the vLLM interpreter ``t.python`` (None: the cluster's own).
 
+    Whatever ends the wait (the task's error, its runtime environment that cannot be set up, its worker
+    that cannot start or dies, ``timeout_s`` passing, Ctrl-C) cancels the task, so that it does not go on
+    to deploy after this call has given up.
+
     Raises:
-        RuntimeError: the application did not start (the task's error says why).
+        LaunchError: the application did not start: what failed, the interpreter, and Ray's error.
     """
     task = ray.remote(num_cpus=0, max_retries=0)(run_here).options(runtime_env=_runtime_env(t))
+    ref = task.remote(t)
+    where = f"(the Ray task that runs serve.run in {t.python or 'the Python of the nodes'})"
     try:
-        return ray.get(task.remote(t), timeout=timeout_s)
-    except ray.exceptions.RayTaskError as e:
-        raise RuntimeError(f"vLLM deployment of {t.model_name} v{t.version} failed: {e}") from e
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        ray.cancel(ref)
+        raise LaunchError(f"vLLM deployment of {t.model_name} v{t.version} did not start within {timeout_s:.0f} s "
+                          f"{where}: {type(e).__name__}; the task was cancelled", ref) from e
+    except ray.exceptions.RayError as e:  # the task's own error, its runtime env, its worker, its node
+        ray.cancel(ref)
+        raise LaunchError(f"vLLM deployment of {t.model_name} v{t.version} failed {where}: {_one_line(e)}", ref) from e
+    except KeyboardInterrupt:
+        ray.cancel(ref)
+        raise

@@ -31,13 +31,14 @@ from pathlib import Path
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from ray.llm._internal.common.callbacks.base import CallbackBase
-from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.responses import JSONResponse, Response
 
+from pipeline.internals import serve_llm_ingress_app, serve_llm_request_models
 from pipeline.serving.openai_api import VERSION_HEADER, ApiError
+
+CallbackBase, ChatCompletionRequest, CompletionRequest = serve_llm_request_models()
 
 LATENCY_WINDOW = 200  # completions whose latency /healthz's p50 covers
 
@@ -267,12 +268,11 @@ async def _openai_errors(request: Request, call_next) -> Response:
 def ingress_class():
     """``ConduitIngress`` as a FastAPI ingress: Ray Serve LLM's routes plus ``/healthz``, its errors in OpenAI's
     shape (``openai_error``)."""
-    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init
-
+    default_endpoints, init = serve_llm_ingress_app()
     app = init()  # Ray Serve LLM's app, its middleware included
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.middleware("http")(_openai_errors)  # added last: the outermost, it sees every answer
-    endpoints = {**DEFAULT_ENDPOINTS, "healthz": lambda app: app.get("/healthz")}
+    endpoints = {**default_endpoints, "healthz": lambda app: app.get("/healthz")}
     return make_fastapi_ingress(ConduitIngress, endpoint_map=endpoints, app=app)
 
 

@@ -1,4 +1,4 @@
-"""Can vLLM serve this registered version on this hardware? The table ``deploy.engine: auto`` asks.
+"""Can vLLM serve this registered version on this hardware, and is it faster there? What ``deploy.engine: auto`` asks.
 
 vLLM loads a version's Hugging Face export (``hf/``: config.json, model.safetensors, tokenizer.json);
 whether it can serve it depends on the architecture the export names and on the replica's hardware.
@@ -30,6 +30,38 @@ ARCHITECTURES: dict[str, tuple[str | None, str | None]] = {
     "MarianMTModel": ("vLLM's V1 engine serves no encoder-decoder text model",) * 2,
     "BartForConditionalGeneration": ("vLLM's V1 engine serves no encoder-decoder text model",) * 2,
 }
+
+
+# Where vLLM, deployed through Ray Serve LLM, was measured faster than Conduit's engine on CPU replicas
+# (benchmarks/serve_vllm.py: 16 clients, 2 cores; benchmarks/RESULTS.md, "serve_vllm"): at gpt_125m
+# (LlamaForCausalLM, hidden size 768) 1.79x its tokens/s and 0.58x its first-token p50; at cpu_small (the
+# demo's, hidden size 128) 0.75x its tokens/s and 2.5x its first-token p50. Architecture -> the smallest
+# hidden size measured faster; unmeasured architectures, and widths below that, serve on Conduit's engine.
+CPU_FASTER_FROM_HIDDEN_SIZE = {"LlamaForCausalLM": 768}
+MEASURED = "benchmarks/RESULTS.md, serve_vllm"
+
+
+def faster_on_cpu(hf_config: dict | None) -> tuple[bool, str]:
+    """Was vLLM measured faster than Conduit's engine on CPU replicas for a model like this export?
+
+    Args:
+        hf_config: the export's config.json (None: no export).
+
+    Returns:
+        ``(faster, why)``: why names the rule and the benchmark (``deploy.engine: auto``'s reason).
+    """
+    arch = (hf_config or {}).get("architectures", [None])[0]
+    width = (hf_config or {}).get("hidden_size")
+    least = CPU_FASTER_FROM_HIDDEN_SIZE.get(arch)
+    if least is None:
+        measured = ", ".join(f"{a} from hidden size {h}" for a, h in CPU_FASTER_FROM_HIDDEN_SIZE.items())
+        return False, (f"on CPU replicas vLLM answered faster than Conduit's engine only for {measured}, not "
+                       f"{arch or 'a version without a Hugging Face export'}: {MEASURED}")
+    if width is None or int(width) < least:
+        return False, (f"on CPU replicas Conduit's engine answers faster than vLLM below hidden size {least} "
+                       f"({arch} of hidden size {width} here): {MEASURED}")
+    return True, (f"on CPU replicas vLLM answers faster than Conduit's engine from hidden size {least} "
+                  f"({arch} of hidden size {width} here): {MEASURED}")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.config import RunConfig, hash_view
 from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE, EvalReport, TokenIndex
 from pipeline.stages.stage import Resources, Stage
+from pipeline.evaluation import perplexity
 
 # The body's libraries (torch, the evaluation sets, matplotlib) are imported where it runs: the stage table,
 # read by a dry run or by another stage's task, loads without them.
@@ -197,7 +198,7 @@ def _score(cfg: RunConfig, model: torch.nn.Module, evaluated: np.ndarray, batch_
     one_more_set_scored()  # the validation blocks
     metrics = {
         "val_loss": loss,
-        "val_perplexity": math.exp(loss),
+        "val_perplexity": perplexity(loss),
         "val_bits_per_byte": loss * tokens_per_byte / math.log(2),
         "val_tokens_evaluated": n_tokens,
         "unigram_val_loss": uni,

@@ -11,6 +11,7 @@ that ``transformers`` loads as Llama / Mixtral / DeepseekV2 / DeepseekV3 / Mamba
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -92,10 +93,26 @@ def describe(cfg: RunConfig, metrics: dict[str, float]) -> str:
     )
 
 
+def require_finite_loss(cfg: RunConfig, inputs: dict, metrics: dict[str, float]) -> None:
+    """Refuse a model whose training diverged: one registered would be served, and promoted by gates that
+    compare its metrics (every comparison with a NaN is false).
+
+    Raises:
+        ValueError: the validation loss is NaN or infinite; the message names the model, the evaluate and
+            train artifacts and the value (the runner reports it as the stage's failure).
+    """
+    loss = metrics["val_loss"]
+    if not math.isfinite(loss):
+        raise ValueError(f"model {cfg.register.model_name} is not registered: its validation loss is {loss} "
+                         f"(evaluate artifact {inputs['evaluate'].hash} of train artifact {inputs['train'].hash}), "
+                         f"not a finite number: its training diverged")
+
+
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
     from pipeline import tracking  # mlflow: here only (the stage table loads without it)
 
     metrics = EvalReport.read(inputs["evaluate"].path).metrics
+    require_finite_loss(cfg, inputs, metrics)
     weights = inputs["train"].path / WEIGHTS_FILE
     tokenizer = inputs["tokenizer"].path / TOKENIZER_FILE
     extra = {"metrics": inputs["evaluate"].path / EVAL_METRICS_FILE}

@@ -1,17 +1,15 @@
 """train: token blocks -> a trained model (``model.safetensors``), via Ray Train + DeepSpeed.
 
-Ray Train's ``TorchTrainer`` starts ``parallel.num_workers`` workers and their process group
-(gloo on CPU, NCCL on GPU); each runs ``pipeline.training.loop.main``. A run of one worker on a CPU
-(``parallel.launcher`` auto, or in_task) runs the same loop in this stage's own task instead
-(``pipeline.training.in_task``: the same checkpoints, restarts and callbacks, without Ray Train's
-controller and actors); several workers on CPUs (auto, or ray_tasks) run it as Ray tasks in a placement
-group, with this task in the controller's place (``pipeline.training.rank_tasks``).
+The stage builds the loop's config (``LoopConfig``) and how its ranks run (``Launch``) and goes through the one
+door into training, ``pipeline.training.launch.launch``: ``parallel.num_workers`` Ray Train workers and their
+process group (gloo on CPU, NCCL on GPU), or, for one worker on a CPU (``parallel.launcher`` auto, or
+in_task), Ray Train's local mode in this stage's own task.
 
-Checkpoints live outside the artifact folder, in the Ray Train run ``train-<artifact hash>`` under
-``checkpoint.storage`` (default ``<artifact_root>/checkpoints``). So:
-- a failed worker group restarts from the latest one (``FailureConfig``);
-- a rerun after the driver died (the runner clears the unsealed artifact folder) finds them, since
-  Ray Train restores a run it finds at ``storage/name``, and continues instead of starting at step 0;
+Checkpoints live outside the artifact folder, at ``<checkpoint.storage>/train-<artifact hash>`` (default
+``<artifact_root>/checkpoints``; ``pipeline.training.checkpoint.record``). So:
+- a failed worker group restarts from the latest one;
+- a rerun after the driver died (the runner clears the unsealed artifact folder) finds them and continues
+  instead of starting at step 0;
 - two configs (or a config and its ``--force``d rerun) sharing one storage never see each other's;
 - once the artifact is sealed only the final checkpoint is kept (``checkpoint.resume_from`` can continue
   from it), and ``--force train`` removes them all first.
@@ -23,17 +21,14 @@ import json
 import os
 from pathlib import Path
 
-import pyarrow.fs as pafs
-
 from pipeline.config import RunConfig, hash_view
-from pipeline.data.fs import filesystem_for
-from pipeline.store.contracts import CHECKPOINT_PREFIX, read_train_metrics, read_train_precision, read_train_starts
+from pipeline.store.contracts import read_train_metrics, read_train_precision, read_train_starts
 from pipeline.stages.stage import Resources, Stage
-from pipeline.store.backends import NodeFolder, join
-from pipeline.training.device import backend_for, resolve_device, resolve_precision, worker_cpus
-from pipeline.training.in_task import assigned_cpus, uses_in_task
+from pipeline.store.backends import NodeFolder
+from pipeline.training.device import (assigned_cpus, backend_for, resolve_device, resolve_precision,
+                                      trains_in_process, worker_cpus)
 from pipeline.training.layout import check_split
-from pipeline.training.rank_tasks import uses_rank_tasks
+from pipeline.training.loop_config import CheckpointPlace
 
 # Tests only: JSON in the train stage's environment, e.g. {"pause_after_final_checkpoint_s": 30}, which
 # the training loop gets as its ``failpoints`` (see pipeline.training.loop).
@@ -72,63 +67,25 @@ def training_dataset(cfg: RunConfig, tokens) -> dict:
     }
 
 
-CHECKPOINTS_DIR = "checkpoints"  # under the artifact root, beside the stage folders
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints it kept
+def checkpoint_place(cfg: RunConfig, hash_: str) -> CheckpointPlace:
+    """Where the train artifact ``hash_`` of ``cfg`` keeps its checkpoints (``checkpoint.storage``)."""
+    from pipeline.training.checkpoint.record import place_for
 
-
-def checkpoint_location(cfg: RunConfig, hash_: str) -> tuple[str, str]:
-    """Ray Train's ``(storage_path, name)`` for the train artifact ``hash_`` of ``cfg``."""
-    storage = cfg.checkpoint.storage or join(cfg.artifact_root(), CHECKPOINTS_DIR)
-    return storage, f"train-{hash_}"
-
-
-def _run_dir(cfg: RunConfig, hash_: str) -> tuple[pafs.FileSystem, str]:
-    storage, name = checkpoint_location(cfg, hash_)
-    fs, path = filesystem_for(storage)
-    return fs, f"{path.rstrip('/')}/{name}"
+    return place_for(cfg.checkpoint.storage, cfg.artifact_root(), hash_, cfg.checkpoint.keep)
 
 
 def discard_checkpoints(cfg: RunConfig, hash_: str) -> None:
     """``--force train``: start from step 0, so remove every checkpoint of this hash."""
-    fs, run_dir = _run_dir(cfg, hash_)
-    if fs.get_file_info(run_dir).type != pafs.FileType.NotFound:
-        fs.delete_dir(run_dir)
+    from pipeline.training.checkpoint.record import discard_checkpoints as discard
 
-
-def recover_unreadable_snapshot(cfg: RunConfig, hash_: str) -> str | None:
-    """Ray Train rewrites its snapshot in place (truncate, then write): a controller killed meanwhile (its driver
-    SIGKILLed) leaves it empty or cut, and the next controller fails to start on it. Such a snapshot is moved
-    aside (``<snapshot>.unreadable``), so Ray Train starts a new record in the same run folder, and the newest
-    checkpoint folder the run left is returned for the workers to resume from (``resume_checkpoint``, which
-    verifies it and falls back to an earlier one). None when the snapshot reads, or there is none.
-    """
-    fs, run_dir = _run_dir(cfg, hash_)
-    path = f"{run_dir}/{SNAPSHOT_FILE}"
-    try:
-        with fs.open_input_stream(path) as f:
-            json.loads(f.read().decode("utf-8"))
-        return None
-    except FileNotFoundError:
-        return None
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError: cut short while being rewritten
-        pass
-    fs.move(path, f"{path}.unreadable")
-    folders = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(run_dir))
-                     if i.type == pafs.FileType.Directory and i.base_name.startswith(CHECKPOINT_PREFIX))
-    storage, name = checkpoint_location(cfg, hash_)
-    return f"{storage.rstrip('/')}/{name}/{folders[-1]}" if folders else None
+    discard(checkpoint_place(cfg, hash_))
 
 
 def keep_final_checkpoint(cfg: RunConfig, hash_: str) -> None:
-    """After sealing: delete every checkpoint folder of this run but the latest one Ray Train kept."""
-    fs, run_dir = _run_dir(cfg, hash_)
-    with fs.open_input_stream(f"{run_dir}/{SNAPSHOT_FILE}") as f:
-        kept = json.loads(f.read().decode("utf-8"))["checkpoint_results"]
-    final = max(kept, key=lambda r: r["metrics"]["step"])["checkpoint_dir_name"]
-    for info in fs.get_file_info(pafs.FileSelector(run_dir)):
-        name = info.path.rstrip("/").rsplit("/", 1)[-1]
-        if info.type == pafs.FileType.Directory and name.startswith("checkpoint_") and name != final:
-            fs.delete_dir(info.path)
+    """After sealing: every checkpoint of this training but the newest deleted."""
+    from pipeline.training.checkpoint.record import CheckpointRecord
+
+    CheckpointRecord(checkpoint_place(cfg, hash_)).keep_only_newest()
 
 
 # Bytes per parameter of one checkpoint: DeepSpeed's (fp32 weights, Adam's two moments, ~16) and the
@@ -139,14 +96,16 @@ CHECKPOINT_FIXED_BYTES = 2**20
 
 def disk_need(cfg: RunConfig, inputs: dict, hash_: str) -> list[tuple[str | None, int, str]]:
     """The fp32 weights in the artifact folder; ``checkpoint.keep`` checkpoints plus the one being
-    written (Ray Train deletes the oldest after the new one is reported) in the checkpoint storage."""
+    written (the oldest is deleted after the new one is recorded) in the checkpoint storage."""
     from models.accounting import param_counts
 
+    from pipeline.store.backends import join
+
     params = param_counts(cfg.model_config())["total"]
-    storage, name = checkpoint_location(cfg, hash_)
+    place = checkpoint_place(cfg, hash_)
     kept = cfg.checkpoint.keep + 1
     return [(None, 4 * params, f"fp32 weights of {params:,} parameters"),
-            (f"{storage.rstrip('/')}/{name}", (CHECKPOINT_BYTES_PER_PARAM * params + CHECKPOINT_FIXED_BYTES) * kept,
+            (join(place.storage, place.name), (CHECKPOINT_BYTES_PER_PARAM * params + CHECKPOINT_FIXED_BYTES) * kept,
              f"{kept} checkpoints x {CHECKPOINT_BYTES_PER_PARAM} B x {params:,} parameters")]
 
 
@@ -234,14 +193,11 @@ def free_cpus_by_node(settle_s: float = 0.5) -> list[float]:
 
     import ray
 
-    try:  # Ray keeps no public call for it
-        from ray._private.state import available_resources_per_node
+    from pipeline.internals import free_resources_by_node
 
-        def read() -> dict[str, float]:
-            return {node: r.get("CPU", 0.0) for node, r in available_resources_per_node().items()}
-    except (ImportError, AttributeError):  # a Ray without it: the cluster's free CPUs as if on one node
-        def read() -> dict[str, float]:
-            return {"cluster": ray.available_resources().get("CPU", 0.0)}
+    def read() -> dict[str, float]:
+        return {node: r.get("CPU", 0.0) for node, r in free_resources_by_node().items()}
+
     total = ray.cluster_resources().get("CPU", 0.0)
     free = read()
     deadline = time.monotonic() + settle_s
@@ -258,24 +214,9 @@ def _device(cfg: RunConfig) -> str:
     return resolve_device(cfg.parallel.device, gpus_in_cluster=ray.cluster_resources().get("GPU", 0))
 
 
-def in_task(cfg: RunConfig, device: str) -> bool:
-    """Whether this run trains in the stage's own task (``pipeline.training.in_task``), not Ray Train's workers."""
-    return uses_in_task(cfg.parallel.launcher, cfg.parallel.num_workers, device, bool(cfg.cluster.stage_resources))
-
-
-def launcher(cfg: RunConfig, device: str) -> str:
-    """Who runs the training loop: ``in_task`` (this stage's task), ``ray_tasks`` (Ray tasks, one a rank) or
-    ``ray_train`` (Ray Train's workers), from ``parallel.launcher`` and the run's workers and device."""
-    if in_task(cfg, device):
-        return "in_task"
-    if uses_rank_tasks(cfg.parallel.launcher, cfg.parallel.num_workers, device):
-        if device != "cpu":
-            from pipeline.base import ConfigError
-
-            raise ConfigError(f"parallel.launcher=ray_tasks trains on CPUs, and this run's device is {device}: "
-                              f"use parallel.launcher=ray_train (or auto) there")
-        return "ray_tasks"
-    return "ray_train"
+def in_process(cfg: RunConfig, device: str) -> bool:
+    """Whether this run trains in the stage's own task (Ray Train's local mode), not on Ray Train's workers."""
+    return trains_in_process(cfg.parallel.launcher, cfg.parallel.num_workers, device, bool(cfg.cluster.stage_resources))
 
 
 def task_resources(cfg: RunConfig, inputs: dict) -> Resources:
@@ -287,7 +228,7 @@ def resources_on(cfg: RunConfig, device: str, free_by_node=None) -> Resources:
     """Training in Ray Train's workers: nothing (they hold the CPUs and GPUs). Training in the task: what its
     one worker would have held (a GPU; on a CPU ``cpus_per_worker``, from ``free_by_node()``, each node's
     free CPUs, by default the running cluster's)."""
-    if not in_task(cfg, device):
+    if not in_process(cfg, device):
         return Resources(cpus=0)
     if device == "cuda":
         return Resources(cpus=0, gpus=1)
@@ -295,89 +236,95 @@ def resources_on(cfg: RunConfig, device: str, free_by_node=None) -> Resources:
 
 
 def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
-    import ray
-
-    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups, train_worker
+    from pipeline.training.launch import launch
 
     device = _device(cfg)
     precision = resolve_precision(cfg.train.precision, device)
-    if cfg.parallel.sequence_parallel_size > 1:  # before any worker starts: can a shard be computed alone?
+    _check_before_workers(cfg, inputs, tracker)
+    place = checkpoint_place(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
+    tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
+                      "checkpoints": f"{place.storage}/{place.name}"})
+    tracker.log_input_dataset(**training_dataset(cfg, inputs["tokenize"]))
+    loop, lineage = _loop_config(cfg, inputs, out_dir, tracker, device, precision, place)
+    how = _launch(cfg, device, tracker)
+    outcome = launch(loop, how)
+    if outcome.error:
+        raise RuntimeError(f"training failed: {outcome.error}") from outcome.error
+    return _result(cfg, out_dir, device, precision, place, lineage)
+
+
+def _check_before_workers(cfg: RunConfig, inputs: dict, tracker) -> None:
+    """What is refused before any worker starts: a model whose sequence cannot be split over
+    ``parallel.sequence_parallel_size`` ranks, a validation subset the split does not hold."""
+    if cfg.parallel.sequence_parallel_size > 1:
         check_sequence_parallel(cfg)
         tracker.set_tags({"sequence_parallel_size": str(cfg.parallel.sequence_parallel_size)})
-    if cfg.validation.every:  # before any worker starts: the validation subset must exist
+    if cfg.validation.every:
         check_split(cfg.validation.batches, cfg.train.global_batch_size,
                     inputs["tokenize"].manifest["counts"]["splits"]["validation"]["blocks"])
-    storage, name = checkpoint_location(cfg, out_dir.name)  # the folder is <artifact_root>/train/<hash>
-    tracker.set_tags({"device": device, "precision": precision, "backend": backend_for(device),
-                      "checkpoints": f"{storage}/{name}"})
-    tracker.log_input_dataset(**training_dataset(cfg, inputs["tokenize"]))
+
+
+def _loop_config(cfg: RunConfig, inputs: dict, out_dir: Path, tracker, device: str, precision: str,
+                 place: CheckpointPlace):
+    """The loop's config, and the lineage tags of ``train.init_from`` (empty without it)."""
+    import ray
+
+    from pipeline.training.loop_config import LoopConfig
+
     init_state, lineage = None, {}
     if cfg.train.init_from:
         state, lineage = parent_state(cfg, inputs["tokenize"])
         tracker.set_tags(lineage)
         init_state = ray.put(state)  # every worker, on any node, reads it from the object store
-    # A controller that died with an earlier attempt of this stage (its task killed) left its workers'
-    # placement group holding CPUs this trainer needs.
-    reap_orphaned_placement_groups()
-    recovered = recover_unreadable_snapshot(cfg, out_dir.name)
-    if recovered:
-        print(f"warning: Ray Train's record of this training's checkpoints was cut short (its controller died while "
-              f"writing it); resuming from the newest checkpoint it left, {recovered}", flush=True)
-        tracker.set_tags({"checkpoint.recovered": recovered})
-    who = launcher(cfg, device)
-    here = who == "in_task"
+    callbacks = getattr(tracker, "train_callbacks", ())  # a sweep trial's: validation losses to Ray Tune
+    loop = LoopConfig(
+        run_config=cfg.to_dict(),
+        tokens=inputs["tokenize"],  # each worker reads its own blocks of it, where it is
+        out=NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
+        tracker=tracker, device=device, precision=precision, checkpoints=place, init_state=init_state,
+        report_validation=bool(callbacks),
+        # Steps that always get a checkpoint, saved before that step's validation report: a synchronous
+        # sweep's rungs, where the trial is paused and later resumed (``pipeline.sweep.run``).
+        checkpoint_steps=tuple(sorted({s for cb in callbacks for s in getattr(cb, "checkpoint_steps", ())})),
+        failpoints=json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),  # fault tests widen a moment to act in
+    )
+    return loop, lineage
+
+
+def _launch(cfg: RunConfig, device: str, tracker):
+    """How the ranks run: in this task or on Ray Train's workers, with what CPUs, and the run's callbacks
+    (the failures on its tags, a sweep trial's reports to Tune)."""
+    from pipeline.training.launch import Launch
+    from pipeline.training.ray_train import failure_callback, reap_orphaned_placement_groups
+
+    here = in_process(cfg, device)
     if here:  # the task holds what its worker uses (task_resources, placed before it started)
         cpus = assigned_cpus() if device == "cpu" else None
     else:
+        # A controller that died with an earlier attempt of this stage (its task killed) left its workers'
+        # placement group holding CPUs this trainer needs.
+        reap_orphaned_placement_groups()
         cpus = cpus_per_worker(cfg, device)  # after the reaping: what is free now
     if cpus:
         tracker.set_tags({"cpus_per_worker": str(int(cpus))})
-    tracker.set_tags({"conduit.launcher": who})
-    loop_config = {
-        "run_config": cfg.to_dict(),
-        "tokens": inputs["tokenize"],  # each worker reads its own blocks of it, where it is
-        "out": NodeFolder.here(out_dir),  # rank 0 may be on another node than this task
-        "tracker": tracker,
-        "device": device,
-        "precision": precision,
-        # Fault tests widen a moment to SIGKILL a worker in.
-        "failpoints": json.loads(os.environ.get(FAILPOINTS_ENV, "{}")),
-        "init_state": init_state,
-        "recovered_checkpoint": recovered,
-        # In a sweep's trial, each validation loss also goes to Ray Tune (the trainer's callbacks).
-        "report_validation": bool(getattr(tracker, "train_callbacks", ())),
-        # Steps that always get a checkpoint, saved before that step's validation report: a synchronous
-        # sweep's rungs, where the trial is paused and later resumed (``pipeline.sweep.run``).
-        "checkpoint_steps": sorted({s for cb in getattr(tracker, "train_callbacks", ())
-                                    for s in getattr(cb, "checkpoint_steps", ())}),
-    }
+    n = cfg.parallel.num_workers
+    tracker.set_tags({"conduit.launcher": "in_task" if here else "ray_train",
+                      "conduit.phase": "training in the stage's task" if here else
+                      f"starting {n} training worker{'s' if n > 1 else ''}"})
     callbacks = [failure_callback(tracker, cfg.checkpoint.max_failures), *getattr(tracker, "train_callbacks", ())]
-    tracker.set_tags({"conduit.phase": "training in the stage's task" if here else
-                      f"starting {cfg.parallel.num_workers} training worker"
-                      f"{'s' if cfg.parallel.num_workers > 1 else ''}"})
-    if here:
-        from pipeline.training import in_task as local
+    return Launch(num_workers=n, device=device, cpus=cpus, placement_strategy=cfg.parallel.placement_strategy,
+                  max_failures=cfg.checkpoint.max_failures, callbacks=tuple(callbacks), in_process=here)
 
-        result = local.fit(train_worker, loop_config, storage=storage, name=name, keep=cfg.checkpoint.keep,
-                           max_failures=cfg.checkpoint.max_failures, callbacks=callbacks,
-                           backend=backend_for(device), recovered=recovered)
-    elif who == "ray_tasks":
-        from pipeline.training import rank_tasks
 
-        result = rank_tasks.fit(
-            train_worker, loop_config, num_workers=cfg.parallel.num_workers, cpus=cpus,
-            strategy=cfg.parallel.placement_strategy, storage=storage, name=name, keep=cfg.checkpoint.keep,
-            max_failures=cfg.checkpoint.max_failures, callbacks=callbacks, backend=backend_for(device),
-            recovered=recovered,
-            on_placed=lambda: tracker.set_tags({"conduit.phase": f"starting {cfg.parallel.num_workers} ranks"}))
-    else:
-        result = _fit_with_ray_train(cfg, device, cpus, storage, name, loop_config, callbacks)
-    if result.error:
-        raise RuntimeError(f"training failed: {result.error}") from result.error
+def _result(cfg: RunConfig, out_dir: Path, device: str, precision: str, place: CheckpointPlace,
+            lineage: dict) -> dict:
+    """The stage's manifest counts, from what rank 0 wrote into the artifact folder."""
+    from pipeline.training.checkpoint.record import CheckpointRecord
+
     history = read_train_metrics(out_dir)
     starts = read_train_starts(out_dir)
     chosen = read_train_precision(out_dir)  # where precision was auto on a CPU: what the workers chose
-    precision = chosen["precision"] if chosen else precision
+    record = CheckpointRecord(place)
     return {
         "starts": starts,  # [0] for a run that never restarted; a rerun after a crash begins past 0
         "steps": cfg.train.steps,
@@ -388,41 +335,15 @@ def run(cfg: RunConfig, inputs: dict, out_dir: Path, tracker) -> dict:
         "val_losses": {h["step"]: h["val_loss"] for h in history if "val_loss" in h},
         "loss_label_smoothing": cfg.train.label_smoothing,  # > 0: the two losses above are smoothed
         "device": device,
-        "precision": precision,
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "precision": chosen["precision"] if chosen else precision,
+        "checkpoint": record.uri_of(record.entries[-1]) if record.entries else None,
         **({"init_from": lineage} if lineage else {}),
     }
 
 
-def _fit_with_ray_train(cfg: RunConfig, device: str, cpus: int | None, storage: str, name: str, loop_config: dict,
-                        callbacks: list):
-    """``parallel.num_workers`` Ray Train workers run the loop; returns Ray Train's ``Result``."""
-    import ray.train
-    from ray.train.torch import TorchConfig
-
-    from pipeline.training.ray_train import train_worker, trainer_class
-
-    trainer = trainer_class()(
-        train_worker,
-        train_loop_config=loop_config,
-        torch_config=TorchConfig(backend=backend_for(device)),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.parallel.num_workers, use_gpu=device == "cuda",
-                                               placement_strategy=cfg.parallel.placement_strategy,
-                                               resources_per_worker={"CPU": cpus} if cpus else None),
-        run_config=ray.train.RunConfig(
-            name=name,
-            storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.checkpoint.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=callbacks,
-        ),
-    )
-    return trainer.fit()
-
-
 # Holds no CPU itself when Ray Train's workers train (they hold theirs, and the GPUs); else what its one
 # worker would (task_resources).
-STAGE = Stage(name="train", version=1, inputs=("tokenize",),
+STAGE = Stage(name="train", version=2, inputs=("tokenize",),
               hash_config=hash_config, run=run, resources_for=task_resources,
               discard_state=discard_checkpoints, after_seal=keep_final_checkpoint, disk_need=disk_need,
               read_in_place=("tokenize",))

@@ -39,18 +39,21 @@ from pipeline import tracking
 from pipeline.stage_tracker import StageTracker
 from pipeline.config import RunConfig, config_from_dict
 from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run_pipeline
+from pipeline.sweep import ranking
 from pipeline.sweep.spec import SweepSpec
 from pipeline.training.device import worker_cpus
+from pipeline import internals
 from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 PAUSED = "paused"  # sha: ended at a rung, to be resumed in the next one or stopped there (a run's sweep_status)
-INCOMPLETE = "incomplete"  # ended without finishing, not stopped by ASHA and without an error (interrupted)
+INCOMPLETE = "incomplete"  # ended without finishing, not stopped by the scheduler and without an error (interrupted)
 
 
 @dataclass
 class TrialOutcome:
-    """How one trial ended: ``status`` (finished, stopped by ASHA, failed, or incomplete: anything else,
+    """How one trial ended: ``status`` (finished, stopped by the sweep's scheduler (ASHA, or a rung of
+    synchronous halving), failed, or incomplete: anything else,
     with Tune's state of the trial in ``tune_status``), the last step and validation loss it reported,
     the sweep's metric, its MLflow run and, for a failure, the error."""
 
@@ -116,11 +119,12 @@ STOP_WAIT_S = 60.0  # a stopped trial's wait for its stage task to end (its metr
 
 
 class EndStagesOnStop:
-    """Mixed into each trial's Tune trainable: when Tune stops the trial (ASHA, or the sweep interrupted),
+    """Mixed into each trial's Tune trainable: when Tune stops the trial (ASHA, the end of a rung of
+    synchronous halving, or the sweep interrupted),
     its running stage task is cancelled as Ctrl-C would end it, and waited for, before the trial's
     process goes or takes the next trial (Tune reuses it: ``reuse_actors``). Else Ray would end the task
     with that process, and with the task its worker process, whose imports (torch, DeepSpeed, the stages)
-    the next trial's stage would find warm there (``pipeline.training.in_task``): a cold start for each
+    the next trial's stage would find warm there (``pipeline.training.launch``, in the task): a cold start for each
     stopped trial, which the full grid never pays. The stage's MLflow run ends KILLED (``_mark_stopped``
     then says why)."""
 
@@ -277,7 +281,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         trial_fn = tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
                                         metric=spec.metric, sweep_name=spec.name,
                                         checkpoint_steps=tuple(spec.rungs) if spec.scheduler == "sha" else ())
-        trial_fn.__mixins__ = (EndStagesOnStop,)  # Tune's hook for a function trainable's base classes
+        internals.mix_into_function_trainable(trial_fn, EndStagesOnStop)
         trainable = tune.with_resources(trial_fn, {"cpu": 0, "memory": 2**20})
         # (no CPU: its train stage's workers hold those; Tune needs a non-empty bundle)
         storage = str(base.workdir() / "sweeps")
@@ -333,8 +337,9 @@ def _fit_rungs(spec: SweepSpec, base: RunConfig, trainable, storage: str, outcom
     """``sha``, synchronous successive halving: one Tune run per rung (``spec.rungs``, then the end). Every
     trial of a rung trains to the rung's step, where ``RungEnd`` pauses it (the training checkpoints at
     that step before it reports the validation loss the trial is ranked on). When all have, the best
-    ``1/reduction_factor`` of them (at least one) go on to the next rung, resuming from that checkpoint,
-    and the rest are stopped there. The last rung's trials train to the end and evaluate. A rung that
+    ``1/reduction_factor`` of them (at least one; never one whose validation loss is not finite:
+    ``pipeline.sweep.ranking``) go on to the next rung, resuming from that checkpoint, and the rest are
+    stopped there. The last rung's trials train to the end and evaluate. A rung that
     does not end (a trial of it neither paused, finished nor failed: the sweep interrupted) ends the
     halving there. Each rung's Tune run is ``<storage>/<name>.sha/rung_<k>``: a rerun restores them in
     turn, and the same ranking picks the same trials again.
@@ -344,36 +349,45 @@ def _fit_rungs(spec: SweepSpec, base: RunConfig, trainable, storage: str, outcom
     """
     from pipeline.sweep.scheduler import RungEnd
 
-    alive, ended, sign = list(spec.start_order), {}, 1 if spec.mode == "min" else -1
+    alive, ended = list(spec.start_order), {}
     rungs = [*spec.rungs, None]
     for k, step in enumerate(rungs):
         goal = f"to step {step}" if step is not None else "to the end"
         echo(f"sweep {spec.name}: rung {k + 1} of {len(rungs)}: {len(alive)} trial(s) {goal}")
         grid = _tuner(spec, base, trainable, f"{storage}/{spec.name}.sha", f"rung_{k}", alive, RungEnd(step),
                       outcomes, echo).fit()
-        ranked, open_ = [], []
+        compared, open_ = [], []
         for res, trial in zip(grid, grid._experiment_analysis.trials):
             index, last = (res.config or trial.config)["trial"], res.metrics or {}
             ended[index] = (res, trial)
             if res.error is not None or last.get("finished"):
                 continue
             if step is not None and (last.get("step") or 0) >= step and last.get("val_loss") is not None:
-                ranked.append((sign * last["val_loss"], index, last))
+                compared.append((index, last))
             else:
                 open_.append(index)
-        if step is None or not ranked:
+        if step is None or not compared:
             break
         if open_:
             echo(f"sweep {spec.name}: rung {k + 1} did not end (trials {open_} neither reached step {step}, "
                  f"finished nor failed): no later rung runs")
             break
-        ranked.sort(key=lambda r: (r[0], r[1]))
+        ranked = ranking.ranked(compared, spec.mode, value=lambda r: r[1]["val_loss"], index=lambda r: r[0])
         keep = max(1, len(ranked) // spec.reduction_factor)
-        for _, index, last in ranked[keep:]:
-            echo(f"trial_{index:03d}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')}): not "
-                 f"among the best {keep} of the {len(ranked)} at rung {k + 1}")
-            _mark_stopped(uri, experiment_id, sweep_run, f"trial_{index:03d}", last)
-        promoted = {index for _, index, _ in ranked[:keep]}
+        promoted = [index for index, last in ranked[:keep] if ranking.finite(last["val_loss"])]
+        for index, last in ranked:
+            if index in promoted:
+                continue
+            why = (f"not among the best {keep} of the {len(ranked)}" if ranking.finite(last["val_loss"]) else
+                   "not finite: never among the best")
+            echo(f"trial_{index:03d}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')}): {why} "
+                 f"at rung {k + 1}")
+            _mark_stopped(uri, experiment_id, sweep_run, f"trial_{index:03d}", last,
+                          by=f"synchronous successive halving (rung {k + 1})")
+        if not promoted:
+            echo(f"sweep {spec.name}: rung {k + 1}: no trial has a finite val_loss ("
+                 + ", ".join(f"trial_{index:03d} {last['val_loss']}" for index, last in ranked) + "): none goes on")
+            break
         alive = [i for i in alive if i in promoted]
     return [ended[i] for i in sorted(ended)]
 
@@ -388,7 +402,8 @@ def _outcomes_class():
 
     class Outcomes(Callback):
         """On the driver: each validation loss on the trial's MLflow run as the curve, a trial that ASHA
-        stopped marked so (its runs KILLED), and one that ended unfinished for another reason said so."""
+        stopped marked so (its runs KILLED), one that a rung of synchronous halving paused marked paused, and
+        one that ended unfinished for another reason said so."""
 
         def __init__(self, uri: str, experiment_id: str, sweep_run: str, echo: Callable[[str], None]) -> None:
             self.uri, self.experiment_id, self.sweep_run, self.echo = uri, experiment_id, sweep_run, echo
@@ -419,8 +434,8 @@ def _outcomes_class():
                 self.echo(f"{_name(trial)}: ended at step {last.get('step')} without finishing, not stopped by "
                           f"the scheduler (Tune: {trial.status})")
                 return
-            self.echo(f"{_name(trial)}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')})")
-            _mark_stopped(self.uri, self.experiment_id, self.sweep_run, _name(trial), last)
+            self.echo(f"{_name(trial)}: stopped at step {last.get('step')} (val_loss {last.get('val_loss')}) by ASHA")
+            _mark_stopped(self.uri, self.experiment_id, self.sweep_run, _name(trial), last, by="ASHA")
 
         def on_trial_error(self, iteration, trials, trial, **info):
             self.echo(f"{_name(trial)}: failed ({trial.error_file or 'see the log'})")
@@ -442,14 +457,15 @@ def _trial_runs(uri: str, experiment_id: str, sweep_run: str, name: str, running
     return tracking.search_runs(uri, experiment_id, query)
 
 
-def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last: dict) -> None:
+def _mark_stopped(uri: str, experiment_id: str, sweep_run: str, name: str, last: dict, by: str) -> None:
     """A trial the scheduler stopped: its run and its running stage runs KILLED, tagged with the step and
-    the last validation loss."""
+    the last validation loss, and said stopped ``by`` the scheduler that stopped it (ASHA, or a rung of
+    synchronous halving)."""
     status = f"stopped at step {last.get('step')}"
     for run_id, _ in _trial_runs(uri, experiment_id, sweep_run, name, running=False):
         StageTracker(uri, run_id).set_tags({
             "conduit.sweep_status": STOPPED, "conduit.sweep_stopped_at_step": last.get("step"),
-            "conduit.sweep_last_val_loss": last.get("val_loss"), "mlflow.note.content": f"{name}: {status} by ASHA"})
+            "conduit.sweep_last_val_loss": last.get("val_loss"), "mlflow.note.content": f"{name}: {status} by {by}"})
         # RUNNING, or KILLED by the trial's own stop (EndStagesOnStop), which may come first
         for child, tags in tracking.search_runs(uri, experiment_id, f"attributes.status != 'FINISHED' and "
                                                                     f"tags.`mlflow.parentRunId` = '{run_id}'"):
@@ -479,8 +495,9 @@ def _mark_paused(uri: str, experiment_id: str, sweep_run: str, name: str, last: 
 
 def trial_status(error: BaseException | None, last: dict, run_tags: dict) -> str:
     """How a trial ended, from Tune's result (its error and last reported metrics) and its MLflow run's
-    tags: failed, finished, stopped (only where the sweep's callback tagged the run as ASHA stopping it:
-    ``RecordingASHA``), else incomplete (the sweep was interrupted before or while the trial ran)."""
+    tags: failed, finished, stopped (only where the sweep tagged the run as stopped by its scheduler:
+    ``RecordingASHA``'s stop, or a rung of synchronous halving), else incomplete (the sweep was interrupted
+    before or while the trial ran)."""
     if error is not None:
         return FAILED
     if last.get("finished"):
@@ -492,8 +509,9 @@ def trial_status(error: BaseException | None, last: dict, run_tags: dict) -> str
 
 def _summarise(spec: SweepSpec, ended: list, uri: str, experiment_id: str, sweep_run: str,
                echo: Callable[[str], None]) -> SweepResult:
-    """Each trial's outcome (``ended``: Tune's Result and Trial of each), the best finished one, the
-    table and the pictures on the sweep's run."""
+    """Each trial's outcome (``ended``: Tune's Result and Trial of each), the best finished one (none when no
+    finished trial's metric is finite: ``pipeline.sweep.ranking``; the sweep then says which trials ended
+    how), the table and the pictures on the sweep's run."""
     outcomes = {t.index: TrialOutcome(t.index, t.values) for t in spec.trials}
     # A trial that failed before it reported has no config in its result; Tune's own trial has it.
     for r, tune_trial in ended:
@@ -515,8 +533,7 @@ def _summarise(spec: SweepSpec, ended: list, uri: str, experiment_id: str, sweep
             StageTracker(uri, o.run_id).set_tags({"conduit.error": o.error or "",
                                                            "conduit.sweep_status": FAILED})
     finished = [o for o in trials if o.status == FINISHED and o.metric is not None]
-    sign = 1 if spec.mode == "min" else -1
-    best = min(finished, key=lambda o: sign * o.metric) if finished else None
+    best = ranking.best(finished, spec.mode, value=lambda o: o.metric, index=lambda o: o.index)
     result = SweepResult(sweep_run, uri, trials, best)
     tracker = StageTracker(uri, sweep_run)
     table = {"trial": [f"trial_{o.index:03d}" for o in trials], "status": [o.label for o in trials],
@@ -533,15 +550,30 @@ def _summarise(spec: SweepSpec, ended: list, uri: str, experiment_id: str, sweep
         tags.update({"conduit.sweep_best_trial": f"trial_{best.index:03d}", "conduit.sweep_best_metric": best.metric,
                      "conduit.sweep_best_run": best.run_id or ""})
         tracker.log_metrics({f"best_{spec.metric}": best.metric})
+    else:
+        tags["conduit.sweep_no_best"] = _no_best(spec, trials)
     tracker.set_tags(tags)
     for o in trials:
         shown = (f"{spec.metric} {o.metric:.4f}" if o.metric is not None else
                  f"last val_loss {o.val_loss:.4f}" if o.val_loss is not None else f"{spec.metric} -")
         echo(f"trial_{o.index:03d} {o.label}: {shown} "
              + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in o.values.items()))
-    if best is not None:
-        echo(f"best: trial_{best.index:03d} ({spec.metric} {best.metric:.4f})")
+    echo(f"best: trial_{best.index:03d} ({spec.metric} {best.metric:.4f})" if best is not None
+         else tags["conduit.sweep_no_best"])
     return result
+
+
+def _no_best(spec: SweepSpec, trials: list[TrialOutcome]) -> str:
+    """Why the sweep has no best trial: how each trial ended and with what value (a diverged one's is not
+    finite), and, with ``register: best``, that nothing is registered."""
+    def ended(o: TrialOutcome) -> str:
+        if o.metric is not None:
+            return f"{o.label}: {spec.metric} {o.metric}"
+        return f"{o.label}: last val_loss {o.val_loss}" if o.val_loss is not None else o.label
+
+    return (f"no best trial: no trial finished with a finite {spec.metric} ("
+            + "; ".join(f"trial_{o.index:03d} {ended(o)}" for o in trials) + ")"
+            + ("; nothing is registered" if spec.register == "best" else ""))
 
 
 def metric_figure(spec: SweepSpec, trials: list[TrialOutcome]):

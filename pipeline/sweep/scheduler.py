@@ -1,7 +1,7 @@
 """The sweep's schedulers: ASHA that marks the trials it stops, and the rung of a synchronous halving.
 
 ``RecordingASHA``: ASHA that marks the trials it stops, so that a sweep labels as stopped only what
-ASHA stopped.
+ASHA stopped, and that ranks a diverged trial (a metric that is not finite) last (``pipeline.sweep.ranking``).
 
 Why: Tune keeps no per-trial record of the scheduler's decision (``AsyncHyperBandScheduler`` counts
 its stops; the controller ends a stopped trial as TERMINATED, as it ends one that returned). A trial
@@ -22,17 +22,31 @@ from __future__ import annotations
 
 from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler, TrialScheduler
 
+from pipeline.sweep import ranking
+
 STOPPED_AT = "conduit_stopped_at_step"  # the attribute on Tune's Trial
 
 
 class RecordingASHA(AsyncHyperBandScheduler):
-    """``ASHAScheduler`` (the same arguments and decisions) that marks each trial it stops."""
+    """``ASHAScheduler`` (the same arguments and decisions) that marks each trial it stops, and ranks a
+    metric that is not finite as the sweep does (``ranking.as_scheduled``: the worst)."""
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
-        decision = super().on_trial_result(tune_controller, trial, result)
+        decision = super().on_trial_result(tune_controller, trial, self._ranked(result))
         if decision == TrialScheduler.STOP:
             setattr(trial, STOPPED_AT, result.get(self._time_attr))
         return decision
+
+    def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
+        super().on_trial_complete(tune_controller, trial, self._ranked(result))  # ASHA records the last result
+
+    def _ranked(self, result: dict) -> dict:
+        """``result`` with its metric as ASHA must compare it: a NaN would never be stopped, an infinity
+        would set a cutoff no finite trial meets."""
+        value = result.get(self._metric)
+        if value is None or ranking.finite(value):
+            return result
+        return {**result, self._metric: ranking.as_scheduled(value, self._mode)}
 
 
 def stopped_at(trial) -> int | None:

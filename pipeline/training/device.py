@@ -67,3 +67,24 @@ def worker_cpus(threads_per_worker: int | None, num_workers: int, free_by_node: 
     while best + 1 <= max(free_by_node, default=0) and fits(best + 1):
         best += 1
     return best
+
+
+def assigned_cpus() -> float | None:
+    """The CPUs Ray reserved for this process's task or actor; None outside a Ray worker (a driver calling
+    the stage directly, as tests do)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    if not ray.is_initialized() or context.worker.mode != ray.WORKER_MODE:
+        return None
+    return context.get_assigned_resources().get("CPU")
+
+
+def trains_in_process(launcher: str, num_workers: int, device: str, stages_confined: bool = False) -> bool:
+    """Whether the train stage trains in its own task (Ray Train's local mode, ``pipeline.training.launch``):
+    ``parallel.launcher`` in_task, or auto with one worker on a CPU. Auto keeps Ray Train's workers on a GPU
+    (a worker gets the GPU Ray assigns it) and where ``cluster.stage_resources`` confines the stage tasks to
+    some nodes (``stages_confined``): training workers are placed by ``parallel.placement_strategy``, not there."""
+    if launcher == "in_task":
+        return True
+    return launcher == "auto" and num_workers == 1 and device == "cpu" and not stages_confined

@@ -1,25 +1,14 @@
-"""The Ray Train worker function: one DeepSpeed engine per rank, trained on packed token blocks.
+"""Each rank's training function: one DeepSpeed engine per rank, trained on packed token blocks.
 
-``main(config)`` gets everything through its argument (a plain dict built by the train stage):
-    run_config     the resolved RunConfig as a dict
-    tokens         the tokenize ``Artifact``; each rank reads only the blocks it trains on
-                   (``pipeline.data.token_blocks``: memory-mapped in place for a local artifact root,
-                   ranged reads of the shards in an object store, nothing fetched whole)
-    out            the train artifact's folder, a ``pipeline.store.backends.NodeFolder`` on the stage's node,
-                   where rank 0 puts the weights and the metric history (``pipeline.store.contracts``)
-    tracker        a StageTracker for live metrics (rank 0 only logs)
-    device         "cpu" or "cuda" (resolved by the stage)
-    precision      "fp32" / "bf16" / "fp16" / "amp_bf16" (resolved), or "auto" on a CPU: the workers time
-                   both and choose (``pipeline.training.precision_choice``)
-    failpoints     tests only: {"pause_after_final_checkpoint_s": s} holds every rank still for s seconds
-                   right after the final checkpoint, for a test to SIGKILL one there;
-                   {"fail_once_after_step": {"step": n, "marker": path}} raises once after step n
+``main(config)`` gets everything through its argument, a ``pipeline.training.launch.LoopConfig`` built by
+the train stage (its docstring lists the fields); ``pipeline.training.launch`` runs it on Ray Train's
+workers, or in the stage's task.
 
-Checkpoints (every ``checkpoint.every`` steps, when ``checkpoint.every_s`` has passed at a
-log step, and at the end) are reported to Ray Train through ``pipeline.training.checkpoint``, so
-``FailureConfig(max_failures)`` restarts the workers from the latest one, exactly. A checkpoint also
-carries rank 0's metric history and the steps the group (re)started at, so that after a restart
-``train_metrics.json`` is whole and ``train_starts.json`` says where each start began.
+Checkpoints (every ``checkpoint.every`` steps, when ``checkpoint.every_s`` has passed at a log step, at a
+sweep's rung steps, and at the end) go to the training's record (``pipeline.training.checkpoint``), which a
+restarted attempt resumes from, exactly. A checkpoint also carries rank 0's metric history and the steps
+the group (re)started at, so that after a restart ``train_metrics.json`` is whole and
+``train_starts.json`` says where each start began.
 
 ``main`` reads as its steps: set up the rank (``_setup``), restore (``CheckpointManager.restore``),
 tag the run with what MFU is computed from (``_start_tracking``), train (``_train``: each step's
@@ -31,6 +20,10 @@ With ``validation.every``, every rank scores its share of a fixed validation sub
 
 Rank 0 hands its live metrics to an ``Outbox``: training never waits for MLflow and never dies from
 it; what a server that is down could not take is delivered when it answers again.
+
+Tests only, ``LoopConfig.failpoints``: ``{"pause_after_final_checkpoint_s": s}`` holds every rank still for s
+seconds right after the final checkpoint, for a test to SIGKILL one there; ``{"fail_once_after_step":
+{"step": n, "marker": path}}`` raises once after step n.
 """
 
 from __future__ import annotations
@@ -56,11 +49,12 @@ from pipeline.data.token_blocks import TokenBlocks
 from pipeline.store.contracts import (INIT_DIGEST_TAG, TRAIN_METRICS_FILE, WEIGHTS_FILE, state_digest,
                                       write_train_metrics, write_train_precision, write_train_starts)
 from pipeline.training import autotune
-from pipeline.training.checkpoint import CheckpointManager, precision_record, resume_checkpoint
+from pipeline.training.checkpoint import CheckpointManager, CheckpointRecord, precision_record, resume_checkpoint
 from pipeline.training.engine import (
     build_engine, engine_zero_stage, full_state_dict, local_threads, loss_definition, train_step,
 )
-from pipeline.training.in_task import assigned_cpus
+from pipeline.training.device import assigned_cpus
+from pipeline.training.loop_config import LoopConfig
 from pipeline.training.layout import ParallelDims
 from pipeline.training.loader import BlockLoader
 from pipeline.training.metrics import MoEStats, peak_flops_per_worker, peak_memory_gib, score_bias_metrics
@@ -81,7 +75,7 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into
 class _Rank:
     """One rank's training: what it was built with, and what it has done so far."""
 
-    config: dict
+    config: LoopConfig
     cfg: RunConfig
     model_cfg: ModelConfig
     rank: int
@@ -110,14 +104,14 @@ class _Rank:
     last_checkpoint: float = 0.0
 
 
-def main(config: dict) -> None:
-    if config["device"] == "cpu":
+def main(config: LoopConfig) -> None:
+    if config.device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported: its accelerator is fixed then
     outbox = _rank0_outbox(config)
     try:
         _main(config, outbox)
     except BaseException:
-        # A restart in the same process (pipeline.training.in_task) opens a new outbox, which asks MLflow which
+        # A restart in the same process (pipeline.training.launch, in the stage's task) opens a new outbox, which asks MLflow which
         # steps the run holds: what this attempt logged must be there first, or it would be sent twice. A
         # cancelled task's process (KeyboardInterrupt) runs other tasks after: its sender thread ends here.
         if outbox is not None:
@@ -128,9 +122,9 @@ def main(config: dict) -> None:
 FAILED_FLUSH_TIMEOUT_S = 30.0  # a failed attempt's wait for its queued metrics (MLflow may be the failure)
 
 
-def _main(config: dict, outbox: Outbox | None) -> None:
+def _main(config: LoopConfig, outbox: Outbox | None) -> None:
     phase = (lambda text: outbox.set_tags({PHASE_TAG: text})) if outbox is not None else (lambda text: None)
-    cfg = config_from_dict(config["run_config"])
+    cfg = config_from_dict(config.run_config)
     phase("building the model and DeepSpeed's engine" + (" (DeepSpeed compiles its CPU Adam op on a node's "
                                                          "first run)" if cfg.train.offload_optimizer else ""))
     run = _setup(config)
@@ -141,7 +135,10 @@ def _main(config: dict, outbox: Outbox | None) -> None:
     if restored.loader_state is not None:
         run.loader.load_state_dict(restored.loader_state)
     run.start_step, run.history, run.starts = restored.step, restored.history, restored.starts
-    if outbox is not None and config.get("init_state") is not None and run.start_step == 0 \
+    if run.rank == 0:
+        print(f"training from step {run.start_step}" + (f" ({run.checkpoints.resume.path})" if run.start_step else ""),
+              flush=True)
+    if outbox is not None and config.init_state is not None and run.start_step == 0 \
             and run.engine.zero_optimization_stage() < 3 and run.dims.ep_size == 1:  # else a rank holds a part
         # train.init_from: the weights training starts from, by digest (the lineage test compares the parent's)
         outbox.set_tags({INIT_DIGEST_TAG: state_digest(run.engine.module.state_dict())})
@@ -165,13 +162,13 @@ PHASE_TAG = "conduit.phase"  # on the train stage's run: what training is doing 
 TRAINING_PHASE = "training"
 
 
-def _rank0_outbox(config: dict) -> Outbox | None:
+def _rank0_outbox(config: LoopConfig) -> Outbox | None:
     """Rank 0's outbox to the stage's MLflow run (metrics, tags, phases), started before anything slow."""
     import ray.train
 
     if ray.train.get_context().get_world_rank() != 0:
         return None
-    return Outbox(config["tracker"], once_per_step="loss")  # a restart re-logs no step the run holds
+    return Outbox(config.tracker, once_per_step="loss")  # a restart re-logs no step the run holds
 
 
 def _system_metrics(run: _Rank):
@@ -186,37 +183,37 @@ def _system_metrics(run: _Rank):
         return None
     from pipeline import tracking
 
-    tracker = run.config["tracker"]
+    tracker = run.config.tracker
     several = run.world > ctx.get_local_world_size()
     return tracking.start_system_metrics(tracker.run_id, tracker.uri, every,
                                          node_id=f"node{ctx.get_node_rank()}" if several else None)
 
 
-def _setup(config: dict) -> _Rank:
-    """The rank's threads, device, engine, loader and checkpoint manager, from the stage's dict."""
+def _setup(config: LoopConfig) -> _Rank:
+    """The rank's threads, device, engine, loader and checkpoint manager, from the stage's loop config."""
     import ray
     import ray.train
 
-    cfg = config_from_dict(config["run_config"])
+    cfg = config_from_dict(config.run_config)
     t = cfg.train
     ctx = ray.train.get_context()
     rank, world = dist.get_rank(), dist.get_world_size()
     reserved = assigned_cpus()  # the stage's worker_cpus (None where the stage was called outside Ray: tests)
     torch.set_num_threads(local_threads(ctx.get_local_world_size(), cfg.parallel.threads_per_worker, reserved))
-    device = torch.device("cuda", ctx.get_local_rank()) if config["device"] == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", ctx.get_local_rank()) if config.device == "cuda" else torch.device("cpu")
     model_cfg = cfg.model_config()
     dims = ParallelDims(world, cfg.parallel.ep_size, t.global_batch_size, t.micro_batch_size_per_rank,
                         cfg.tokenize.seq_len, cfg.parallel.sequence_parallel_size)
-    resume = resume_checkpoint(cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True),
-                               recovered=config.get("recovered_checkpoint"))
+    record = CheckpointRecord(config.checkpoints)
+    resume = resume_checkpoint(record, cfg.checkpoint.resume_from, warn=lambda m: rank == 0 and print(m, flush=True))
     # precision auto (on a CPU) and compile auto: what the checkpoint resumed from trained in, else timed on
     # this run's own micro-steps, on every worker at once
-    decided = autotune.decide(cfg, model_cfg, config["tokens"], dims, device, rank, world,
-                              ctx.get_local_world_size(), config["precision"], resumed=precision_record(resume))
+    decided = autotune.decide(cfg, model_cfg, config.tokens, dims, device, rank, world,
+                              ctx.get_local_world_size(), config.precision, resumed=precision_record(resume))
     precision, t = decided.precision, autotune.resolved_train(t, decided)
     init_state = None
-    if config.get("init_state") is not None:  # train.init_from: the parent's weights, in Ray's object store
-        init_state = ray.get(config["init_state"])
+    if config.init_state is not None:  # train.init_from: the parent's weights, in Ray's object store
+        init_state = ray.get(config.init_state)
     engine, scheduler = build_engine(model_cfg, t, cfg.optimizer, dims, precision=precision, device=device,
                                      seed=cfg.run.seed, init_state=init_state)
     # The stage the engine runs (engine_zero_stage): what DeepSpeed's own checkpoint files depend on.
@@ -226,9 +223,9 @@ def _setup(config: dict) -> _Rank:
         layout["experts"] = "stacked"
     if dims.sp_size > 1:  # the same weights on every rank of a group, but DeepSpeed partitions over all ranks
         layout["sp_size"] = dims.sp_size
-    checkpoints = CheckpointManager(engine, scheduler, layout, resume, record=decided.record())
+    checkpoints = CheckpointManager(engine, scheduler, layout, record, resume, precision=decided.record())
     # Each rank reads only its blocks, where the artifact is: in place, or ranged reads of the object store.
-    loader = BlockLoader(TokenBlocks.of_artifact(config["tokens"], "train"), dims, rank, seed=cfg.run.seed)
+    loader = BlockLoader(TokenBlocks.of_artifact(config.tokens, "train"), dims, rank, seed=cfg.run.seed)
     return _Rank(config=config, cfg=cfg, model_cfg=model_cfg, rank=rank, world=world, device=device, dims=dims,
                  engine=engine, scheduler=scheduler, loader=loader, corruption=span_corruption.for_run(cfg),
                  checkpoints=checkpoints, precision=precision, decided=decided)
@@ -238,7 +235,7 @@ def _prepare_validation(run: _Rank) -> None:
     """The validation blocks, and the losses and early stop of the restored history (every rank has it)."""
     va = run.cfg.validation
     if va.every:
-        run.val_blocks = TokenBlocks.of_artifact(run.config["tokens"], "validation")
+        run.val_blocks = TokenBlocks.of_artifact(run.config.tokens, "validation")
     run.val_losses = [h["val_loss"] for h in run.history if "val_loss" in h]
     run.stopped = stop_early(run.val_losses, va.early_stop_patience)  # a run resumed after it had stopped
 
@@ -285,18 +282,19 @@ def _train(run: _Rank) -> None:
                   f"{run.cfg.validation.early_stop_patience} "
                   f"validations (best {min(run.val_losses):.4f})", flush=True)
         if done == t.steps or run.stopped or due_by_time or (every and done % every == 0) \
-                or done in run.config.get("checkpoint_steps", ()):
+                or done in run.config.checkpoint_steps:
             run.last_checkpoint = time.monotonic()
             run.checkpoints.save(done, run.loader.state_dict(), run.history, run.starts)
             if done == t.steps:
-                time.sleep(run.config.get("failpoints", {}).get("pause_after_final_checkpoint_s", 0))
-        if val_loss is not None and run.config.get("report_validation"):
+                time.sleep(run.config.failpoints.get("pause_after_final_checkpoint_s", 0))
+        if val_loss is not None and run.config.report_validation:
             # after the step's checkpoint: a sweep's scheduler may end the trial on this report and
-            # resume it later from that checkpoint. Every rank, at the same step (the report is collective).
+            # resume it later from that checkpoint. Every rank, at the same step (Ray Train's report is
+            # collective); in the stage's task the launch takes it (LoopConfig.report).
             import ray.train
 
-            ray.train.report({"step": done, "val_loss": val_loss})
-        _fail_once(run.config.get("failpoints", {}).get("fail_once_after_step"), done)
+            (run.config.report or ray.train.report)({"step": done, "val_loss": val_loss})
+        _fail_once(run.config.failpoints.get("fail_once_after_step"), done)
         bar.update(1)
     bar.close()
 
@@ -368,7 +366,7 @@ def _export(run: _Rank) -> None:
     state = full_state_dict(run.engine, run.cfg.train.zero_stage)
     if run.rank != 0:
         return
-    out = run.config["out"]
+    out = run.config.out
     with tempfile.TemporaryDirectory(prefix="conduit-train-out-") as tmp:
         save_safetensors(state, run.model_cfg, Path(tmp) / WEIGHTS_FILE)
         write_train_metrics(Path(tmp), run.history)
@@ -377,6 +375,6 @@ def _export(run: _Rank) -> None:
         out.put(tmp)
     undelivered = run.tracker.close(timeout_s=FLUSH_TIMEOUT_S)
     if undelivered:
-        print(f"warning: MLflow at {run.config['tracker'].uri} did not answer for {FLUSH_TIMEOUT_S:.0f} s; "
+        print(f"warning: MLflow at {run.config.tracker.uri} did not answer for {FLUSH_TIMEOUT_S:.0f} s; "
               f"{undelivered} logged steps are not in the run but are in {Path(out.path) / TRAIN_METRICS_FILE}",
               flush=True)

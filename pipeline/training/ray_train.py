@@ -1,4 +1,5 @@
-"""Ray Train as Conduit starts it: the trainer class and the placement groups dead controllers leave.
+"""Ray Train as Conduit starts it (``pipeline.training.launch``): the trainer class, the callback that tells a
+run's failures, and the placement groups dead controllers leave.
 
 Ray Train (2.60) starts a few helper actors with every run beside its controller and workers. Two of
 them cost every run of ours time and a process each and give nothing back here, so ``trainer_class``
@@ -21,19 +22,13 @@ leaves them out:
 from __future__ import annotations
 
 
-def train_worker(config: dict) -> None:
-    """Each worker's training function: `pipeline.training.loop.main`, imported in the worker, so that the train
-    stage's task, which hands this function to Ray Train, imports neither torch nor the training loop."""
-    from pipeline.training.loop import main
-
-    main(config)
-
-
 def trainer_class():
     """``ray.train.torch.TorchTrainer`` without the two helper actors above (the module's docstring)."""
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from pipeline.internals import ray_train_helper_callbacks
+
+    PlacementGroupCleanerCallback, DatasetsCallback = ray_train_helper_callbacks()
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
@@ -85,29 +80,20 @@ def reap_orphaned_placement_groups() -> list[str]:
     killed with its train stage (Tune stops a trial by killing its actor, which takes the trial's stage
     task and its controller along; a node or task failure does the same) leaves its group holding CPUs
     until the driver exits, and the next training waits for CPUs that never come back. Nothing else can
-    use such a group (its creator is gone), so it goes. Reads GCS's placement group table (Ray's internal
-    ``ray._private.state``: the public listing has no creator).
+    use such a group (its creator is gone), so it goes. Reads GCS's placement group table
+    (``pipeline.internals.placement_groups_of_dead_actors``: the public listing has no creator).
 
     Returns:
         The ids of the groups removed.
     """
     import ray
-    from ray._private.state import state
-    from ray.core.generated import gcs_pb2
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
-    job = ray.get_runtime_context().get_job_id()
+    from pipeline.internals import placement_groups_of_dead_actors
+
     removed = []
-    live = (gcs_pb2.PlacementGroupTableData.PENDING, gcs_pb2.PlacementGroupTableData.CREATED,
-            gcs_pb2.PlacementGroupTableData.RESCHEDULING)
-    for raw in state._connect_and_get_accessor().get_placement_group_table():
-        pg = gcs_pb2.PlacementGroupTableData.FromString(raw)
-        if (pg.state not in live or pg.is_detached or pg.creator_job_id.hex() != job or not pg.creator_actor_dead
-                or not pg.creator_actor_id or ray.ActorID(pg.creator_actor_id).is_nil()):
-            continue
-        creator = state.actor_table(pg.creator_actor_id.hex()) or {}
-        if creator.get("State") != "DEAD" or "TrainController" not in creator.get("ActorClassName", ""):
-            continue
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
-        removed.append(pg.placement_group_id.hex())
+    for pg, creator_class in placement_groups_of_dead_actors(ray.get_runtime_context().get_job_id()):
+        if "TrainController" in creator_class:
+            remove_placement_group(pg)
+            removed.append(pg.id.hex())
     return removed

@@ -64,12 +64,13 @@ def test_a_sweep_prunes_registers_the_best_and_resumes(tmp_path, ray_cluster, ca
     # Stopped while its training went on reporting validation losses to a queue that died with the trial: no
     # training error, no traceback of its on the sweep's console (Ray forwards every task's output to it,
     # prefixed with the task's name: each trial's one worker trains in its train stage's task,
-    # pipeline.training.in_task). The trial's own process may print Ray's SIGTERM handler exiting it (Tune
+    # pipeline.training.launch). The trial's own process may print Ray's SIGTERM handler exiting it (Tune
     # stops a trial with SIGTERM): that is the stop itself.
     console = "".join(capfd.readouterr())
     training = [ln for ln in console.splitlines() if "(conduit.train" in ln]
-    assert sum("training in the train stage's task (one worker), from step 0" in ln for ln in training) == len(RATES), \
+    assert sum("training in the train stage's task (one worker)" in ln for ln in training) == len(RATES), \
         console[-5000:]
+    assert sum(ln.endswith("training from step 0") for ln in training) == len(RATES), console[-5000:]
     assert not [ln for ln in training if "Traceback" in ln or "Error" in ln], training
     # The stopped trial's Train controller died with it, leaving its workers' placement group, which GCS keeps
     # while the job (this test's process) lives: the sweep removed it, and every CPU free before is free again.
@@ -255,7 +256,7 @@ def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path
 
     import psutil
 
-    from pipeline.stages.train import checkpoint_location
+    from pipeline.stages.train import checkpoint_place
     from pipeline.store.contracts import read_train_starts
     from tests.pipeline.training.test_fault_tolerance import registered_checkpoints
 
@@ -273,7 +274,8 @@ def test_a_killed_sweep_driver_resumes_without_redoing_or_adding_trials(tmp_path
     spec = load_sweep(path)
     cfgs = [resolve(t.cfg) for t in spec.trials]
     hashes = [next(p.hash for p in make_plan(c) if p.stage == "train") for c in cfgs]
-    second = Path(checkpoint_location(cfgs[1], hashes[1])[0]) / checkpoint_location(cfgs[1], hashes[1])[1]
+    place = checkpoint_place(cfgs[1], hashes[1])
+    second = Path(place.storage) / place.name
 
     def start() -> subprocess.Popen:
         log = open(tmp_path / f"driver-{time.monotonic_ns()}.log", "w")

@@ -1,6 +1,7 @@
 """jobs.deploy with vLLM: Ray Serve LLM running vLLM (the .venv-vllm that `make install` builds) on the
-registered version's HF export, on the session's Ray, against the session's MLflow server. One
-deployment is shared by the module's tests, in file order; the promotion test rolls it to v2.
+registered version's HF export, on the session's Ray, against the session's MLflow server, with
+``deploy.engine: vllm``. One deployment is shared by the module's tests, in file order; the promotion test
+rolls it to v2 and back, the last test takes it down and deploys again with a promotion sent while it starts.
 
 Every answer is checked against Conduit's own model: greedy tokens against ``models.generate`` on the
 same prompt, log-probabilities against a forward pass here."""
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +24,7 @@ from jobs import deploy as deploy_cli, promote
 from models.export import load_safetensors
 from models.generate import generate
 from pipeline import tracking
-from pipeline.serving import deploy
+from pipeline.serving import deploy, vllm_files
 from pipeline.store.contracts import TOKENIZER_FILE, WEIGHTS_FILE
 from pipeline.tokenization.spm import EOS_ID, load_sentencepiece
 from tests.jobs.client_load import steady_requests
@@ -33,13 +37,21 @@ MODEL_NAME = "conduit-test-vllm"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_vllm_run, ray_cluster):
-    """v1 promoted to champion and deployed by jobs.deploy with the default engine (auto: vLLM)."""
+def on_vllm(tmp_path_factory) -> str:
+    """A config that deploys on vLLM (``auto`` serves this width on Conduit's engine on CPU replicas)."""
+    path = tmp_path_factory.mktemp("vllm_config") / "deploy.yaml"
+    path.write_text("deploy:\n  engine: vllm\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_vllm_run, ray_cluster, on_vllm):
+    """v1 promoted to champion and deployed by jobs.deploy with ``deploy.engine: vllm``."""
     uri = tiny_vllm_run.uri
     assert promote.main([MODEL_NAME, "--tracking-uri", uri]) == 0
     port = free_port()
     assert deploy_cli.main([f"{MODEL_NAME}@champion", "--tracking-uri", uri, "--port", str(port),
-                            "--replicas", "1", "--cpus", "1"]) == 0
+                            "--replicas", "1", "--cpus", "1", "--config", on_vllm]) == 0
     yield f"http://127.0.0.1:{port}/v1"
     from ray import serve
 
@@ -65,12 +77,20 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     return new[:new.index(EOS_ID) + 1] if EOS_ID in new else new
 
 
-def test_auto_serves_with_vllm_and_records_why(served, tiny_vllm_run, capsys):
+def _copies(uri: str) -> set[str]:
+    """The versions of this registry's model that this node keeps a vLLM copy of (pipeline.serving.vllm_files:
+    <model key>/<version key>/<model>-v<version>)."""
+    return {p.name for p in Path(vllm_files.model_dir(uri, MODEL_NAME)).glob(f"*/{MODEL_NAME}-v*")
+            if re.fullmatch(rf"{MODEL_NAME}-v\d+", p.name)}  # not a download's temporary folder
+
+
+def test_engine_vllm_serves_and_records_why(served, tiny_vllm_run, capsys):
     r = requests.get(f"{served}/models", timeout=30)
     assert r.status_code == 200 and r.headers["x-conduit-version"] == "1"
     assert r.json()["data"][0]["id"] == MODEL_NAME
     tags = tracking.get_version(tiny_vllm_run.uri, MODEL_NAME, 1).tags
-    assert tags["deploy.engine"] == "vllm" and tags["deploy.engine_reason"] == "vLLM serves LlamaForCausalLM on CPU"
+    assert tags["deploy.engine"] == "vllm"
+    assert tags["deploy.engine_reason"] == "deploy.engine is vllm; vLLM serves LlamaForCausalLM on CPU"
     assert tags["deploy.status"] == "running" and deploy.app_status(MODEL_NAME) == "RUNNING"
     health = requests.get(served.removesuffix("/v1") + "/healthz", timeout=30).json()
     assert health["engine"] == "vllm" and health["version"] == 1
@@ -193,3 +213,45 @@ def test_promotion_and_rollback_roll_the_vllm_deployment_with_zero_failures(serv
     tags = {v: tracking.get_version(uri, MODEL_NAME, v).tags for v in (1, v2)}
     assert tags[1]["deploy.status"] == "running" and tags[1]["deploy.engine"] == "vllm"
     assert tags[v2]["deploy.status"] == "replaced" and tags[v2]["deploy.engine"] == "vllm"
+    assert _copies(uri) == {f"{MODEL_NAME}-v1"}  # v2's copy went when it stopped being served
+
+
+def test_a_promotion_sent_while_the_vllm_deployment_starts_rolls_it_once_it_runs(served, tiny_vllm_run, on_vllm,
+                                                                                capsys):
+    """As reported: jobs.deploy NAME@champion on vLLM; as soon as /v1/models answers (the ingress is up while
+    LLMServer still starts, and jobs.deploy has not returned), jobs.promote --force moves @champion. The
+    promotion waits for the deployment, rolls it over and says so; the deployment answers the new champion,
+    and only its copy of the weights stays on the node; --down removes that one too."""
+    uri = tiny_vllm_run.uri
+    assert deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", uri]) == 0
+    assert _copies(uri) == set()
+    started = tracking.model_aliases(uri, MODEL_NAME)["champion"]
+    base = json.loads((tiny_vllm_run.arts["evaluate"].path / "metrics.json").read_text())["metrics"]
+    new = _register_with(tiny_vllm_run, "vllm-race", heldout_bits_per_byte=base["heldout_bits_per_byte"] - 1.0)
+    port = served.split(":")[2].split("/")[0]  # Serve's HTTP proxy stays where the module started it
+    result = {}
+
+    def jobs_deploy():
+        result["rc"] = deploy_cli.main([f"{MODEL_NAME}@champion", "--tracking-uri", uri, "--port", port,
+                                        "--replicas", "1", "--cpus", "1", "--config", on_vllm])
+
+    thread = threading.Thread(target=jobs_deploy)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while requests.get(f"{served}/models", timeout=30).status_code != 200:
+        assert thread.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.5)
+    assert promote.main([MODEL_NAME, "--version", str(new), "--force", "--reason", "promoted while it starts",
+                         "--tracking-uri", uri]) == 0
+    thread.join(timeout=600)
+    assert result == {"rc": 0}
+    out = capsys.readouterr().out
+    assert f"serving {MODEL_NAME} v{started} (@champion)" in out
+    assert re.search(rf"^deployment conduit-{MODEL_NAME} rolled over to v{new} \(RUNNING\) at \S+, after waiting "
+                     r"\d+ s for it to start$", out, re.M), out
+    assert requests.get(f"{served}/models", timeout=30).headers["x-conduit-version"] == str(new)
+    tags = {v: tracking.get_version(uri, MODEL_NAME, v).tags for v in (started, new)}
+    assert tags[new]["deploy.status"] == "running" and tags[started]["deploy.status"] == "replaced"
+    assert _copies(uri) == {f"{MODEL_NAME}-v{new}"}
+    assert deploy_cli.main([MODEL_NAME, "--down", "--tracking-uri", uri]) == 0
+    assert _copies(uri) == set()

@@ -1,6 +1,6 @@
 """``python -m jobs.fetch_data`` (``make data``): what it fetches, skips and reports, and its exit codes.
-Its mirror is a folder here; nothing reaches the network (the files it is asked for without a mirror
-have no public URL, or it only verifies)."""
+Its mirror is a folder here, its public sources a local server (tests/corpus_sources.py); nothing reaches
+the network."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 
 from jobs.fetch_data import main
 from pipeline.config import REPO_ROOT
-from pipeline.data.corpora import CORPORA
+from pipeline.data.corpora import CORPORA, GITHUB_RAW_ENV
+from tests.corpus_sources import SourceServer
 
 HELDOUT = next(c for c in CORPORA if c.name == "gutenberg-heldout")  # 5 files, 1.4 MB
+LAMBADA = next(c for c in CORPORA if c.name == "lambada")
 
 
 def test_fetches_from_a_folder_mirror_then_skips_then_verifies(tmp_path, data_root, capsys):
@@ -31,14 +33,23 @@ def test_fetches_from_a_folder_mirror_then_skips_then_verifies(tmp_path, data_ro
     assert main(["--root", str(root), "--verify", "--only", "gutenberg-heldout"]) == 0
 
 
-def test_says_what_it_cannot_fetch_and_how_and_exits_1(tmp_path, capsys):
-    assert main(["--root", str(tmp_path), "--only", "gutenberg-heldout", "wikitext-2"]) == 1
+def test_fetches_what_a_config_reads_from_the_public_sources_and_names_each_failure(tmp_path, data_root,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    lambada = next(f for f in LAMBADA.files)
+    with SourceServer() as server:
+        server.serve(lambada, (data_root / lambada.path).read_bytes())  # the held-out books' sources are missing
+        monkeypatch.setenv(GITHUB_RAW_ENV, server.url)
+        config = tmp_path / "c.yaml"
+        config.write_text("eval: {wikitext_path: null}\n")  # reads tiny-shakespeare, the held-out books, LAMBADA
+        assert main(["--root", str(tmp_path / "root"), "--config", str(config)]) == 1
     out, err = capsys.readouterr()
-    assert "gutenberg-heldout: 5 no source\n  no public copy: Project Gutenberg e-books cleaned" in out
-    assert "wikitext-2: 1 no source\n  no public copy: no public repository holds wiki.test.raw verbatim" in out
-    assert "make data MIRROR=URL_OR_DIR (python -m jobs.fetch_data --mirror URL_OR_DIR)" in out
+    assert "tinyshakespeare: 1 failed\n  failed: tinyshakespeare/input.txt: downloading " in out
+    assert "gutenberg-heldout: 5 failed\n" in out and "lambada: 1 fetched\n" in out
+    assert "wikitext-2" not in out and "gutenberg-train" not in out
+    assert f"404 Client Error: Not Found for url: {server.url}/RU-ECE/ECE451-Parallel/" in out
     assert err == "error: 6 file(s) not in place with their checksum (above)\n"
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in (tmp_path / "root").rglob("*") if p.is_file()] == ["lambada_openai_test.jsonl"]
 
 
 def test_verify_downloads_nothing_and_names_what_is_missing(tmp_path, capsys):
@@ -55,7 +66,8 @@ def test_the_default_root_is_the_runs_and_the_shared_files_verify(data_root, mon
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
-    for args in (["--mirror", str(tmp_path / "nope")], ["--only", "wikitext-103"]):
+    for args in (["--mirror", str(tmp_path / "nope")], ["--only", "wikitext-103"],
+                 ["--only", "lambada", "--config", "configs/demo.yaml"]):
         with pytest.raises(SystemExit) as e:
             main(["--root", str(tmp_path), *args])
         assert e.value.code == 2

@@ -1,5 +1,5 @@
-"""python -m jobs.plan: every shipped config plans, the numbers add up, bad input gets one error naming the
-field; jobs.run --dry-run shows the same plan."""
+"""python -m jobs.plan: every shipped config plans, its JSON carries the terms and the peak, bad input gets one
+error naming the field; jobs.run --dry-run shows the same plan."""
 
 from __future__ import annotations
 
@@ -28,17 +28,19 @@ def cluster_of(config: str) -> str:
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_shipped_config_plans(capsys, config):
+    """The CLI's plumbing: the config, --cluster and --tokens reach the plan, and the JSON carries every
+    term and the peak they make. The numbers themselves are checked against independent figures in
+    tests/pipeline/plan/: model states against DeepSpeed's estimators (test_deepspeed_estimators.py) and a
+    real step's bytes (test_measured_step.py), FLOPs against counted matmuls (test_measured_step.py) and
+    Llama 3 405B's published budget (test_published.py), activations against a measured step
+    (test_activations.py), communication against a gloo run's collectives (test_communication.py)."""
     code, out, _ = run_plan(capsys, f"configs/{config}", "--cluster", cluster_of(config), *CPU_FLOPS, "--json",
                             "--tokens", "1e9")
     assert code == 0
     plan = json.loads(out)
     assert plan["fits"] and plan["peak"] == sum(plan["memory"].values())
-    step = plan["step"]
-    assert step["step_s"] == pytest.approx(step["compute_s"] + step["exposed_comm_s"])
-    assert plan["run_seconds"] == pytest.approx(plan["steps"] * step["step_s"])
-    assert plan["budget_seconds"] == pytest.approx(1e9 / step["tokens_per_s"])
-    devices = int(cluster_of(config).split("x")[1])
-    assert plan["device_hours"] == pytest.approx(plan["run_seconds"] * devices / 3600)
+    assert plan["setup"]["world"] == int(cluster_of(config).split("x")[1]) and plan["tokens"] == 10**9
+    assert plan["step"]["step_s"] > 0 and plan["budget_device_hours"] > 0
 
 
 def test_text_plan_names_every_term_and_the_verdict(capsys):

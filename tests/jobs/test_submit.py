@@ -90,13 +90,12 @@ class Services:
             follow.kill()
             follow.wait()
 
-    def train_ranks(self) -> list[dict]:
-        """The cluster's training ranks (``pipeline.training.rank_tasks``: a Ray task each, by its name),
-        the latest attempt of each task."""
-        out = run([RAY, "list", "tasks", "--address", self.address, "--format", "json", "--limit", "10000"],
-                  timeout=120, **self.auth)
+    def train_workers(self) -> list[dict]:
+        """The cluster's Ray Train workers (actors of class ``RayTrainWorker``), with the node each ran on."""
+        out = run([RAY, "list", "actors", "--address", self.address, "--format", "json", "--limit", "10000",
+                   "--detail"], timeout=120, **self.auth)
         assert out.returncode == 0, out.stderr
-        return [t for t in json.loads(out.stdout) if t["name"].startswith("conduit.train.rank")]
+        return [a for a in json.loads(out.stdout) if a["class_name"] == "RayTrainWorker"]
 
 
 @pytest.fixture(scope="module")
@@ -380,10 +379,9 @@ def test_the_login_is_in_no_runtime_env_listing_or_log_and_a_missing_one_sends_n
 
 @pytest.mark.slow
 def test_training_ranks_ran_on_both_nodes(services, smoke_job):
-    ranks = services.train_ranks()
-    assert sorted(r["name"] for r in ranks) == ["conduit.train.rank0", "conduit.train.rank1"], ranks
-    assert all(r["state"] == "FINISHED" for r in ranks), ranks
-    assert len({r["node_id"] for r in ranks}) == 2, f"both ranks on one node: {ranks}"
+    workers = services.train_workers()
+    assert len(workers) == 2 and all(w["state"] == "DEAD" for w in workers), workers  # the run has ended
+    assert len({w["node_id"] for w in workers}) == 2, f"both ranks on one node: {workers}"
 
 
 @pytest.mark.slow
@@ -417,8 +415,8 @@ def test_stop_ends_a_long_job_and_frees_its_workers(services, smoke_job):
     stopped = services.cli("stop", job_id, "--wait", "120", timeout=180)
     assert stopped.returncode == 0 and stopped.stdout.strip() == "STOPPED", stopped.stdout + stopped.stderr
     assert services.status(job_id) == "STOPPED"
-    wait_for(lambda: not [r for r in services.train_ranks() if r["state"] == "RUNNING"], 120,
-             "the stopped job's training ranks to end")
+    wait_for(lambda: not [w for w in services.train_workers() if w["state"] == "ALIVE"], 120,
+             "the stopped job's training workers to end")
 
 
 @pytest.mark.slow

@@ -60,6 +60,29 @@ def test_a_worker_that_no_node_can_hold_is_refused():
         check_cluster_resources(cfg, {"CPU": 4.0}, node_cpus=[2.0, 2.0])
 
 
+def test_workers_the_placement_strategy_cannot_place_are_refused_naming_it():
+    """STRICT_SPREAD needs a node per worker, STRICT_PACK one node for all: 2 workers of 2 CPUs on one node of 4
+    (or two of 2) would otherwise wait for their placement group forever."""
+    spread = cfg_with("parallel.placement_strategy=STRICT_SPREAD", "parallel.threads_per_worker=2")
+    check_cluster_resources(spread, {"CPU": 4.0}, node_cpus=[2.0, 2.0])
+    with pytest.raises(ConfigError, match=r"parallel\.placement_strategy=STRICT_SPREAD puts each of the 2 workers of "
+                                          r"2 CPUs on a node of its own, but only 1 of the cluster's 1 nodes \(4 CPUs\) "
+                                          r"can hold one; Ray Train would wait for them forever"):
+        check_cluster_resources(spread, {"CPU": 4.0}, node_cpus=[4.0])
+    pack = cfg_with("parallel.placement_strategy=STRICT_PACK", "parallel.threads_per_worker=2")
+    check_cluster_resources(pack, {"CPU": 4.0}, node_cpus=[4.0])
+    with pytest.raises(ConfigError, match=r"STRICT_PACK puts all 2 workers of 2 CPUs on one node, but no node of the "
+                                          r"cluster \(2 CPUs, 2 CPUs\) holds them"):
+        check_cluster_resources(pack, {"CPU": 4.0}, node_cpus=[2.0, 2.0])
+    gpus = cfg_with("parallel.placement_strategy=STRICT_SPREAD", "parallel.device=cuda")
+    check_cluster_resources(gpus, {"CPU": 8.0, "GPU": 2.0}, node_cpus=[4.0, 4.0], node_gpus=[1.0, 1.0])
+    with pytest.raises(ConfigError, match=r"2 workers of 1 GPUs on a node of its own, but only 1"):
+        check_cluster_resources(gpus, {"CPU": 8.0, "GPU": 2.0}, node_cpus=[4.0, 4.0], node_gpus=[2.0, 0.0])
+    # one worker on a CPU trains in the stage's task: no placement group to place
+    check_cluster_resources(cfg_with("parallel.placement_strategy=STRICT_SPREAD", "parallel.num_workers=1",
+                                     "train.global_batch_size=4"), {"CPU": 4.0}, node_cpus=[4.0])
+
+
 def test_only_a_run_that_trains_is_judged_by_its_workers():
     too_many = cfg_with("parallel.num_workers=8", "train.global_batch_size=32", "parallel.device=cuda")
     check_cluster_resources(too_many, {"CPU": 2.0}, ["shard", "tokenizer"])  # --only tokenizer, say

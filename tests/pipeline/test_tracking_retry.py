@@ -231,7 +231,7 @@ def test_the_drivers_and_a_sweeps_calls_wait_out_an_mlflow_restart(mlflow_server
             made["found"] = tracking.search_runs(uri, exp, "tags.`conduit.hash` = 'feedbeef'")
             tracking.end_run(uri, stage)
             trial = made["trial"] = _trial_run(uri, exp, sweep, "trial_000")
-            _mark_stopped(uri, exp, sweep, "trial_000", {"step": 10, "val_loss": 3.0})
+            _mark_stopped(uri, exp, sweep, "trial_000", {"step": 10, "val_loss": 3.0}, by="ASHA")
             stopped = tracking.client(uri).get_run(trial)
             made["stopped"] = (stopped.info.status, stopped.data.tags["conduit.sweep_status"],
                                stopped.data.tags["conduit.sweep_stopped_at_step"])

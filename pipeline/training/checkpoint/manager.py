@@ -1,7 +1,8 @@
 """``CheckpointManager``: what the training loop asks of checkpoints (torchtitan's ``CheckpointManager``
 is the model).
 
-A checkpoint is one folder per report to Ray Train, merged from every rank's part:
+A checkpoint is one folder per checkpoint step (``record``: where they live and which count), merged from
+every rank's part:
 
     conduit/ and rng_rank<r>.pt   DeepSpeed's own files and each rank's RNG (``native``)
     canonical.pt                  the layout-independent form (``canonical``, rank 0)
@@ -10,12 +11,12 @@ A checkpoint is one folder per report to Ray Train, merged from every rank's par
     run_log.json                  rank 0's metric history and the steps training started at
     checksums_rank<r>.json        every file's size and sha256, written last (``checksums``)
 
-Restoring: the checkpoint Ray Train hands a restarted group (the newest kept one that verifies,
-``choice``), else ``checkpoint.resume_from``; the native part when the layout is the same, else the
-canonical one. The history and the start steps travel in the checkpoint, so after a restart the
-metric history is whole and the starts say where each start began. The checkpoint to resume from is chosen
-before the engine is built (``resume_checkpoint``), so that a resumed run keeps the precision it trained
-in (``precision_record``) on any layout, instead of choosing ``auto`` again.
+Restoring: the newest recorded checkpoint that verifies (``choice``), else ``checkpoint.resume_from``; the
+native part when the layout is the same, else the canonical one. The history and the start steps travel
+in the checkpoint, so after a restart the metric history is whole and the starts say where each start
+began. The checkpoint to resume from is chosen before the engine is built (``resume_checkpoint``), so that a
+resumed run keeps the precision it trained in (``precision_record``) on any layout, instead of choosing
+``auto`` again.
 """
 
 from __future__ import annotations
@@ -32,28 +33,25 @@ from pipeline.training.checkpoint.canonical import load_canonical, save_canonica
 from pipeline.training.checkpoint.checksums import verify_checkpoint, write_checksums
 from pipeline.training.checkpoint.choice import usable_checkpoint
 from pipeline.training.checkpoint.native import load_state, save_state
+from pipeline.training.checkpoint.record import CheckpointRecord
 
 LAYOUT_FILE = "layout.json"
 RUN_LOG_FILE = "run_log.json"  # rank 0's metric history and the steps training started at
 PRECISION_FILE = "train_precision.json"  # rank 0's: what the run trained in (``autotune.Decided.record``)
 
 
-def resume_checkpoint(resume_from: str | None, warn: Callable[[str], None] = print, recovered: str | None = None):
-    """The checkpoint this worker group starts from, or None for a fresh start: the one Ray Train hands a
-    restarted group (its newest kept checkpoint that verifies), else the newest this training left before Ray
-    Train's record of it was lost (``recovered``, `pipeline.stages.train.recover_unreadable_snapshot`; verified
-    alike), else ``checkpoint.resume_from``.
+def resume_checkpoint(record: CheckpointRecord, resume_from: str | None, warn: Callable[[str], None] = print):
+    """The checkpoint this training (re)starts from, as a ``ray.train.Checkpoint``, or None for a fresh start:
+    the newest recorded one that verifies, else ``checkpoint.resume_from`` (another training's).
 
     Raises:
-        NoUsableCheckpoint: a restarted group whose kept checkpoints all fail to verify.
+        NoUsableCheckpoint: checkpoints are recorded and none of them verifies.
     """
     import ray.train
 
-    resume = ray.train.get_checkpoint()  # set when Ray Train restarts this worker group
-    if resume is None and recovered:
-        resume = ray.train.Checkpoint(recovered)
-    if resume is not None:  # its latest; one that does not verify gives way to the newest earlier one
-        return usable_checkpoint(resume, verify_checkpoint, warn=warn)
+    recorded = [ray.train.Checkpoint(record.path_of(e), filesystem=record.fs) for e in record.newest_first()]
+    if recorded:
+        return usable_checkpoint(recorded, verify_checkpoint, warn=warn)
     return ray.train.Checkpoint(resume_from) if resume_from else None  # continue another run
 
 
@@ -81,20 +79,22 @@ class Restored:
 
 
 class CheckpointManager:
-    """Saves and restores one rank's training state through Ray Train's checkpoints.
+    """Saves and restores one rank's training state in the training's checkpoints (``record``).
 
     Args:
         engine: the rank's DeepSpeed engine.
         scheduler: its LR scheduler (its state goes into the canonical form).
         layout: {"world_size", "ep_size", "zero_stage"} of this run: a checkpoint of the same layout
             loads natively, any other through ``canonical.pt``.
+        record: the training's checkpoint record (``CheckpointRecord``).
         resume: the checkpoint to start from (``resume_checkpoint``), or None.
-        record: what the run trains in (``autotune.Decided.record()``), saved in every checkpoint.
+        precision: what the run trains in (``autotune.Decided.record()``), saved in every checkpoint.
     """
 
-    def __init__(self, engine, scheduler, layout: dict, resume, record: dict | None = None) -> None:
+    def __init__(self, engine, scheduler, layout: dict, record: CheckpointRecord, resume,
+                 precision: dict | None = None) -> None:
         self.engine, self.scheduler, self.layout = engine, scheduler, layout
-        self.resume, self.record = resume, record
+        self.record, self.resume, self.precision = record, resume, precision
 
     def restore(self, on_load: Callable[[str], None] | None = None) -> Restored:
         """The state to start from: a fresh start at step 0, or what the chosen checkpoint holds
@@ -129,10 +129,9 @@ class CheckpointManager:
         return restored
 
     def save(self, step: int, loader_state: dict, history: list[dict], starts: list[int]) -> None:
-        """Every rank saves its part into its own folder; Ray Train merges them into one checkpoint and
-        registers it (``ray.train.report``). Every rank must call it at the same step."""
-        import ray.train
-
+        """Every rank writes its part, and the parts meet in the step's folder; then rank 0 records the
+        checkpoint (``CheckpointRecord``: whole before it is named). Collective: every rank calls it at the
+        same step."""
         rank = dist.get_rank()
         with tempfile.TemporaryDirectory() as tmp:
             save_state(self.engine, tmp, step=step, loader_state=loader_state)
@@ -140,7 +139,13 @@ class CheckpointManager:
             if rank == 0:
                 (Path(tmp) / LAYOUT_FILE).write_text(json.dumps(self.layout))
                 (Path(tmp) / RUN_LOG_FILE).write_text(json.dumps({"history": history, "starts": starts}))
-                if self.record is not None:
-                    (Path(tmp) / PRECISION_FILE).write_text(json.dumps(self.record))
+                if self.precision is not None:
+                    (Path(tmp) / PRECISION_FILE).write_text(json.dumps(self.precision))
             write_checksums(tmp, rank)  # last: what verify_checkpoint checks before a resume loads it
-            ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            if rank == 0:
+                self.record.clear_folder(step)
+            dist.barrier()  # the folder is empty before any part goes in
+            self.record.upload(tmp, step)
+        dist.barrier()  # every part is in
+        if rank == 0:
+            self.record.register(step)

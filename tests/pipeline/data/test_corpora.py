@@ -10,7 +10,9 @@ import re
 from pathlib import Path
 
 from pipeline.config import REPO_ROOT, load_config
-from pipeline.data.corpora import CORPORA, corpus_for, data_root_hint, default_data_root
+from pipeline.data.corpora import CORPORA, GITHUB_RAW, corpus_for, data_root_hint, default_data_root
+from pipeline.data.fetch import builder
+from tests.corpus_sources import in_source_format
 
 FILES = {f.path: f for c in CORPORA for f in c.files}
 
@@ -41,13 +43,23 @@ def test_sizes_and_checksums_are_those_of_the_shared_files(data_root):
         assert (len(data), hashlib.sha256(data).hexdigest()) == (f.size, f.sha256), path
 
 
-def test_every_url_is_pinned_and_every_file_without_one_says_why():
+def test_every_source_is_pinned_to_a_commit_and_says_what_it_is():
     pinned = re.compile(r"^https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/\S+$")
     for c in CORPORA:
-        assert all(f.url is None or pinned.match(f.url) for f in c.files), c.name
-        assert c.downloadable or c.no_url_reason, c.name
+        assert all(pinned.match(f.source.url(GITHUB_RAW)) for f in c.files), c.name
         assert c.title and c.licence and c.read_by, c.name
-    assert {c.name for c in CORPORA if c.downloadable} == {"tinyshakespeare", "lambada"}
+    assert {c.name: {f.source.build for f in c.files} for c in CORPORA} == {
+        "tinyshakespeare": {"verbatim"}, "gutenberg-train": {"gutenberg"}, "gutenberg-heldout": {"gutenberg"},
+        "wikitext-2": {"wikitext_rows"}, "lambada": {"verbatim"}}
+
+
+def test_every_shipped_file_comes_back_from_its_source_format(data_root):
+    """Each file, written in its source's format (a PG e-book around it, the WikiText rows joined), is
+    rebuilt into its own bytes: the cleaning gives a clean book back unchanged, whatever book it is."""
+    for path, f in FILES.items():
+        clean = (data_root / path).read_bytes()
+        build = builder(f)
+        assert (build(in_source_format(f, clean)) if build else in_source_format(f, clean)) == clean, path
 
 
 def test_patterns_find_their_corpus():
@@ -62,8 +74,9 @@ def test_the_hint_says_where_the_root_is_how_to_set_it_and_how_to_fill_it(tmp_pa
     own = data_root_hint("my/own/*.txt", tmp_path)
     assert own.startswith(f"; the data root is {tmp_path} (set it with data.data_root or $CONDUIT_DATA_ROOT")
     assert "`make data` fetches the corpora the shipped configs read (README.md, \"Data\")" in own
-    assert "`make data` fetches it" in data_root_hint("lambada/lambada_openai_test.jsonl", tmp_path)
-    assert "`make data MIRROR=" in data_root_hint("wikitext-2/wiki.test.raw", tmp_path)
+    for shipped in ("lambada/lambada_openai_test.jsonl", "wikitext-2/wiki.test.raw", "gutenberg/train/*.txt"):
+        assert "`make data` fetches it from its public source and checks its sha256" in data_root_hint(
+            shipped, tmp_path)
     # An absolute path or a URI does not lie under the data root: nothing to say about it.
     assert data_root_hint(str(tmp_path / "x.txt"), tmp_path) == ""
     assert data_root_hint("s3://bucket/x/*.txt", tmp_path) == ""

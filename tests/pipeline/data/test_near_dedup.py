@@ -45,14 +45,24 @@ def planted(data_root, n_docs=120, n_copies=40, seed=0) -> list[str]:
     return out
 
 
+def components(nodes, edges) -> list[set[int]]:
+    """The connected components of a graph, by brute force: every node its own group, then, for each edge,
+    the groups of its two ends merged."""
+    groups = [{v} for v in nodes]
+    for a, b in edges:
+        ga, gb = (next(g for g in groups if v in g) for v in (a, b))
+        if ga is not gb:
+            ga |= gb
+            groups = [g for g in groups if g is not gb]
+    return groups
+
+
 def brute_force_removed(texts: list[str], n: int, threshold: float) -> set[int]:
     """Connected components of the pairs with exact Jaccard >= threshold; all but the first removed."""
     sets = [set(near_dedup.shingles(t, n)) for t in texts]
-    uf = near_dedup.UnionFind()
-    for a, b in itertools.combinations(range(len(texts)), 2):
-        if len(sets[a] & sets[b]) / len(sets[a] | sets[b]) >= threshold:
-            uf.union(a, b)
-    return {m for members in uf.clusters().values() for m in members[1:]}
+    edges = [(a, b) for a, b in itertools.combinations(range(len(texts)), 2)
+             if len(sets[a] & sets[b]) / len(sets[a] | sets[b]) >= threshold]
+    return {m for group in components(range(len(texts)), edges) for m in sorted(group)[1:]}
 
 
 def minhash_removed(texts: list[str], nd: NearDedupSection, partitions: int = 3) -> set[int]:
@@ -110,6 +120,29 @@ def test_the_first_of_a_cluster_is_kept_and_exact_duplicates_are_not_counted_aga
     remove, clusters = near_dedup.resolve(joined, excluded={2})  # 2 is an exact copy of 1, removed before
     assert remove == {3} and clusters == [[1, 3]]
     assert near_dedup.jaccard(base, near, 5) == pytest.approx(71 / 81)  # 5 of 76 shingles changed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_clusters_are_the_connected_components_of_the_joined_pairs(seed):
+    """``resolve`` against brute force on a random graph of documents of three inputs (global indices), with
+    repeated and self pairs and excluded members (which still link the rest of their cluster); the result
+    does not depend on the order of the pairs or of a pair's two ends."""
+    rng = np.random.default_rng(seed)
+    docs = np.array([(i << near_dedup.ROW_BITS) | int(r) for i in range(3)
+                     for r in rng.choice(10_000, 50, replace=False)], dtype=np.int64)
+    pairs = docs[rng.integers(0, len(docs), size=(90, 2))]
+    excluded = set(rng.choice(docs, 12, replace=False).tolist())
+    groups = components(sorted(set(pairs.reshape(-1).tolist())), pairs.tolist())
+    expected = sorted(sorted(g - excluded) for g in groups if len(g - excluded) >= 2)
+    assert len(expected) >= 5 and max(map(len, expected)) >= 4  # a graph with clusters worth the name
+    assert any(len(g - excluded) < len(g) for g in groups if len(g - excluded) >= 2)  # exclusion exercised
+    remove, clusters = near_dedup.resolve(pairs, excluded)
+    assert clusters == expected
+    assert remove == {m for c in expected for m in c[1:]}
+    shuffled = pairs[rng.permutation(len(pairs))]
+    flip = rng.random(len(pairs)) < 0.5
+    shuffled[flip] = shuffled[flip][:, ::-1]
+    assert near_dedup.resolve(shuffled, excluded) == (remove, clusters)
 
 
 def test_signature_agreement_estimates_jaccard():

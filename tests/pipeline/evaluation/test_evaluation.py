@@ -48,10 +48,10 @@ def test_encode_prefix_counts_exactly_the_bytes_it_scores(sp, data_root):
     assert len(enc.ids) == 5 and enc.n_targets == 5 * 200 and all(d[0] == EOS_ID for d in enc.ids)
     with pytest.raises(FileNotFoundError, match="eval.heldout_paths: 'nothing/\\*.txt' matches no file"):
         text_metrics.resolve_files(data_root, ["nothing/*.txt"], "eval.heldout_paths")
-    # A shipped corpus missing from the data root says how to get it: the Gutenberg books have no public
-    # copy of their bytes, so from a mirror.
+    # A shipped corpus missing from the data root says how to get it: `make data` rebuilds the books from the
+    # public raw e-books.
     with pytest.raises(FileNotFoundError, match=r"the data root is .*/empty \(set it with data.data_root or "
-                                                r"\$CONDUIT_DATA_ROOT.*'gutenberg-heldout'.*`make data MIRROR="):
+                                                r"\$CONDUIT_DATA_ROOT.*'gutenberg-heldout'.*`make data` fetches it from its public source"):
         text_metrics.resolve_files(data_root / "empty", ["gutenberg/heldout/*.txt"], "eval.heldout_paths")
 
 

@@ -56,16 +56,41 @@ def test_engine_setting_is_checked_and_the_choice_says_why(tmp_path):
     with pytest.raises(ConfigError, match="deploy.vllm_kv_cache_gib=0.0 must be > 0"):
         load_config(None, ["deploy.vllm_kv_cache_gib=0"])
     assert load_config(None, []).deploy.engine == "auto"
-    # No registry is asked before the interpreter is found: these need no MLflow server.
+    # GPU replicas: no registry is asked before the interpreter is found (these need no MLflow server)
     choice = deploy.choose_engine(DeploySection(engine="conduit"), "sqlite:///unused.db", "m", 1)
     assert (choice.engine, choice.reason) == ("conduit", "deploy.engine is conduit")
     missing = str(tmp_path / "no-venv" / "bin" / "python")
-    choice = deploy.choose_engine(DeploySection(vllm_python=missing), "sqlite:///unused.db", "m", 1)
-    assert choice.engine == "conduit" and f"no vLLM interpreter at {missing}" in choice.reason
-    with pytest.raises(deploy.DeployError, match="deploy.engine is vllm, but vLLM cannot serve m v1 here: no vLLM"):
+    gpu = {"num_gpus_per_replica": 1.0}
+    choice = deploy.choose_engine(DeploySection(vllm_python=missing, **gpu), "sqlite:///unused.db", "m", 1)
+    assert choice.engine == "conduit"
+    assert choice.reason == (f"auto: vLLM cannot serve it: no vLLM interpreter at {missing} (deploy.vllm_python): "
+                             "build it with `make install-vllm`")
+    with pytest.raises(deploy.DeployError, match="deploy.engine is vllm, but vLLM cannot serve m v1 here: no vLLM "
+                                                 "interpreter at .* build it with `make install-vllm`"):
         deploy.choose_engine(DeploySection(engine="vllm", vllm_python=missing), "sqlite:///unused.db", "m", 1)
     import sys  # an interpreter without vLLM: this one
-    choice = deploy.choose_engine(DeploySection(vllm_python=sys.executable), "sqlite:///unused.db", "m", 1)
-    assert choice.engine == "conduit" and "cannot import vllm" in choice.reason
+    choice = deploy.choose_engine(DeploySection(vllm_python=sys.executable, **gpu), "sqlite:///unused.db", "m", 1)
+    assert choice.engine == "conduit" and choice.reason.endswith(
+        f"{sys.executable} cannot import vllm (deploy.vllm_python): build .venv-vllm with `make install-vllm`")
     assert deploy.vllm_python(DeploySection(vllm_python="")) is None
     assert deploy.vllm_python(DeploySection()).endswith("/.venv-vllm/bin/python")
+
+
+def test_on_cpu_vllm_counts_as_faster_only_where_the_benchmark_measured_it_faster(tmp_path):
+    """benchmarks/RESULTS.md, serve_vllm: vLLM through Serve 0.75x Conduit's engine's tokens/s at cpu_small
+    (hidden size 128), 1.79x at gpt_125m (hidden size 768); nothing else measured."""
+    cpu_small = _exported(tmp_path, "cpu_small")
+    assert vllm_support.faster_on_cpu(cpu_small) == (False, (
+        "on CPU replicas Conduit's engine answers faster than vLLM below hidden size 768 (LlamaForCausalLM of "
+        "hidden size 128 here): benchmarks/RESULTS.md, serve_vllm"))
+    gpt_125m = {**cpu_small, "hidden_size": PRESETS["gpt_125m"].d_model}  # its config.json's width
+    assert vllm_support.faster_on_cpu(gpt_125m) == (True, (
+        "on CPU replicas vLLM answers faster than Conduit's engine from hidden size 768 (LlamaForCausalLM of "
+        "hidden size 768 here): benchmarks/RESULTS.md, serve_vllm"))
+    mixtral = _exported(tmp_path, "cpu_moe")
+    assert mixtral["architectures"] == ["MixtralForCausalLM"]
+    assert vllm_support.faster_on_cpu({**mixtral, "hidden_size": 4096}) == (False, (
+        "on CPU replicas vLLM answered faster than Conduit's engine only for LlamaForCausalLM from hidden size "
+        "768, not MixtralForCausalLM: benchmarks/RESULTS.md, serve_vllm"))
+    assert vllm_support.faster_on_cpu(None)[0] is False
+    assert "not a version without a Hugging Face export" in vllm_support.faster_on_cpu(None)[1]

@@ -117,7 +117,7 @@ def test_no_match_and_nothing_left_are_clear_errors(tmp_path):
     assert f"the data root is {d.resolve()} (set it with data.data_root or $CONDUIT_DATA_ROOT" in str(e.value)
     assert "`make data` fetches the corpora the shipped configs read" in str(e.value)
     with pytest.raises(ConfigError, match=r"'tinyshakespeare/input\.txt' is the shipped corpus 'tinyshakespeare'.*"
-                                          r"`make data` fetches it and checks its sha256"):
+                                          r"`make data` fetches it from its public source and checks its sha256"):
         run_stages(cfg_for(tmp_path, d, "data.train_paths=[tinyshakespeare/input.txt]"), ["shard"])
     (d / "tiny.txt").write_text("a\n\nb")
     with pytest.raises(shard.DataError, match="no (train|validation) documents are left"):

@@ -25,7 +25,7 @@ from pipeline.store.artifacts import MANIFEST
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.runner import StageFailed, main_exit_code, make_plan, resolve, run_pipeline
 from pipeline.stages import Stage, in_order
-from pipeline.stages.train import checkpoint_location
+from pipeline.stages.train import checkpoint_place
 from pipeline.store.backends import LocalStore, NodeFolder, ObjectStore, StorageError, join, store_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -105,7 +105,8 @@ def test_credentials_in_a_storage_uri_are_refused(tmp_path, field):
 
 def test_checkpoints_default_under_a_uri_root_keyed_by_the_train_hash(tmp_path):
     cfg = resolve(load_config(None, [f"run.workdir={tmp_path}", "run.artifact_root=s3://b/art?scheme=http"]))
-    assert checkpoint_location(cfg, "abc") == ("s3://b/art/checkpoints?scheme=http", "train-abc")
+    place = checkpoint_place(cfg, "abc")
+    assert (place.storage, place.name) == ("s3://b/art/checkpoints?scheme=http", "train-abc")
 
 
 def test_publish_uploads_every_file_then_the_manifest_last(bucket, tmp_path, monkeypatch):

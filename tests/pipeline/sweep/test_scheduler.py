@@ -4,6 +4,9 @@ other reason (the sweep interrupted) is reported as incomplete, with Tune's stat
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
@@ -70,3 +73,23 @@ def test_a_rung_ends_each_trial_at_its_first_report_at_or_past_the_rung_and_mark
         assert last.on_trial_result(None, trials[2], {"step": step, "val_loss": 1.0}) == TrialScheduler.CONTINUE
     assert last.on_trial_result(None, trials[2], {"step": 30, "finished": True}) == TrialScheduler.CONTINUE
     assert paused_at(trials[2]) is None
+
+
+@pytest.mark.parametrize("mode, bar, diverged, good", [("min", 2.0, math.nan, 1.5), ("min", 2.0, -math.inf, 1.5),
+                                                       ("max", 1.0, math.nan, 2.0), ("max", 1.0, math.inf, 2.0)])
+def test_recording_asha_ranks_a_diverged_trial_below_every_finite_one(mode, bar, diverged, good):
+    """A validation loss that is not finite ranks worst at a rung (``pipeline.sweep.ranking``): ASHA itself never
+    stopped a NaN (``reward < cutoff`` is false) and let an infinite one set a cutoff no finite trial meets."""
+    asha = RecordingASHA(time_attr="step", max_t=31, grace_period=10, reduction_factor=2)
+    asha.set_search_properties("val_loss", mode)
+    trials = [Trial("trainable", config={"trial": i}, stub=True) for i in range(4)]
+    for t in trials:
+        asha.on_trial_add(None, t)
+    assert asha.on_trial_result(None, trials[0], {"step": 10, "val_loss": bar}) == TrialScheduler.CONTINUE
+    assert asha.on_trial_result(None, trials[1], {"step": 10, "val_loss": diverged}) == TrialScheduler.STOP
+    asha.on_trial_complete(None, trials[1], {"step": 10, "val_loss": diverged})
+    # the diverged value recorded at the rung (as the worst) moves no cutoff past a finite trial
+    assert asha.on_trial_result(None, trials[2], {"step": 10, "val_loss": good}) == TrialScheduler.CONTINUE
+    asha.on_trial_complete(None, trials[0], {"step": 10, "val_loss": diverged})  # its last report diverged
+    assert asha.on_trial_result(None, trials[3], {"step": 10, "val_loss": good}) == TrialScheduler.CONTINUE
+    assert [stopped_at(t) for t in trials] == [None, 10, None, None]

@@ -29,7 +29,9 @@ from pipeline.console import describe
 from pipeline.runner import make_plan, resolve
 from pipeline.store.contracts import read_train_precision, read_train_starts
 from pipeline.stages import STAGES
-from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_location
+from pipeline.internals import ray_node_of_this_process
+from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_place
+from pipeline.training.checkpoint.record import RECORD_FILE
 from pipeline.store.backends import store_for
 from tests.servers import free_port
 
@@ -38,17 +40,15 @@ pytestmark = pytest.mark.slow
 
 
 def train_worker_pids() -> list[int]:
-    """Pids of this session's training ranks (Ray Train's workers, or Ray tasks running a rank: the
-    ``ray_tasks`` launcher, two workers' default on CPUs): children of our own raylet, whatever other Ray
-    clusters share the machine (the state API needs a dashboard, which the test cluster lacks)."""
+    """Pids of this session's Ray Train workers: children of our own raylet, whatever other Ray clusters share
+    the machine (the state API needs a dashboard, which the test cluster lacks)."""
     import psutil
-    import ray
 
-    session = ray._private.worker._global_node.get_session_dir_path()
+    session = ray_node_of_this_process().get_session_dir_path()
     pids = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "RayTrainWorker" not in cmd and not cmd.startswith("ray::conduit.train.rank"):
+        if "RayTrainWorker" not in cmd:
             continue
         parent = proc.parent()
         if parent is not None and session in " ".join(parent.cmdline()):
@@ -57,11 +57,10 @@ def train_worker_pids() -> list[int]:
 
 
 def registered_steps(ray_dir: Path) -> list[int]:
-    """Steps of the checkpoints the Ray Train controller has registered (a folder on disk may not be yet)."""
-    snapshot = ray_dir / "checkpoint_manager_snapshot.json"
+    """Steps of the checkpoints the training has recorded (a folder on disk may not be yet)."""
     try:
-        return [r["metrics"]["step"] for r in json.loads(snapshot.read_text())["checkpoint_results"]]
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being rewritten
+        return [e["step"] for e in json.loads((ray_dir / RECORD_FILE).read_text())["checkpoints"]]
+    except FileNotFoundError:  # not written yet (the record is renamed in whole)
         return []
 
 
@@ -80,11 +79,10 @@ def kill_workers(ray_dir: Path, killed: list[int], done: threading.Event, final_
                 return  # training ended first; the test then fails on `killed`
             time.sleep(0.02)
         if not killed:
-            results = json.loads((ray_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
-            latest = max(results, key=lambda r: r["metrics"]["step"])
-            with open(ray_dir / latest["checkpoint_dir_name"] / "canonical.pt", "r+b") as f:
+            latest = json.loads((ray_dir / RECORD_FILE).read_text())["checkpoints"][-1]
+            with open(ray_dir / latest["folder"] / "canonical.pt", "r+b") as f:
                 f.truncate(100)
-            damaged.append(latest["metrics"]["step"])
+            damaged.append(latest["step"])
         pid = max(set(train_worker_pids()) - set(killed))
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
@@ -96,8 +94,8 @@ TRAIN = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.log_every=1
 
 
 def ray_run_dir(cfg, hash_: str) -> Path:
-    storage, name = checkpoint_location(cfg, hash_)
-    return Path(storage) / name
+    place = checkpoint_place(cfg, hash_)
+    return Path(place.storage) / place.name
 
 
 def artifact_run_dir(art) -> Path:
@@ -379,9 +377,9 @@ def test_two_configs_share_a_checkpoint_storage_without_seeing_each_other(tmp_pa
         f"checkpoint.storage={storage}", "train.steps=30", "checkpoint.every=0",
         "parallel.num_workers=1", "checkpoint.every_s=0.000001", "optimizer.lr=0.002"],
         kill=False, data_root=smoke_artifact_root)
-    reports = {art.hash: json.loads((storage / f"train-{art.hash}" / "checkpoint_manager_snapshot.json").read_text())
-               ["current_report_index"] for art in (a, b)}
-    assert reports == {a.hash: STEPS // EVERY, b.hash: 3}
+    recorded = {art.hash: registered_steps(storage / f"train-{art.hash}") for art in (a, b)}
+    # A's two kept (checkpoint.keep, not pruned), B's final one only (pruned when its artifact was sealed)
+    assert recorded == {a.hash: [STEPS - EVERY, STEPS], b.hash: [30]}
     assert a.hash != b.hash
     assert read_train_starts(a.path) == read_train_starts(b.path) == [0]
     assert b_history[-1]["step"] == 30
@@ -444,12 +442,8 @@ def test_a_prune_that_fails_after_sealing_leaves_the_stage_done_with_a_warning(t
 
     def lock_the_first_checkpoint() -> None:
         while not done.is_set():
-            results = {}
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
-                results = {r["metrics"]["step"]: r["checkpoint_dir_name"] for r in json.loads(
-                    (ray_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]}
-            if 10 in results:
-                target = ray_dir / results[10] / "canonical.pt"
+            if 10 in registered_steps(ray_dir):
+                target = ray_dir / "checkpoint_000000010" / "canonical.pt"
                 subprocess.run(["chattr", "+i", str(target)], check=True)
                 locked.append(target)
                 return
@@ -473,12 +467,12 @@ def test_a_prune_that_fails_after_sealing_leaves_the_stage_done_with_a_warning(t
     assert len([p for p in ray_dir.glob("checkpoint_*") if p.is_dir()]) == 2  # nothing pruned, nothing lost
 
 
-def test_a_snapshot_cut_short_by_a_killed_controller_resumes_from_the_newest_checkpoint(tmp_path, straight,
-                                                                                        smoke_artifact_root, capsys):
-    """Ray Train rewrites its checkpoint record in place; a driver SIGKILLed during the rewrite left it empty, and the
-    rerun's controller failed to start on it (CI saw it). The uninterrupted run's kept checkpoints (40 and 60,
-    ``checkpoint.keep`` 2) copied without the last, their record emptied: the stage moves the record aside, resumes from step 40 (the newest
-    folder left, verified) and ends with the uninterrupted run's weights."""
+def test_a_recorded_checkpoint_that_is_gone_gives_way_to_the_one_before(tmp_path, straight, smoke_artifact_root):
+    """The record is written whole (renamed in, or an object store's put), so a kill never leaves it cut; but
+    the checkpoint it names newest may be gone or damaged (a disk, a person). The uninterrupted run's kept
+    checkpoints (40 and 60, ``checkpoint.keep`` 2) copied without the newest folder: the stage resumes from
+    step 40, the newest that verifies, and ends with the uninterrupted run's weights (the warning rank 0 prints
+    then: tests/pipeline/training/test_resume_choice.py)."""
     import shutil
 
     weights, _, _, straight_art = straight
@@ -486,15 +480,10 @@ def test_a_snapshot_cut_short_by_a_killed_controller_resumes_from_the_newest_che
     source = artifact_run_dir(straight_art)
     copy = storage / source.name
     shutil.copytree(source, copy)
-    folders = sorted(p.name for p in copy.glob("checkpoint_*") if p.is_dir())
-    assert len(folders) == 2
-    shutil.rmtree(copy / folders[-1])
-    (copy / "checkpoint_manager_snapshot.json").write_bytes(b"")  # what a kill mid-rewrite leaves
-    resumed, history, _, art = train_once(tmp_path, "cut", [f"checkpoint.storage={storage}"], kill=False,
+    assert registered_steps(copy) == [STEPS - EVERY, STEPS]
+    shutil.rmtree(copy / "checkpoint_000000060")
+    resumed, history, _, art = train_once(tmp_path, "gone", [f"checkpoint.storage={storage}"], kill=False,
                                           data_root=smoke_artifact_root)
     assert art.hash == straight_art.hash
     assert read_train_starts(art.path) == [0, STEPS - EVERY]
     assert_same_weights(weights, resumed)
-    assert (copy / "checkpoint_manager_snapshot.json.unreadable").read_bytes() == b""
-    assert json.loads((copy / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]  # a new record
-    assert f"resuming from the newest checkpoint it left, {copy / folders[-2]}" in capsys.readouterr().out

@@ -1,7 +1,8 @@
-"""One training worker in the train stage's own task (``pipeline.training.in_task``), against Ray Train's
-one worker on the same config: the same weights, history and checkpoint record; a failure restarts from
-the newest checkpoint in the same process; a record it wrote is resumed by Ray Train; and the stage's task
-SIGKILLed on the session's Ray is retried and resumes exactly.
+"""The one door into training (``pipeline.training.launch``): one worker in the train stage's own task (Ray
+Train's local mode) against Ray Train's one worker on the same config: the same weights, history and
+checkpoint record; a failure restarts from the newest checkpoint in the same process; a record one launch
+wrote is resumed by the other; and the stage's task SIGKILLed on the session's Ray is retried and resumes
+exactly. Ray Train's workers restarting after a SIGKILL: tests/pipeline/training/test_fault_tolerance.py.
 
 The direct calls (``train_once``, as the fault tests make them) train in this test's process, which is
 what the stage's task runs; the SIGKILL test goes through ``run_pipeline`` and Ray's task."""
@@ -19,13 +20,16 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
 
 from pipeline import tracking
+from pipeline.internals import ray_node_of_this_process
 from pipeline.config import config_from_dict, load_config
 from pipeline.runner import run_pipeline
 from pipeline.store.contracts import read_train_starts
-from pipeline.training.in_task import RANK_ENV, CheckpointRecord, fit, uses_in_task
+from pipeline.training.checkpoint.record import RECORD_FILE, CheckpointRecord
+from pipeline.training.device import trains_in_process
+from pipeline.training.launch import RANK_ENV, Launch, LoopConfig, launch
+from pipeline.training.loop_config import CheckpointPlace
 from tests.pipeline.training.test_fault_tolerance import (
     DATA_STAGES,
     ROOT,
@@ -81,31 +85,26 @@ def in_task(tmp_path_factory, data_stages):
 
 
 def test_auto_trains_one_cpu_worker_in_the_task_and_everything_else_with_ray_train():
-    assert uses_in_task("auto", 1, "cpu") and uses_in_task("in_task", 1, "cpu")
-    assert not uses_in_task("auto", 2, "cpu") and not uses_in_task("auto", 1, "cuda")
-    assert not uses_in_task("ray_train", 1, "cpu")
+    assert trains_in_process("auto", 1, "cpu") and trains_in_process("in_task", 1, "cpu")
+    assert not trains_in_process("auto", 2, "cpu") and not trains_in_process("auto", 1, "cuda")
+    assert not trains_in_process("ray_train", 1, "cpu")
     # stage tasks kept on some nodes (cluster.stage_resources): a worker goes where the placement strategy puts it
-    assert not uses_in_task("auto", 1, "cpu", stages_confined=True)
-    assert uses_in_task("in_task", 1, "cpu", stages_confined=True)  # asked for: trains on the stage nodes
+    assert not trains_in_process("auto", 1, "cpu", stages_confined=True)
+    assert trains_in_process("in_task", 1, "cpu", stages_confined=True)  # asked for: trains on the stage nodes
 
 
 def assert_same_records(art, rt_art, steps: tuple) -> list[str]:
-    """Both runs' checkpoint records, read with Ray Train's own model: a checkpoint at each of ``steps``, all
-    kept, the same report indices and count, and the same files in the newest folder (returned)."""
-    records = []
+    """Both runs' checkpoint records: a checkpoint at each of ``steps``, all kept, each folder named by its step
+    and nothing else beside them, and the same files in the newest folder (returned)."""
+    entries = []
     for a in (art, rt_art):
         run_dir = artifact_run_dir(a)
-        snapshot = _CheckpointManagerState.parse_raw((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        records.append(snapshot)
-        assert [r.metrics for r in snapshot.checkpoint_results] == [{"step": s} for s in steps]
-        assert snapshot.latest_checkpoint_result == snapshot.checkpoint_results[-1]
-        assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == \
-            [r.checkpoint_dir_name for r in snapshot.checkpoint_results]
-    assert records[0].checkpoint_report_indices == records[1].checkpoint_report_indices
-    assert records[0].current_report_index == records[1].current_report_index
+        entries.append(json.loads((run_dir / RECORD_FILE).read_text())["checkpoints"])
+        assert [e["step"] for e in entries[-1]] == list(steps)
+        assert sorted(p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()) == [e["folder"] for e in entries[-1]]
+    assert entries[0] == entries[1]
     files = [sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
-             for d in (artifact_run_dir(a) / s.checkpoint_results[-1].checkpoint_dir_name
-                       for a, s in zip((art, rt_art), records))]
+             for d in (artifact_run_dir(a) / e[-1]["folder"] for a, e in zip((art, rt_art), entries))]
     assert files[0] == files[1] and "canonical.pt" in files[0]
     return files[0]
 
@@ -121,8 +120,7 @@ def test_in_task_trains_ray_trains_weights_and_keeps_its_checkpoint_record(tmp_p
     assert untimed[0] == untimed[1] and len(untimed[0]) == 10  # every logged value but the timings, exactly
     assert read_train_starts(art.path) == read_train_starts(rt_art.path) == [0]
     assert tags_of(art)["conduit.launcher"] == "in_task" and tags_of(rt_art)["conduit.launcher"] == "ray_train"
-    # The record: Ray Train's own model reads both; the same checkpoints (every 20 steps, all 5 kept), the same
-    # report count, and each folder holds the same files.
+    # The record: the same checkpoints (every 20 steps, all 5 kept), each folder holding the same files.
     assert_same_records(art, rt_art, (20, 40, 60, 80, 100))
 
 
@@ -180,7 +178,7 @@ def whole_pipeline(tmp_path: Path, data_stages: str, ray_cluster, *overrides: st
     cfg = load_config(ROOT / "configs" / "smoke.yaml", [
         f"run.workdir={tmp_path / 'work'}", f"run.artifact_root={seeded(tmp_path, data_stages)}", "train.log_every=10",
         "train.progress_bar=false", "optimizer.adam_eps=0.0001", *ONE, *overrides])
-    return cfg, ray_cluster._private.worker._global_node.get_session_dir_path()
+    return cfg, ray_node_of_this_process().get_session_dir_path()
 
 
 def session_processes(session_dir: str, title) -> list[int]:
@@ -196,7 +194,7 @@ def session_processes(session_dir: str, title) -> list[int]:
 
 
 def _stage_task_pids(session_dir: str) -> list[int]:
-    """The train stage's task processes under this session's raylet (not a rank's: ray::conduit.train.rank0)."""
+    """The train stage's task processes under this session's raylet."""
     return session_processes(session_dir, lambda cmd: cmd == "ray::conduit.train")
 
 
@@ -325,31 +323,32 @@ def test_a_cancelled_train_task_ends_killed_and_its_process_lives_on(tmp_path, d
 
 class _Reports:
     """A sweep trial's Ray Train callback, as the train stage sees it (``sweep.run.validation_to_tune_class``):
-    its ``checkpoint_steps`` (a synchronous sweep's rungs) and each report it is handed, in order."""
+    its ``checkpoint_steps`` (a synchronous sweep's rungs), and for each report it is handed, its step and the
+    steps the training had recorded a checkpoint at by then."""
 
     checkpoint_steps = (10,)
 
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, str]] = []
+    def __init__(self, run_dir) -> None:
+        self.run_dir, self.seen = run_dir, []
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        self.seen.append((metrics[0]["step"], "val_loss" if "val_loss" in metrics[0] else
-                          "checkpoint" if checkpoint is not None else "other"))
+        self.seen.append((metrics[0]["step"], registered_steps(self.run_dir())))
 
 
 @pytest.mark.slow
 def test_a_rung_step_is_checkpointed_before_its_validation_is_reported(tmp_path, data_stages, monkeypatch):
     """A callback's ``checkpoint_steps`` get a checkpoint (here step 10, where ``checkpoint.every=0`` saves
-    none), and at every step with both, the checkpoint is reported before the validation loss: a sweep that
-    pauses a trial on that report resumes it from that very step."""
+    none), and it is recorded before that step's validation loss is reported: a sweep that pauses a trial on
+    that report resumes it from that very step."""
     from tests.pipeline.training import test_fault_tolerance as ft
 
-    reports, tracker = _Reports(), ft.StageTracker
+    storage = tmp_path / "storage"
+    reports, tracker = _Reports(lambda: next(storage.iterdir())), ft.StageTracker
     monkeypatch.setattr(ft, "StageTracker", lambda uri, run_id: tracker(uri, run_id, (reports,)))
     train_once(tmp_path, "rung", [*ONE, "parallel.launcher=in_task", "train.steps=30", "checkpoint.every=0",
-                                  "validation.every=10", "validation.batches=1"], kill=False, data_root=data_stages)
-    assert reports.seen == [(10, "checkpoint"), (10, "val_loss"), (20, "val_loss"), (30, "checkpoint"),
-                            (30, "val_loss")]
+                                  "validation.every=10", "validation.batches=1", f"checkpoint.storage={storage}",
+                                  "checkpoint.keep=3"], kill=False, data_root=data_stages)
+    assert reports.seen == [(10, [10]), (20, [10]), (30, [10, 30])]
 
 
 def test_a_stage_task_started_with_sigint_ignored_can_be_cancelled():
@@ -373,53 +372,116 @@ def test_a_stage_task_started_with_sigint_ignored_can_be_cancelled():
         sig.signal(sig.SIGINT, before)
 
 
-def test_the_rank_variables_are_set_for_the_run_only(tmp_path, monkeypatch):
-    """RANK, WORLD_SIZE and the others are this one rank's while its training runs, and gone again after:
-    the task's process, which Ray reuses, may run other tasks (whether or not it made its process group)."""
+def in_process(tmp_path, fn, callbacks=(), max_failures=0):
+    """``launch`` of ``fn`` (in place of the training loop) as one rank in this process."""
+    from pipeline.training import launch as module
+
+    loop = LoopConfig(run_config={}, tokens=None, out=None, tracker=None, device="cpu", precision="fp32",
+                      checkpoints=CheckpointPlace(str(tmp_path), "train-x", keep=1))
+    how = Launch(num_workers=1, device="cpu", cpus=None, placement_strategy="PACK", max_failures=max_failures,
+                 callbacks=callbacks, in_process=True)
+    original = module.train_worker
+    module.train_worker = fn
+    try:
+        return launch(loop, how)
+    finally:
+        module.train_worker = original
+
+
+def test_the_rank_variables_and_process_group_are_the_runs_only(tmp_path, monkeypatch):
+    """RANK, WORLD_SIZE and the others are this one rank's while its training runs, in a process group of one,
+    and gone again after, the group too: the task's process, which Ray reuses, may run other tasks."""
+    import torch.distributed as dist
+
     for var in RANK_ENV:
         monkeypatch.delenv(var, raising=False)
     seen: dict = {}
-    for _ in range(2):  # the second in a process whose process group exists
+
+    def train(config) -> None:
+        seen.update({v: os.environ.get(v) for v in RANK_ENV}, world=dist.get_world_size(), rank=dist.get_rank())
+
+    for _ in range(2):
         seen.clear()
-        result = fit(lambda config: seen.update({v: os.environ.get(v) for v in RANK_ENV}), {}, storage=str(tmp_path),
-                     name="train-x", keep=1, max_failures=0, callbacks=[])
-        assert result.error is None and seen == RANK_ENV
-        assert not set(RANK_ENV) & set(os.environ)
+        assert in_process(tmp_path, train).error is None
+        assert seen == {**RANK_ENV, "world": 1, "rank": 0}
+        assert not set(RANK_ENV) & set(os.environ) and not dist.is_initialized()
 
 
-def test_a_process_group_that_fails_leaves_no_rank_variables(tmp_path, monkeypatch):
-    from pipeline.training import in_task as module
+def test_a_failed_attempt_is_told_to_the_callbacks_and_restarted_up_to_max_failures(tmp_path):
+    """As Ray Train's controller: each failure to ``after_exception``, a new attempt while ``max_failures``
+    allows, the last failure returned once it does not; an interrupt is no failure: it ends the run."""
+    told: list[str] = []
 
-    def fails(backend: str) -> None:
-        raise RuntimeError("no process group here")
+    class Tell:
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            told.append(str(worker_exceptions[0]))
 
-    for var in RANK_ENV:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(module, "_process_group", fails)
-    with pytest.raises(RuntimeError, match="no process group here"):
-        fit(lambda config: None, {}, storage=str(tmp_path), name="train-x", keep=1, max_failures=0, callbacks=[])
+    attempts: list[int] = []
+
+    def fails_twice(config) -> None:
+        attempts.append(len(attempts))
+        if len(attempts) <= 2:
+            raise RuntimeError(f"attempt {len(attempts)}")
+
+    outcome = in_process(tmp_path, fails_twice, callbacks=(Tell(),), max_failures=2)
+    assert outcome.error is None and outcome.failures == 2 and told == ["attempt 1", "attempt 2"]
+    attempts.clear(), told.clear()
+    outcome = in_process(tmp_path, fails_twice, callbacks=(Tell(),), max_failures=1)
+    assert str(outcome.error) == "attempt 2" and outcome.failures == 2 and len(attempts) == 2
+
+    def interrupted(config) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        in_process(tmp_path, interrupted, callbacks=(Tell(),), max_failures=3)
     assert not set(RANK_ENV) & set(os.environ)
 
 
-def test_the_record_keeps_the_newest_and_drops_the_folders_after_it_is_written(tmp_path):
-    """``CheckpointRecord`` alone: ``keep`` 2 of four reports with a checkpoint (and one without), each
-    folder uploaded whole, the record readable by Ray Train's model and by a new ``CheckpointRecord``."""
-    record = CheckpointRecord(str(tmp_path), "train-x", keep=2)
-    assert record.latest() is None
+def test_ending_the_process_group_forgets_deepspeeds_groups_of_it(tmp_path):
+    """DeepSpeed caches the groups it made (expert parallel, ...) in its module: after a run ends they are
+    forgotten, so that the next run in the process (a reused task process) makes its own."""
+    code = """
+import deepspeed.utils.groups as groups
+import torch.distributed as dist
+from pipeline.training.launch import end_process_group
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+groups._EXPERT_PARALLEL_GROUP = {"ep_size_1": dist.new_group([0])}
+groups._WORLD_GROUP = dist.group.WORLD
+end_process_group()
+assert groups._EXPERT_PARALLEL_GROUP == {} and groups._WORLD_GROUP is None and not dist.is_initialized()
+print("forgotten")
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("forgotten"), out.stderr[-2000:]
+
+
+def test_the_record_keeps_the_newest_and_names_only_whole_checkpoints(tmp_path):
+    """``CheckpointRecord`` alone: ``keep`` 2 of four checkpoints, each folder named by its step, the record
+    written whole before the oldest is deleted; a folder the record does not name (an attempt that died while
+    its ranks uploaded) is never resumed from and is emptied when its step is saved again; after sealing only
+    the newest is left."""
+    record = CheckpointRecord(CheckpointPlace(str(tmp_path), "train-x", keep=2))
+    assert record.entries == []
     for step in (10, 20, 30, 40):
         src = tmp_path / f"local{step}"
         (src / "sub").mkdir(parents=True)
         (src / "sub" / "state.bin").write_bytes(bytes([step]) * 100)
-        record.add({"step": step}, str(src))
-        if step == 20:
-            assert record.add({"step": step, "val_loss": 1.0}, None) is None  # a report without a checkpoint
-    folders = sorted(p.name for p in (tmp_path / "train-x").glob("checkpoint_*") if p.is_dir())
-    snapshot = _CheckpointManagerState.parse_raw(
-        (tmp_path / "train-x" / "checkpoint_manager_snapshot.json").read_text())
-    assert [r.checkpoint_dir_name for r in snapshot.checkpoint_results] == folders and len(folders) == 2
-    assert [r.metrics["step"] for r in snapshot.checkpoint_results] == [30, 40]
-    assert snapshot.checkpoint_report_indices == [3, 4] and snapshot.current_report_index == 5
-    again = CheckpointRecord(str(tmp_path), "train-x", keep=2)
-    latest = again.latest()
-    assert latest.path.endswith(folders[-1])
-    assert (Path(latest.path) / "sub" / "state.bin").read_bytes() == bytes([40]) * 100
+        record.clear_folder(step)
+        record.upload(str(src), step)
+        record.register(step)
+    run_dir = tmp_path / "train-x"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000000030", "checkpoint_000000040", RECORD_FILE]
+    # a partial folder of step 50 (no record of it) is not what a new record reads as newest
+    (run_dir / "checkpoint_000000050").mkdir()
+    (run_dir / "checkpoint_000000050" / "partial").write_text("cut short")
+    again = CheckpointRecord(CheckpointPlace(str(tmp_path), "train-x", keep=2))
+    assert [e["step"] for e in again.newest_first()] == [40, 30]
+    assert (Path(again.path_of(again.entries[-1])) / "sub" / "state.bin").read_bytes() == bytes([40]) * 100
+    again.clear_folder(50)
+    assert list((run_dir / "checkpoint_000000050").iterdir()) == []
+    again.keep_only_newest()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000000040", RECORD_FILE]
+    assert [e["step"] for e in CheckpointRecord(again.place).entries] == [40]
