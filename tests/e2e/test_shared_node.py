@@ -29,6 +29,8 @@ def _start(work: Path, artifact_root: str, gcs: str, lr: str, steps: int, *extra
     cmd = [sys.executable, "-m", "jobs.run", "configs/smoke.yaml", f"run.workdir={work}",
            f"run.artifact_root={artifact_root}", f"checkpoint.storage={work / 'checkpoints'}",
            "parallel.num_workers=1", f"train.steps={steps}", f"optimizer.lr={lr}", "validation.every=0",
+           # what is tested is the CPUs each run holds: no timing of precision and compile before training
+           "train.precision=fp32", "train.compile=false",
            "tracking.system_metrics_every_s=0", *extra, "--only", "train"]
     with open(work / "driver.log", "w") as log:
         return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": gcs}, stdout=log,
