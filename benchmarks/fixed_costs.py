@@ -425,7 +425,7 @@ def data_root() -> Path:
 
 def one_side(tree: Path, name: str, flags: list[str], out: Path) -> dict:
     """This script, as ``tree`` has it after `against` copied it there, run on ``tree``'s code; its result."""
-    # PYTHONPATH: Ray's workers import ``pipeline`` for their setup hook (pipeline.internals.quiet_ray_worker) before they get
+    # PYTHONPATH: Ray's workers import ``pipeline`` for their setup hook (pipeline.compat.quiet_ray_worker) before they get
     # the driver's sys.path, so without it they would take the checkout the shared .venv installs, not ``tree``.
     subprocess.run([sys.executable, str(tree / "benchmarks" / "fixed_costs.py"), *flags, "--name", name], cwd=tree,
                    check=True, env={**os.environ, "PYTHONPATH": str(tree), "CONDUIT_DATA_ROOT": str(data_root())})

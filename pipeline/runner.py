@@ -64,8 +64,8 @@ def worker_env() -> dict[str, str]:
 
 def ray_runtime_env() -> dict:
     """The runtime_env of the driver's ``ray.init``: ``worker_env()`` and the hook that quiets Ray's
-    own noise in each worker process (``pipeline.internals.quiet_ray_worker``)."""
-    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.internals.quiet_ray_worker"}
+    own noise in each worker process (``pipeline.compat.quiet_ray_worker``)."""
+    return {"env_vars": worker_env(), "worker_process_setup_hook": "pipeline.compat.quiet_ray_worker"}
 
 
 def connect_ray(cfg: RunConfig) -> bool:

@@ -140,8 +140,8 @@ def _send_creates_once() -> None:
     """Make MLflow's HTTP sessions (those it makes from now on, and its cached ones as they are handed out) use
     ``_CreatesOnce``. MLflow's policy retries every method after a reset or a read timeout, POSTs included,
     so a create whose answer was lost is made twice before any Conduit code sees an error. MLflow's private
-    ``request_utils`` (``pipeline.internals``: no public API does this)."""
-    from pipeline.internals import require
+    ``request_utils`` (``pipeline.compat``: no public API does this)."""
+    from pipeline.compat import require
 
     require("mlflow", "sending each MLflow create once")
     from mlflow.utils import request_utils

@@ -24,9 +24,9 @@ def test_importing_the_stages_and_the_served_model_prints_no_warning():
 def test_the_ray_worker_hook_drops_only_the_state_api_noise():
     import logging
 
-    from pipeline import internals
+    from pipeline import compat
 
-    logger = logging.getLogger(internals.PLACEMENT_GROUP_CLEANER_LOGGER)
+    logger = logging.getLogger(compat.PLACEMENT_GROUP_CLEANER_LOGGER)
     seen: list[str] = []
 
     class Keep(logging.Handler):
@@ -37,7 +37,7 @@ def test_the_ray_worker_hook_drops_only_the_state_api_noise():
     logger.addHandler(handler)
     before = list(logger.filters)
     try:
-        internals.quiet_ray_worker()
+        compat.quiet_ray_worker()
         logger.warning("Failed to query Ray Train Controller actor state. State API may be temporarily "
                        "unavailable. Continuing to monitor.")
         logger.warning("Detected that the Ray Train controller actor (abc) is dead. Cleaning up placement group")
@@ -48,4 +48,4 @@ def test_the_ray_worker_hook_drops_only_the_state_api_noise():
     # Ray imports the hook by this name in each worker.
     from pipeline.runner import ray_runtime_env
 
-    assert ray_runtime_env()["worker_process_setup_hook"] == "pipeline.internals.quiet_ray_worker"
+    assert ray_runtime_env()["worker_process_setup_hook"] == "pipeline.compat.quiet_ray_worker"

@@ -149,7 +149,7 @@ def connect(address: str | None) -> tuple[str, bool]:
 
 def serve_log_dir() -> str:
     """Where this process's Ray keeps Serve's logs (the replicas' access logs among them)."""
-    from pipeline.internals import ray_node_of_this_process
+    from pipeline.compat import ray_node_of_this_process
 
     node = ray_node_of_this_process()
     base = node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"

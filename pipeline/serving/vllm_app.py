@@ -102,7 +102,7 @@ def build_app(t: VllmTarget):
     from ray import serve
     from ray.serve.llm import build_llm_deployment
 
-    from pipeline.internals import serve_llm_model_metadata
+    from pipeline.compat import serve_llm_model_metadata
 
     from pipeline.serving.vllm_ingress import ingress_class
 

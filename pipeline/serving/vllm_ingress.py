@@ -35,7 +35,7 @@ from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.responses import JSONResponse, Response
 
-from pipeline.internals import serve_llm_ingress_app, serve_llm_request_models
+from pipeline.compat import serve_llm_ingress_app, serve_llm_request_models
 from pipeline.serving.openai_api import VERSION_HEADER, ApiError
 
 CallbackBase, ChatCompletionRequest, CompletionRequest = serve_llm_request_models()

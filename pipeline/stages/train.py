@@ -193,7 +193,7 @@ def free_cpus_by_node(settle_s: float = 0.5) -> list[float]:
 
     import ray
 
-    from pipeline.internals import free_resources_by_node
+    from pipeline.compat import free_resources_by_node
 
     def read() -> dict[str, float]:
         return {node: r.get("CPU", 0.0) for node, r in free_resources_by_node().items()}

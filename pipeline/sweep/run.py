@@ -42,7 +42,7 @@ from pipeline.runner import ORDER, Nesting, connect_ray, make_plan, resolve, run
 from pipeline.sweep import ranking
 from pipeline.sweep.spec import SweepSpec
 from pipeline.training.device import worker_cpus
-from pipeline import internals
+from pipeline import compat
 from pipeline.training.ray_train import reap_orphaned_placement_groups
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
@@ -281,7 +281,7 @@ def run_sweep(spec: SweepSpec, echo: Callable[[str], None] = print) -> SweepResu
         trial_fn = tune.with_parameters(_trial, trials=trials, sweep_run_id=sweep_run, uri=uri, experiment_id=exp_id,
                                         metric=spec.metric, sweep_name=spec.name,
                                         checkpoint_steps=tuple(spec.rungs) if spec.scheduler == "sha" else ())
-        internals.mix_into_function_trainable(trial_fn, EndStagesOnStop)
+        compat.mix_into_function_trainable(trial_fn, EndStagesOnStop)
         trainable = tune.with_resources(trial_fn, {"cpu": 0, "memory": 2**20})
         # (no CPU: its train stage's workers hold those; Tune needs a non-empty bundle)
         storage = str(base.workdir() / "sweeps")

@@ -26,7 +26,7 @@ def trainer_class():
     """``ray.train.torch.TorchTrainer`` without the two helper actors above (the module's docstring)."""
     from ray.train.torch import TorchTrainer
 
-    from pipeline.internals import ray_train_helper_callbacks
+    from pipeline.compat import ray_train_helper_callbacks
 
     PlacementGroupCleanerCallback, DatasetsCallback = ray_train_helper_callbacks()
 
@@ -81,7 +81,7 @@ def reap_orphaned_placement_groups() -> list[str]:
     task and its controller along; a node or task failure does the same) leaves its group holding CPUs
     until the driver exits, and the next training waits for CPUs that never come back. Nothing else can
     use such a group (its creator is gone), so it goes. Reads GCS's placement group table
-    (``pipeline.internals.placement_groups_of_dead_actors``: the public listing has no creator).
+    (``pipeline.compat.placement_groups_of_dead_actors``: the public listing has no creator).
 
     Returns:
         The ids of the groups removed.
@@ -89,7 +89,7 @@ def reap_orphaned_placement_groups() -> list[str]:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from pipeline.internals import placement_groups_of_dead_actors
+    from pipeline.compat import placement_groups_of_dead_actors
 
     removed = []
     for pg, creator_class in placement_groups_of_dead_actors(ray.get_runtime_context().get_job_id()):

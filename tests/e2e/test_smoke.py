@@ -23,7 +23,7 @@ import pytest
 from models.accounting import flops_per_token
 from pipeline import tracking
 from pipeline.config import load_config
-from pipeline.internals import STATE_API_NOISE
+from pipeline.compat import STATE_API_NOISE
 from pipeline.runner import ORDER, PipelineResult, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_the_terminal_shows_stages_live_progress_and_a_summary_and_the_log_the_r
     assert log.parent == cfg.workdir() / "logs"
     logged = log.read_text(encoding="utf-8")
     assert "(RayTrainWorker pid=" in logged and "Started a local Ray instance" not in logged  # the session's Ray
-    assert STATE_API_NOISE not in logged  # a line per second of training without pipeline.internals' filter
+    assert STATE_API_NOISE not in logged  # a line per second of training without pipeline.compat' filter
     # The live status, redrawn in place: training's step and loss from rank 0's MLflow metrics.
     statuses = [s for s in raw.split("\r\x1b[K") if s.startswith("train: ")]
     assert any(re.search(rf"step \d+/{cfg.train.steps}, loss \d", s) for s in statuses), statuses[-5:]

@@ -29,7 +29,7 @@ from pipeline.console import describe
 from pipeline.runner import make_plan, resolve
 from pipeline.store.contracts import read_train_precision, read_train_starts
 from pipeline.stages import STAGES
-from pipeline.internals import ray_node_of_this_process
+from pipeline.compat import ray_node_of_this_process
 from pipeline.stages.train import CHECKPOINT_BYTES_PER_PARAM, CHECKPOINT_FIXED_BYTES, checkpoint_place
 from pipeline.training.checkpoint.record import RECORD_FILE
 from pipeline.store.backends import store_for

@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline import tracking
-from pipeline.internals import ray_node_of_this_process
+from pipeline.compat import ray_node_of_this_process
 from pipeline.config import config_from_dict, load_config
 from pipeline.runner import run_pipeline
 from pipeline.store.contracts import read_train_starts

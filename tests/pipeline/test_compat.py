@@ -1,4 +1,4 @@
-"""Private APIs of Ray and MLflow: reached only through ``pipeline.internals``, and only on the versions its
+"""Private APIs of Ray and MLflow: reached only through ``pipeline.compat``, and only on the versions its
 uses were checked against; on any other, one error that names the library, both versions and the use."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import internals
+from pipeline import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 PRIVATE = ("._private", "._internal", "__mixins__")
@@ -29,33 +29,33 @@ def private_uses(path: Path) -> list[str]:
     return found
 
 
-def test_no_module_but_internals_reaches_a_private_api():
+def test_no_module_but_compat_reaches_a_private_api():
     sources = [p for pkg in ("pipeline", "jobs", "models") for p in sorted((ROOT / pkg).rglob("*.py"))]
-    offenders = [u for p in sources if p != ROOT / "pipeline" / "internals.py" for u in private_uses(p)]
+    offenders = [u for p in sources if p != ROOT / "pipeline" / "compat.py" for u in private_uses(p)]
     assert offenders == []
 
 
 def test_the_installed_versions_are_those_the_uses_were_checked_against():
     for distribution in ("ray", "mlflow"):
-        internals.require(distribution, "a test")  # no UntestedVersion here: pyproject.toml pins these
-    assert importlib.metadata.version("ray") in internals.TESTED["ray"]
+        compat.require(distribution, "a test")  # no UntestedVersion here: pyproject.toml pins these
+    assert importlib.metadata.version("ray") in compat.TESTED["ray"]
 
 
 def test_another_version_is_refused_naming_the_library_both_versions_and_the_use(monkeypatch):
-    monkeypatch.setattr(internals, "_version", lambda distribution: "9.9.9")
-    with pytest.raises(internals.UntestedVersion) as e:
-        internals.free_resources_by_node()
+    monkeypatch.setattr(compat, "_version", lambda distribution: "9.9.9")
+    with pytest.raises(compat.UntestedVersion) as e:
+        compat.free_resources_by_node()
     assert str(e.value) == (
         "reading each node's free CPUs uses a private API of ray, checked against ray 2.60.0; ray 9.9.9 is "
         "installed. Install ray==2.60.0 (pyproject.toml), or check this use against 9.9.9 in "
-        "pipeline/internals.py and add the version to its TESTED")
+        "pipeline/compat.py and add the version to its TESTED")
 
 
 def test_mlflow_skinny_stands_in_for_mlflow_where_only_it_is_installed(monkeypatch):
     """vLLM's environment has mlflow-skinny, not mlflow: the check reads that one."""
-    versions = {"mlflow-skinny": internals.TESTED["mlflow-skinny"][0]}
-    monkeypatch.setattr(internals, "_version", versions.get)
-    internals.require("mlflow", "a test")
+    versions = {"mlflow-skinny": compat.TESTED["mlflow-skinny"][0]}
+    monkeypatch.setattr(compat, "_version", versions.get)
+    compat.require("mlflow", "a test")
     versions["mlflow-skinny"] = "1.0"
-    with pytest.raises(internals.UntestedVersion, match="private API of mlflow-skinny, checked against "):
-        internals.require("mlflow", "a test")
+    with pytest.raises(compat.UntestedVersion, match="private API of mlflow-skinny, checked against "):
+        compat.require("mlflow", "a test")

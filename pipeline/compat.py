@@ -41,7 +41,7 @@ def require(distribution: str, what: str) -> None:
             f"{what} uses a private API of {distribution}, checked against {distribution} "
             f"{' / '.join(TESTED[distribution])}; {distribution} {installed} is installed. Install "
             f"{distribution}=={TESTED[distribution][-1]} (pyproject.toml), or check this use against {installed} "
-            "in pipeline/internals.py and add the version to its TESTED")
+            "in pipeline/compat.py and add the version to its TESTED")
 
 
 def _version(distribution: str) -> str | None:
